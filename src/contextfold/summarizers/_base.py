@@ -1,0 +1,73 @@
+"""The ``Summarizer`` protocol, its result, and a function-backed summarizer."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .._episodes import Usage
+from .._messages import Message
+
+__all__ = ["FunctionSummarizer", "Summarizer", "Summary"]
+
+
+class Summary(BaseModel):
+    """A summary and what producing it cost."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    text: str
+    model: str
+    usage: Usage = Field(default_factory=Usage)
+    degraded: bool = False
+    """True when a fallback produced it because the configured summarizer failed."""
+
+
+@runtime_checkable
+class Summarizer(Protocol):
+    """Folds newly dropped messages into the previous summary."""
+
+    async def summarize(
+        self,
+        messages: Sequence[Message],
+        *,
+        previous_summary: str | None,
+        max_summary_tokens: int,
+    ) -> Summary:
+        """The next summary: ``previous_summary`` updated with ``messages``.
+
+        Only the newly dropped messages are passed, so no original message is
+        summarized twice.
+        """
+        ...
+
+
+SummarizeFn = Callable[[Sequence[Message], str | None, int], Awaitable[Summary | str]]
+
+
+class FunctionSummarizer:
+    """A summarizer backed by any async callable ``fn(messages, previous_summary, max_tokens)``.
+
+    Records every call in ``calls`` so tests can assert exactly what was sent.
+    ``fn`` may return a ``Summary`` or a plain string.
+    """
+
+    def __init__(self, fn: SummarizeFn, *, model: str = "function") -> None:
+        self.fn = fn
+        self.model = model
+        self.calls: list[tuple[tuple[Message, ...], str | None, int]] = []
+
+    async def summarize(
+        self,
+        messages: Sequence[Message],
+        *,
+        previous_summary: str | None,
+        max_summary_tokens: int,
+    ) -> Summary:
+        self.calls.append((tuple(messages), previous_summary, max_summary_tokens))
+        result = await self.fn(messages, previous_summary, max_summary_tokens)
+        if isinstance(result, Summary):
+            return result
+        return Summary(text=result, model=self.model)
