@@ -1,11 +1,47 @@
-"""Storage backends: the two protocols and their implementations."""
+"""Storage backends: the two protocols and their implementations.
+
+``PostgresStore`` needs the optional ``contextfold[postgres]`` extra; its
+module (and psycopg) is imported only when the name is first looked up.
+"""
+
+from typing import TYPE_CHECKING, Any
 
 from ._base import ContextWindow, EpisodicStore, ShortTermStore, StoredMessage, ThreadStats
+from ._memory import MemoryStore
+from ._sqlite import SQLiteStore
+
+if TYPE_CHECKING:
+    from ._postgres import PostgresStore
 
 __all__ = [
     "ContextWindow",
     "EpisodicStore",
+    "MemoryStore",
+    "PostgresStore",
+    "SQLiteStore",
     "ShortTermStore",
     "StoredMessage",
     "ThreadStats",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name != "PostgresStore":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        from ._postgres import PostgresStore
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("psycopg", "psycopg_pool"):
+            raise
+        missing = exc.name
+
+        # A star import of this package looks the name up too, so a missing extra
+        # surfaces when the store is created rather than when contextfold is imported.
+        class PostgresStore:  # type: ignore[no-redef]
+            def __init__(self, *args: object, **options: object) -> None:
+                raise ImportError(
+                    f"PostgresStore needs {missing}, which is not installed; "
+                    "install the extra with: pip install 'contextfold[postgres]'"
+                )
+
+    return PostgresStore

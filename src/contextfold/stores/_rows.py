@@ -1,0 +1,259 @@
+"""What every backend shares: input checks, row encoding, windows and pressure counters.
+
+Backends store messages and episodes as the JSON their pydantic models dump,
+and read them back through the same models, so a row that no longer parses is
+reported as a :class:`StoreError` naming its thread and seq instead of leaking
+a validation error. The pressure counters are plain arithmetic over episodes:
+a backend keeps one :class:`PressureCounters` per thread, updated in the same
+transaction as the episode it counts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any, get_args
+
+from pydantic import TypeAdapter, ValidationError
+from pydantic_core import PydanticSerializationError
+
+from .._episodes import (
+    Episode,
+    ManualRecoveryBoundary,
+    RunCompletedEpisode,
+    SummaryCheckpoint,
+    UserMessageEpisode,
+)
+from .._errors import ConfigError, InvalidMessageError, StoreError
+from .._messages import Message
+from .._policy import EpisodicCompactionPressure
+from ._base import StoredMessage
+
+__all__ = [
+    "BOUNDARY_KINDS",
+    "EPISODE_ADAPTER",
+    "PressureCounters",
+    "Window",
+    "check_from_seq",
+    "check_max_tokens",
+    "check_replace",
+    "check_thread",
+    "decode_episode",
+    "decode_message",
+    "encode_episode",
+    "encode_messages",
+    "utc",
+    "whole_days",
+]
+
+EPISODE_ADAPTER: TypeAdapter[Episode] = TypeAdapter(Episode)
+_EPISODE_TYPES: tuple[type, ...] = get_args(get_args(Episode)[0])
+
+BOUNDARY_KINDS = frozenset({"summary_checkpoint", "manual_recovery"})
+"""Episode kinds that start a new pressure measurement."""
+
+
+def _whole_number(key: str, value: Any, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(key, f"must be a whole number >= {minimum}", value=value)
+    return value
+
+
+def check_thread(thread: Any) -> str:
+    """``thread`` itself, once known to be a non-empty string."""
+    if not isinstance(thread, str) or not thread:
+        raise ConfigError("thread", "must be a non-empty string naming the conversation", value=thread)
+    return thread
+
+
+def check_max_tokens(max_tokens: Any) -> int | None:
+    if max_tokens is None:
+        return None
+    return _whole_number("max_tokens", max_tokens, minimum=0)
+
+
+def encode_messages(
+    messages: Sequence[Message], tokens: Sequence[int], *, field: str = "messages"
+) -> list[tuple[str, int]]:
+    """Each message's JSON with its token count, checked to read back before anything is written."""
+    if isinstance(messages, Message | str) or not isinstance(messages, Sequence):
+        raise ConfigError(field, "must be a sequence of Message objects", value=messages)
+    if not isinstance(tokens, Sequence) or isinstance(tokens, str):
+        raise ConfigError("tokens", f"must be a sequence of token counts, one per item of {field}")
+    if len(tokens) != len(messages):
+        raise ConfigError(
+            "tokens",
+            f"needs one count per message: got {len(tokens)} counts for {len(messages)} {field}",
+        )
+    rows: list[tuple[str, int]] = []
+    for index, (message, count) in enumerate(zip(messages, tokens, strict=True)):
+        where = f"{field}[{index}]"
+        if not isinstance(message, Message):
+            raise InvalidMessageError(
+                where, f"must be a Message, got {type(message).__name__}; build one with Message.user(...)"
+            )
+        _whole_number(f"tokens[{index}]", count, minimum=0)
+        try:
+            body = message.model_dump_json()
+            Message.model_validate_json(body)
+        except (ValidationError, PydanticSerializationError) as exc:
+            raise InvalidMessageError(where, _first_error(exc)) from None
+        rows.append((body, count))
+    return rows
+
+
+def check_from_seq(from_seq: Any) -> int:
+    return _whole_number("from_seq", from_seq, minimum=0)
+
+
+def check_replace(through_seq: Any, expected_version: Any) -> None:
+    _whole_number("through_seq", through_seq, minimum=1)
+    _whole_number("expected_version", expected_version, minimum=0)
+
+
+def encode_episode(episode: Episode) -> str:
+    """The episode's JSON, checked to read back as the same kind of episode."""
+    if not isinstance(episode, _EPISODE_TYPES):
+        names = ", ".join(kind.__name__ for kind in _EPISODE_TYPES)
+        raise InvalidMessageError("episode", f"must be one of {names}, got {type(episode).__name__}")
+    try:
+        body = episode.model_dump_json()
+        EPISODE_ADAPTER.validate_json(body)
+    except (ValidationError, PydanticSerializationError) as exc:
+        raise InvalidMessageError("episode", _first_error(exc)) from None
+    return body
+
+
+def decode_message(thread: str, seq: int, body: str | bytes) -> Message:
+    try:
+        return Message.model_validate_json(body)
+    except ValidationError as exc:
+        raise StoreError(
+            f"thread {thread!r}: short-term message seq {seq} is corrupt and cannot be read "
+            f"({_first_error(exc)}); restore the row from a backup or compact past it"
+        ) from exc
+
+
+def decode_episode(thread: str, seq: int, body: str | bytes) -> Episode:
+    try:
+        return EPISODE_ADAPTER.validate_json(body)
+    except ValidationError as exc:
+        raise StoreError(
+            f"thread {thread!r}: episode seq {seq} is corrupt and cannot be read ({_first_error(exc)}); "
+            "the log is append-only, so restore the database from a backup"
+        ) from exc
+
+
+def _first_error(exc: ValidationError | PydanticSerializationError) -> str:
+    if isinstance(exc, PydanticSerializationError):
+        return str(exc)
+    first = exc.errors()[0]
+    loc = ".".join(str(part) for part in first["loc"])
+    return f"{loc}: {first['msg']}" if loc else first["msg"]
+
+
+def utc(value: datetime | None, key: str) -> datetime:
+    """``value`` (now when ``None``) as an aware UTC datetime; a naive one is rejected."""
+    if value is None:
+        return datetime.now(UTC)
+    if not isinstance(value, datetime) or value.utcoffset() is None:
+        raise ConfigError(
+            key, "must be a timezone-aware datetime, for example datetime.now(UTC)", value=value
+        )
+    return value.astimezone(UTC)
+
+
+def whole_days(first: datetime | None, now: datetime) -> int:
+    """Whole days from ``first`` to ``now`` (0 without a first episode or when ``now`` is earlier)."""
+    if first is None:
+        return 0
+    return max(0, math.floor((now - first).total_seconds() / 86_400))
+
+
+@dataclass(frozen=True, slots=True)
+class PressureCounters:
+    """A thread's episodic counters, maintained per episode so ``pressure`` never scans the log."""
+
+    last_seq: int = 0
+    total_user_messages: int = 0
+    user_messages_since_boundary: int = 0
+    run_completed_since_boundary: int = 0
+    user_messages_after_latest_run_completed: int = 0
+    boundary_seq: int | None = None
+    """Seq of the newest summary checkpoint or manual-recovery boundary."""
+    first_at: datetime | None = None
+
+    def after(self, episode: Episode, at: datetime) -> PressureCounters:
+        """The counters once ``episode`` is recorded at ``at`` with seq ``last_seq + 1``."""
+        seq = self.last_seq + 1
+        new = replace(self, last_seq=seq, first_at=self.first_at or at)
+        if isinstance(episode, UserMessageEpisode):
+            return replace(
+                new,
+                total_user_messages=new.total_user_messages + 1,
+                user_messages_since_boundary=new.user_messages_since_boundary + 1,
+                user_messages_after_latest_run_completed=new.user_messages_after_latest_run_completed + 1,
+            )
+        if isinstance(episode, RunCompletedEpisode) and episode.clean:
+            return replace(
+                new,
+                run_completed_since_boundary=new.run_completed_since_boundary + 1,
+                user_messages_after_latest_run_completed=0,
+            )
+        if isinstance(episode, SummaryCheckpoint | ManualRecoveryBoundary):
+            return replace(
+                new,
+                user_messages_since_boundary=0,
+                run_completed_since_boundary=0,
+                user_messages_after_latest_run_completed=0,
+                boundary_seq=seq,
+            )
+        return new
+
+    def pressure(
+        self, now: datetime, estimated_context_tokens: int | None
+    ) -> EpisodicCompactionPressure:
+        return EpisodicCompactionPressure(
+            estimated_context_tokens=estimated_context_tokens,
+            user_messages_since_boundary=self.user_messages_since_boundary,
+            run_completed_since_boundary=self.run_completed_since_boundary,
+            user_messages_after_latest_run_completed=self.user_messages_after_latest_run_completed,
+            conversation_age_days=whole_days(self.first_at, now),
+            total_user_messages=self.total_user_messages,
+        )
+
+
+class Window:
+    """Collects a thread's messages newest first until the token budget is spent.
+
+    A backend feeds rows in batches and stops asking for more as soon as
+    :meth:`offer` says the window is full, so a windowed load reads only the
+    rows near the limit, however long the thread is.
+    """
+
+    def __init__(self, thread: str, max_tokens: int | None) -> None:
+        self.thread = thread
+        self._left = max_tokens
+        self._rows: list[tuple[int, int, str | bytes]] = []
+        self.full = False
+
+    def offer(self, seq: int, tokens: int, body: str | bytes) -> bool:
+        """Take one older row if it fits; ``False`` once the budget is spent (take no more)."""
+        if self.full:
+            return False
+        if self._left is not None:
+            if tokens > self._left:
+                self.full = True
+                return False
+            self._left -= tokens
+        self._rows.append((seq, tokens, body))
+        return True
+
+    def messages(self) -> tuple[StoredMessage, ...]:
+        """The taken rows, oldest first, parsed."""
+        return tuple(
+            StoredMessage(seq=seq, tokens=tokens, message=decode_message(self.thread, seq, body))
+            for seq, tokens, body in reversed(self._rows)
+        )
