@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ._errors import ConfigError
 from ._messages import Role
@@ -27,6 +27,8 @@ __all__ = [
 WINDOW_MULTIPLE_OF_TRIGGER = 4
 """How many trigger budgets of history compaction loads and can summarize."""
 
+DEFAULT_MAX_SUMMARY_TOKENS = 1024
+
 CompactionMode = Literal["summarize", "drop", "mask"]
 OnSummarizerError = Literal["raise", "skip", "fallback"]
 
@@ -42,20 +44,27 @@ class _Options(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            inner = first.get("ctx", {}).get("error")
-            if isinstance(inner, ConfigError):  # a nested option's own, already precise, error
-                raise inner from None
-            key = ".".join(str(part) for part in first["loc"]) or type(self).__name__
-            raise ConfigError(
-                f"{self._key_prefix}{key}",
-                first["msg"].removeprefix("Value error, "),
-                value=first.get("input"),
-            ) from None
+            raise _config_error(exc, self._key_prefix) from None
+
+    @model_validator(mode="after")
+    def _check_together(self) -> Self:
+        # An after-validator also runs when the options are nested in other options.
         self._check()
+        return self
 
     def _check(self) -> None:
         """Cross-field rules; raise ``ConfigError``."""
+
+
+def _config_error(exc: ValidationError, prefix: str) -> ConfigError:
+    first = exc.errors()[0]
+    path = ".".join([prefix, *(str(part) for part in first["loc"])] if prefix else map(str, first["loc"]))
+    inner = first.get("ctx", {}).get("error")
+    if isinstance(inner, ConfigError):  # raised by our own rules, already precise
+        return inner.under(path)
+    return ConfigError(
+        path or "options", first["msg"].removeprefix("Value error, "), value=first.get("input")
+    )
 
 
 class SummarizeOptions(_Options):
@@ -65,21 +74,34 @@ class SummarizeOptions(_Options):
     ``trigger_token_budget`` tokens (or the optional episodic policy fires),
     then keeps the newest whole turns that fit ``target_tokens`` — never fewer
     than ``keep_recent_messages`` messages or ``min_recent_turns`` turns — and
-    folds the rest into the summary.
+    folds the rest into the summary. ``max_summary_tokens`` defaults to 1024
+    or half the target, whichever is smaller.
     """
 
-    _key_prefix: ClassVar[str] = "compaction."
+    _key_prefix: ClassVar[str] = "compaction"
 
     trigger_token_budget: int = Field(strict=True)
     keep_recent_messages: int = Field(default=8, ge=0, strict=True)
     target_tokens: int | None = Field(default=None, gt=0, strict=True)
     min_recent_turns: int = Field(default=2, ge=0, strict=True)
-    max_summary_tokens: int = Field(default=1024, gt=0, strict=True)
+    max_summary_tokens: int = Field(default=DEFAULT_MAX_SUMMARY_TOKENS, gt=0, strict=True)
     mode: CompactionMode = "summarize"
     episodic: EpisodicCompactionConfig | None = None
     summary_role: Role = Role.USER
     on_summarizer_error: OnSummarizerError = "fallback"
     max_tool_output_tokens: int | None = Field(default=None, gt=0, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_summary_size(cls, data: Any) -> Any:
+        # A fixed default would reject every small budget over a key the caller never set.
+        if isinstance(data, dict) and "max_summary_tokens" not in data:
+            budget, target = data.get("trigger_token_budget"), data.get("target_tokens")
+            if type(target) is not int:
+                target = budget // 2 if type(budget) is int else None
+            if target is not None and target >= 2:
+                data = {**data, "max_summary_tokens": min(DEFAULT_MAX_SUMMARY_TOKENS, target // 2)}
+        return data
 
     def _check(self) -> None:
         budget = self.trigger_token_budget
@@ -102,6 +124,14 @@ class SummarizeOptions(_Options):
                 f"must be below trigger_token_budget={budget}, or every step would compact "
                 f"again; use at most {budget - 1} (default: half the budget)",
                 value=self.target_tokens,
+            )
+        if self.effective_target_tokens < 2:
+            key = "target_tokens" if self.target_tokens is not None else "trigger_token_budget"
+            raise ConfigError(
+                f"compaction.{key}",
+                "leaves no room for a summary below the target; use a trigger_token_budget of at "
+                "least 4 (the target defaults to half of it) or a target_tokens of at least 2",
+                value=getattr(self, key),
             )
         if self.max_summary_tokens >= self.effective_target_tokens:
             raise ConfigError(
@@ -155,7 +185,6 @@ class RunOptions(_Options):
         opts = self.compaction
         if opts is None:
             return
-        opts._check()  # a nested model built from a mapping skipped its own __init__
         window = opts.window_tokens
         if window < self.max_history_tokens:
             minimum = -(-self.max_history_tokens // WINDOW_MULTIPLE_OF_TRIGGER)

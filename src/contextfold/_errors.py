@@ -42,8 +42,15 @@ class ConfigError(ContextfoldError, ValueError):
         self.key = key
         self.reason = reason
         self.value = None if value is _MISSING else value
+        self._given = value
         shown = "" if value is _MISSING else f"={value!r}"
         super().__init__(f"{key}{shown}: {reason}")
+
+    def under(self, prefix: str) -> ConfigError:
+        """The same error with its key placed under ``prefix`` (a nested option's path)."""
+        if not prefix or self.key == prefix or self.key.startswith(f"{prefix}."):
+            return self
+        return ConfigError(f"{prefix}.{self.key}", self.reason, value=self._given)
 
 
 class InvalidMessageError(ContextfoldError, ValueError):

@@ -46,10 +46,51 @@ class Role(StrEnum):
     TOOL = "tool"
 
 
-class ToolCall(BaseModel):
-    """One tool invocation requested by the assistant; ``arguments`` is a JSON text."""
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list", "tuple"})
+
+
+def _field_of(loc: Sequence[int | str]) -> str:
+    """A dotted field path from a pydantic error location, without its union-member tags."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier() and part not in _TYPE_TAGS:
+            path += f".{part}" if path else part
+    return path
+
+
+def _invalid(exc: ValidationError) -> InvalidMessageError:
+    errors = exc.errors()
+    first = errors[0]
+    inner = first.get("ctx", {}).get("error")
+    if isinstance(inner, InvalidMessageError):  # raised by a model validator, already precise
+        return inner
+    # A union (``content``) fails once per member; the deepest location is the informative one.
+    deepest = max(errors, key=lambda e: len(e["loc"]))
+    field = _field_of(deepest["loc"])
+    reason = deepest["msg"].removeprefix("Value error, ")
+    if field == "content" and len(errors) > 1:
+        reason = (
+            f"must be a string, a list of content-part objects or null, got {type(first['input']).__name__}"
+        )
+    return InvalidMessageError(field or "message", reason)
+
+
+class _Validated(BaseModel):
+    """A frozen model whose validation failures surface as ``InvalidMessageError``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise _invalid(exc) from None
+
+
+class ToolCall(_Validated):
+    """One tool invocation requested by the assistant; ``arguments`` is a JSON text."""
 
     id: str = Field(min_length=1)
     name: str = Field(min_length=1)
@@ -69,10 +110,8 @@ class ToolCall(BaseModel):
         return json.loads(self.arguments)
 
 
-class Message(BaseModel):
+class Message(_Validated):
     """One message of a conversation."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     role: Role
     content: str | list[JsonDict] | None = ""
@@ -84,14 +123,18 @@ class Message(BaseModel):
     @model_validator(mode="after")
     def _check_role_fields(self) -> Message:
         if self.role is Role.TOOL and not self.tool_call_id:
-            raise ValueError("tool_call_id: a tool message must name the call it answers")
+            raise InvalidMessageError("tool_call_id", "a tool message must name the call it answers")
         if self.role is not Role.TOOL and self.tool_call_id is not None:
-            raise ValueError(f"tool_call_id: only tool messages answer a call, not {self.role}")
+            raise InvalidMessageError(
+                "tool_call_id", f"only tool messages answer a call, not {self.role.value} messages"
+            )
         if self.tool_calls and self.role is not Role.ASSISTANT:
-            raise ValueError(f"tool_calls: only assistant messages call tools, not {self.role}")
+            raise InvalidMessageError(
+                "tool_calls", f"only assistant messages call tools, not {self.role.value} messages"
+            )
         ids = [call.id for call in self.tool_calls]
         if len(set(ids)) != len(ids):
-            raise ValueError(f"tool_calls: call ids must be unique, got {ids}")
+            raise InvalidMessageError("tool_calls", f"call ids must be unique within a message, got {ids}")
         return self
 
     @classmethod
@@ -119,9 +162,7 @@ class Message(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(
-            str(part.get("text", "")) for part in self.content if part.get("type") == "text"
-        )
+        return "\n".join(str(part.get("text", "")) for part in self.content if part.get("type") == "text")
 
     @property
     def is_summary(self) -> bool:
@@ -129,14 +170,27 @@ class Message(BaseModel):
         return bool(self.metadata.get(SUMMARY_METADATA_KEY))
 
 
-def _build(field: str, **data: Any) -> Message:
+def _build(
+    field: str,
+    role: Any,
+    content: Any,
+    *,
+    tool_calls: tuple[ToolCall, ...] = (),
+    tool_call_id: Any = None,
+    name: Any = None,
+    metadata: JsonDict | None = None,
+) -> Message:
     try:
-        return Message(**data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"])
-        where = f"{field}.{loc}" if loc else field
-        raise InvalidMessageError(where, first["msg"].removeprefix("Value error, ")) from None
+        return Message(
+            role=role,
+            content=content,
+            tool_calls=tool_calls,
+            tool_call_id=tool_call_id,
+            name=name,
+            metadata=metadata or {},
+        )
+    except InvalidMessageError as exc:
+        raise InvalidMessageError(f"{field}.{exc.field}", exc.reason) from None
 
 
 def _require(payload: Mapping[str, Any], key: str, field: str) -> Any:
@@ -145,14 +199,31 @@ def _require(payload: Mapping[str, Any], key: str, field: str) -> Any:
     return payload[key]
 
 
+def _mapping(value: Any, field: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise InvalidMessageError(field, f"must be an object, got {type(value).__name__}")
+    return value
+
+
 # OpenAI Chat Completions ---------------------------------------------------
+
+_OPENAI_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
+_OPENAI_EXTRA_KEY = "openai"
+_OPENAI_ROLE_KEY = "openai.role"
 
 
 def to_openai(messages: Iterable[Message]) -> list[JsonDict]:
-    """Render messages as OpenAI Chat Completions ``messages``."""
+    """Render messages as OpenAI Chat Completions ``messages``.
+
+    Keys of a parsed message that contextfold does not model (``refusal``,
+    ``audio``, ...) and the ``developer`` role are restored from ``metadata``.
+    """
     out: list[JsonDict] = []
     for message in messages:
-        item: JsonDict = {"role": message.role.value, "content": message.content}
+        role = message.role.value
+        if message.role is Role.SYSTEM and message.metadata.get(_OPENAI_ROLE_KEY) == "developer":
+            role = "developer"
+        item: JsonDict = {"role": role, "content": message.content}
         if message.name is not None:
             item["name"] = message.name
         if message.tool_calls:
@@ -166,60 +237,54 @@ def to_openai(messages: Iterable[Message]) -> list[JsonDict]:
             ]
         if message.tool_call_id is not None:
             item["tool_call_id"] = message.tool_call_id
+        extra = message.metadata.get(_OPENAI_EXTRA_KEY)
+        if isinstance(extra, Mapping):
+            item.update((key, value) for key, value in extra.items() if key not in item)
         out.append(item)
     return out
+
+
+def _openai_call(raw: Any, field: str) -> ToolCall:
+    raw = _mapping(raw, field)
+    call_id = raw.get("id")
+    if not call_id or not isinstance(call_id, str):
+        raise InvalidMessageError(f"{field}.id", f"a tool call needs a non-empty string id, got {call_id!r}")
+    function = _mapping(_require(raw, "function", field), f"{field}.function")
+    try:
+        return ToolCall(id=call_id, name=function.get("name", ""), arguments=function.get("arguments", "{}"))
+    except InvalidMessageError as exc:
+        raise InvalidMessageError(f"{field}.function.{exc.field}", exc.reason) from None
 
 
 def from_openai(payload: Iterable[Mapping[str, Any]]) -> list[Message]:
     """Parse OpenAI Chat Completions ``messages``; malformed input names its field."""
     messages: list[Message] = []
-    for index, item in enumerate(payload):
+    for index, raw_item in enumerate(payload):
         field = f"messages[{index}]"
-        if not isinstance(item, Mapping):
-            raise InvalidMessageError(field, f"must be an object, got {type(item).__name__}")
+        item = _mapping(raw_item, field)
         role = _require(item, "role", field)
-        if role == "developer":
-            role = "system"
-        if role not in Role._value2member_map_:
+        if role not in Role._value2member_map_ and role != "developer":
             raise InvalidMessageError(
-                f"{field}.role", f"unknown role {role!r}; use one of {[r.value for r in Role]}"
+                f"{field}.role",
+                f"unknown role {role!r}; use one of {[r.value for r in Role]} (or 'developer')",
             )
-        calls: list[ToolCall] = []
-        for n, raw in enumerate(item.get("tool_calls") or ()):
-            call_field = f"{field}.tool_calls[{n}]"
-            function = raw.get("function") or {}
-            call_id = raw.get("id")
-            if not call_id:
-                raise InvalidMessageError(f"{call_field}.id", "a tool call needs a non-empty id")
-            try:
-                calls.append(
-                    ToolCall(
-                        id=call_id,
-                        name=function.get("name", ""),
-                        arguments=function.get("arguments", "{}"),
-                    )
-                )
-            except ValidationError as exc:
-                first = exc.errors()[0]
-                loc = first["loc"][0] if first["loc"] else "function"
-                name = f"function.{loc}" if loc in ("name", "arguments") else str(loc)
-                raise InvalidMessageError(
-                    f"{call_field}.{name}", first["msg"].removeprefix("Value error, ")
-                ) from None
-        extra = {
-            key: value
-            for key, value in item.items()
-            if key not in ("role", "content", "tool_calls", "tool_call_id", "name")
-        }
-        metadata: JsonDict = {"openai": extra} if extra else {}
-        if item.get("role") == "developer":
-            metadata["openai.role"] = "developer"
+        raw_calls = item.get("tool_calls") or ()
+        if not isinstance(raw_calls, list | tuple):
+            raise InvalidMessageError(f"{field}.tool_calls", "must be a list of tool calls")
+        calls = tuple(_openai_call(raw, f"{field}.tool_calls[{n}]") for n, raw in enumerate(raw_calls))
+        metadata: JsonDict = {}
+        extra = {key: value for key, value in item.items() if key not in _OPENAI_KEYS}
+        if extra:
+            metadata[_OPENAI_EXTRA_KEY] = extra
+        if role == "developer":
+            role = Role.SYSTEM
+            metadata[_OPENAI_ROLE_KEY] = "developer"
         messages.append(
             _build(
                 field,
-                role=role,
-                content=item.get("content"),
-                tool_calls=tuple(calls),
+                role,
+                item.get("content"),
+                tool_calls=calls,
                 tool_call_id=item.get("tool_call_id"),
                 name=item.get("name"),
                 metadata=metadata,
@@ -237,6 +302,19 @@ def _anthropic_text(content: str | list[JsonDict] | None) -> list[JsonDict]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     return list(content)
+
+
+def _plain_text(blocks: list[JsonDict]) -> str | list[JsonDict]:
+    """A lone ``{"type": "text", "text": ...}`` block as its string, anything else unchanged.
+
+    Anthropic merges a string turn into its neighbour's blocks; reading such a
+    block back as a string is what makes the round trip exact.
+    """
+    if len(blocks) == 1 and blocks[0].keys() == {"type", "text"} and blocks[0]["type"] == "text":
+        text = blocks[0]["text"]
+        if isinstance(text, str) and text:
+            return text
+    return blocks
 
 
 def to_anthropic(messages: Iterable[Message]) -> tuple[str | list[JsonDict] | None, list[JsonDict]]:
@@ -279,8 +357,8 @@ def to_anthropic(messages: Iterable[Message]) -> tuple[str | list[JsonDict] | No
                 "tool_use_id": message.tool_call_id,
                 "content": message.content if message.content is not None else "",
             }
-            if message.metadata.get(_ANTHROPIC_ERROR_KEY):
-                block["is_error"] = True
+            if _ANTHROPIC_ERROR_KEY in message.metadata:
+                block["is_error"] = bool(message.metadata[_ANTHROPIC_ERROR_KEY])
             push("user", [block])
         elif message.role is Role.ASSISTANT:
             blocks = _anthropic_text(message.content)
@@ -301,72 +379,103 @@ def to_anthropic(messages: Iterable[Message]) -> tuple[str | list[JsonDict] | No
     return system, out
 
 
+def _anthropic_call(block: Mapping[str, Any], field: str) -> ToolCall:
+    call_id = block.get("id")
+    if not call_id or not isinstance(call_id, str):
+        raise InvalidMessageError(
+            f"{field}.id", f"a tool_use block needs a non-empty string id, got {call_id!r}"
+        )
+    try:
+        arguments = json.dumps(block.get("input", {}), ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidMessageError(f"{field}.input", f"must be JSON-serializable ({exc})") from None
+    try:
+        return ToolCall(id=call_id, name=block.get("name", ""), arguments=arguments)
+    except InvalidMessageError as exc:
+        raise InvalidMessageError(f"{field}.{exc.field}", exc.reason) from None
+
+
+def _anthropic_assistant(content: list[Any], field: str) -> Message:
+    parts: list[JsonDict] = []
+    calls: list[ToolCall] = []
+    for n, raw in enumerate(content):
+        block = _mapping(raw, f"{field}.content[{n}]")
+        if block.get("type") == "tool_use":
+            calls.append(_anthropic_call(block, f"{field}.content[{n}]"))
+        else:
+            parts.append(dict(block))
+    text: str | list[JsonDict] | None = parts or None
+    if calls and parts:
+        text = _plain_text(parts)  # to_anthropic writes string content + calls as [text, tool_use...]
+    return _build(field, Role.ASSISTANT, text, tool_calls=tuple(calls))
+
+
+def _anthropic_user(content: list[Any], field: str) -> list[Message]:
+    messages: list[Message] = []
+    has_results = any(isinstance(b, Mapping) and b.get("type") == "tool_result" for b in content)
+    pending: list[JsonDict] = []
+
+    def flush() -> None:
+        if pending:
+            text = _plain_text(pending) if has_results else list(pending)
+            messages.append(_build(field, Role.USER, text))
+            pending.clear()
+
+    for n, raw in enumerate(content):
+        block_field = f"{field}.content[{n}]"
+        block = _mapping(raw, block_field)
+        if block.get("type") != "tool_result":
+            pending.append(dict(block))
+            continue
+        flush()
+        tool_use_id = block.get("tool_use_id")
+        if not tool_use_id:
+            raise InvalidMessageError(
+                f"{block_field}.tool_use_id", "a tool_result block must name its tool_use"
+            )
+        metadata = {_ANTHROPIC_ERROR_KEY: block["is_error"]} if "is_error" in block else {}
+        result = block.get("content", "")
+        messages.append(
+            _build(
+                block_field,
+                Role.TOOL,
+                result if isinstance(result, str) or result is None else list(result),
+                tool_call_id=tool_use_id,
+                metadata=metadata,
+            )
+        )
+    flush()
+    return messages
+
+
 def from_anthropic(
     payload: Iterable[Mapping[str, Any]], *, system: str | Sequence[Mapping[str, Any]] | None = None
 ) -> list[Message]:
     """Parse Anthropic Messages ``messages`` (and the ``system`` parameter)."""
     messages: list[Message] = []
     if system is not None:
-        content: str | list[JsonDict] = system if isinstance(system, str) else [dict(b) for b in system]
-        messages.append(_build("system", role=Role.SYSTEM, content=content))
-    for index, item in enumerate(payload):
+        if isinstance(system, str):
+            messages.append(_build("system", Role.SYSTEM, system))
+        else:
+            blocks = [dict(_mapping(b, f"system[{n}]")) for n, b in enumerate(system)]
+            messages.append(_build("system", Role.SYSTEM, blocks))
+    for index, raw_item in enumerate(payload):
         field = f"messages[{index}]"
+        item = _mapping(raw_item, field)
         role = _require(item, "role", field)
         if role not in ("user", "assistant"):
             raise InvalidMessageError(
-                f"{field}.role", f"unknown role {role!r}; Anthropic turns are 'user' or 'assistant'"
+                f"{field}.role",
+                f"unknown role {role!r}; Anthropic turns are 'user' or 'assistant' "
+                "(pass system prompts as system=...)",
             )
         content = _require(item, "content", field)
         if isinstance(content, str):
-            messages.append(_build(field, role=role, content=content))
-            continue
-        if not isinstance(content, list):
+            messages.append(_build(field, role, content))
+        elif not isinstance(content, list):
             raise InvalidMessageError(f"{field}.content", "must be a string or a list of blocks")
-        if role == "assistant":
-            parts: list[JsonDict] = []
-            calls: list[ToolCall] = []
-            for n, block in enumerate(content):
-                if block.get("type") == "tool_use":
-                    if not block.get("id"):
-                        raise InvalidMessageError(
-                            f"{field}.content[{n}].id", "a tool_use block needs a non-empty id"
-                        )
-                    try:
-                        arguments = json.dumps(block.get("input", {}), ensure_ascii=False)
-                        call = ToolCall(id=block["id"], name=block.get("name", ""), arguments=arguments)
-                        calls.append(call)
-                    except (TypeError, ValidationError) as exc:
-                        raise InvalidMessageError(f"{field}.content[{n}]", str(exc)) from None
-                else:
-                    parts.append(dict(block))
-            messages.append(
-                _build(field, role=Role.ASSISTANT, content=parts or None, tool_calls=tuple(calls))
-            )
-            continue
-        pending: list[JsonDict] = []
-        for n, block in enumerate(content):
-            if block.get("type") != "tool_result":
-                pending.append(dict(block))
-                continue
-            if pending:
-                messages.append(_build(field, role=Role.USER, content=pending))
-                pending = []
-            tool_use_id = block.get("tool_use_id")
-            if not tool_use_id:
-                raise InvalidMessageError(
-                    f"{field}.content[{n}].tool_use_id", "a tool_result block must name its tool_use"
-                )
-            metadata = {_ANTHROPIC_ERROR_KEY: True} if block.get("is_error") else {}
-            result = block.get("content", "")
-            messages.append(
-                _build(
-                    f"{field}.content[{n}]",
-                    role=Role.TOOL,
-                    content=result if isinstance(result, str) else list(result),
-                    tool_call_id=tool_use_id,
-                    metadata=metadata,
-                )
-            )
-        if pending:
-            messages.append(_build(field, role=Role.USER, content=pending))
+        elif role == "assistant":
+            messages.append(_anthropic_assistant(content, field))
+        else:
+            messages.extend(_anthropic_user(content, field))
     return messages

@@ -6,7 +6,6 @@ with the stable name of the reason it fires, or ``None``.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -98,7 +97,7 @@ def fraction_of_window(context_window: int, fraction: float) -> int:
     """``fraction`` of ``context_window`` tokens, validated, rounded down (at least 1)."""
     if isinstance(context_window, bool) or not isinstance(context_window, int) or context_window <= 0:
         raise ConfigError("context_window", "must be a positive token count", value=context_window)
-    if not (isinstance(fraction, float | int) and 0 < fraction <= 1) or math.isnan(fraction):
+    if isinstance(fraction, bool) or not (isinstance(fraction, float | int) and 0 < fraction <= 1):
         raise ConfigError(
             "fraction", "must be in (0, 1], for example 0.8 for 80% of the window", value=fraction
         )

