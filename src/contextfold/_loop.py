@@ -1,0 +1,311 @@
+"""The step loop: an ordered hook chain around each LLM request.
+
+Before each request the ``before_request`` hooks run in order (the first is
+always the :class:`CompactionHook`); after the response the ``after_response``
+hooks run in reverse order, so the outermost hook sees the step last, as with
+nested context managers. A hook's error propagates unless the hook is marked
+``optional``, in which case it is logged and the chain goes on.
+
+There are three ways in:
+
+* ``async with loop.step(thread) as step:`` wraps an agent loop you already
+  have: ``step.messages`` is the compacted context, ``step.record(...)`` keeps
+  what your agent did.
+* ``await loop.run(...)`` and ``loop.stream(...)`` drive an async LLM callable
+  and tools for you, blocking or streaming, through the very same steps.
+* ``await maybe_compact(...)`` from any code, without a loop at all.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+from ._compactor import CompactionResult, Compactor
+from ._episodes import ToolCallEpisode, Usage
+from ._errors import ConfigError
+from ._messages import Message, Role, ToolCall
+
+__all__ = [
+    "LLM",
+    "Compacted",
+    "CompactionHook",
+    "Hook",
+    "RunFinished",
+    "RunResult",
+    "Step",
+    "StepEvent",
+    "StepFinished",
+    "StepLoop",
+    "StreamingLLM",
+    "TextDelta",
+    "Tool",
+    "ToolFinished",
+    "ToolStarted",
+]
+
+logger = logging.getLogger("contextfold")
+
+LLM: TypeAlias = Callable[[list[Message]], Awaitable[Message]]
+"""A blocking model: the request's messages in, the assistant's reply out."""
+
+StreamingLLM: TypeAlias = Callable[[list[Message]], AsyncIterator["str | ToolCall | Message"]]
+"""A streaming model: yields text deltas and finished tool calls (or one whole ``Message``)."""
+
+Tool: TypeAlias = Callable[..., Awaitable[Any]]
+"""A tool: called with the call's JSON arguments as keyword arguments; its result becomes text."""
+
+
+class Hook:
+    """A link in the step chain; override the events you need.
+
+    Set ``optional = True`` on a hook whose failure must not stop the agent
+    (metrics, tracing): its errors are logged instead of raised.
+    """
+
+    optional: bool = False
+
+    async def before_request(self, step: Step) -> None:
+        """Runs before the request is built, in chain order."""
+
+    async def after_response(self, step: Step) -> None:
+        """Runs after the step's messages were recorded, in reverse chain order."""
+
+    async def on_run_completed(self, thread: str, clean: bool) -> None:
+        """Runs when a run ends, in reverse chain order."""
+
+
+class CompactionHook(Hook):
+    """Calls ``maybe_compact`` before every request; always first in a ``StepLoop``."""
+
+    def __init__(self, compactor: Compactor) -> None:
+        self.compactor = compactor
+
+    async def before_request(self, step: Step) -> None:
+        step.compaction = await self.compactor.maybe_compact(step.thread)
+
+
+@dataclass(eq=False)
+class Step:
+    """One request/response step of a thread."""
+
+    thread: str
+    index: int
+    _compactor: Compactor = field(repr=False)
+    messages: list[Message] = field(default_factory=list)
+    """The working context to send, after compaction."""
+    request_tokens: int = 0
+    compaction: CompactionResult | None = None
+    recorded: list[Message] = field(default_factory=list)
+    """What this step added to the thread, in order."""
+    state: dict[str, Any] = field(default_factory=dict)
+    """Free space for hooks to share data within the step."""
+
+    async def record(self, *messages: Message, model: str | None = None, usage: Usage | None = None) -> None:
+        """Record the agent's reply, tool results or other new messages of this step."""
+        await self._compactor.append(
+            self.thread,
+            messages,
+            model=model,
+            usage=usage,
+            request_messages=len(self.messages),
+            request_tokens=self.request_tokens,
+        )
+        self.recorded.extend(messages)
+
+    async def record_tool_call(self, call: ToolCall) -> None:
+        """Note in the audit trail that a tool the reply asked for started running."""
+        await self._compactor.episodic.record(self.thread, ToolCallEpisode(call=call))
+
+
+@dataclass(frozen=True, slots=True)
+class Compacted:
+    """The step began with a compaction."""
+
+    result: CompactionResult
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """A piece of the assistant's streamed text."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolStarted:
+    call: ToolCall
+
+
+@dataclass(frozen=True, slots=True)
+class ToolFinished:
+    result: Message
+
+
+@dataclass(frozen=True, slots=True)
+class StepFinished:
+    reply: Message
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunFinished:
+    reply: Message
+    steps: int
+    clean: bool
+
+
+StepEvent: TypeAlias = Compacted | TextDelta | ToolStarted | ToolFinished | StepFinished | RunFinished
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    """The end of a driven run."""
+
+    reply: Message
+    steps: int
+    clean: bool
+    compactions: tuple[CompactionResult, ...]
+
+
+class StepLoop:
+    """Runs the hook chain around each step of an agent; see the module docstring."""
+
+    def __init__(self, compactor: Compactor, *, hooks: Sequence[Hook] = ()) -> None:
+        for position, hook in enumerate(hooks):
+            if not isinstance(hook, Hook):
+                raise ConfigError(f"hooks[{position}]", "must be a contextfold.Hook instance", value=hook)
+        self.compactor = compactor
+        self.hooks: tuple[Hook, ...] = (CompactionHook(compactor), *hooks)
+        self._steps: dict[str, int] = {}
+
+    async def _call(self, hook: Hook, event: str, *args: Any) -> None:
+        try:
+            await getattr(hook, event)(*args)
+        except Exception:
+            if not hook.optional:
+                raise
+            logger.exception("optional hook %r failed in %s; continuing", hook, event)
+
+    async def append(self, thread: str, *messages: Message) -> None:
+        """Add messages that are not a step's output (the user's input, a system prompt)."""
+        await self.compactor.append(thread, messages)
+
+    @asynccontextmanager
+    async def step(self, thread: str) -> AsyncIterator[Step]:
+        """One step: hooks and compaction, then your request, then the after-hooks.
+
+        The after-hooks run only when the body finished without an error.
+        """
+        index = self._steps.get(thread, 0)
+        self._steps[thread] = index + 1
+        step = Step(thread, index, self.compactor)
+        for hook in self.hooks:
+            await self._call(hook, "before_request", step)
+        window = await self.compactor.short_term.load(thread)
+        step.messages = window.plain
+        step.request_tokens = window.total_tokens
+        yield step
+        for hook in reversed(self.hooks):
+            await self._call(hook, "after_response", step)
+
+    async def complete_run(self, thread: str, *, clean: bool = True) -> None:
+        """Record the end of a run (a clean end resets the unfinished-turns count)."""
+        await self.compactor.complete_run(thread, clean=clean)
+        for hook in reversed(self.hooks):
+            await self._call(hook, "on_run_completed", thread, clean)
+
+    async def run(
+        self,
+        thread: str,
+        user: str | Message | None,
+        *,
+        llm: LLM,
+        tools: Mapping[str, Tool] | None = None,
+        max_steps: int = 16,
+    ) -> RunResult:
+        """Drive ``llm`` and ``tools`` until the assistant answers without calling a tool."""
+
+        async def as_stream(messages: list[Message]) -> AsyncIterator[Message]:
+            yield await llm(messages)
+
+        compactions: list[CompactionResult] = []
+        async for event in self.stream(thread, user, llm=as_stream, tools=tools, max_steps=max_steps):
+            if isinstance(event, Compacted):
+                compactions.append(event.result)
+            elif isinstance(event, RunFinished):
+                return RunResult(event.reply, event.steps, event.clean, tuple(compactions))
+        raise AssertionError("stream() always ends with RunFinished")  # pragma: no cover
+
+    async def stream(
+        self,
+        thread: str,
+        user: str | Message | None,
+        *,
+        llm: StreamingLLM,
+        tools: Mapping[str, Tool] | None = None,
+        max_steps: int = 16,
+    ) -> AsyncIterator[StepEvent]:
+        """Like :meth:`run`, yielding events as they happen (text deltas included)."""
+        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+            raise ConfigError("max_steps", "must be a whole number >= 1", value=max_steps)
+        tools = tools or {}
+        if user is not None:
+            await self.append(thread, Message.user(user) if isinstance(user, str) else user)
+        reply = Message.assistant("")
+        for number in range(1, max_steps + 1):
+            async with self.step(thread) as step:
+                if step.compaction is not None and step.compaction.compacted:
+                    yield Compacted(step.compaction)
+                text: list[str] = []
+                calls: list[ToolCall] = []
+                whole: Message | None = None
+                async for chunk in llm(step.messages):
+                    if isinstance(chunk, str):
+                        text.append(chunk)
+                        yield TextDelta(chunk)
+                    elif isinstance(chunk, ToolCall):
+                        calls.append(chunk)
+                    else:
+                        whole = chunk
+                if whole is None:
+                    whole = Message.assistant("".join(text) or None, tool_calls=calls)
+                reply = whole
+                if reply.role is not Role.ASSISTANT:
+                    raise ConfigError("llm", "must reply with an assistant message", value=reply.role)
+                await step.record(reply)
+                for call in reply.tool_calls:
+                    yield ToolStarted(call)
+                    await step.record_tool_call(call)
+                    result = await _run_tool(tools, call)
+                    await step.record(result)
+                    yield ToolFinished(result)
+            yield StepFinished(reply, number)
+            if not reply.tool_calls:
+                await self.complete_run(thread, clean=True)
+                yield RunFinished(reply, number, clean=True)
+                return
+        await self.complete_run(thread, clean=False)
+        yield RunFinished(reply, max_steps, clean=False)
+
+
+async def _run_tool(tools: Mapping[str, Tool], call: ToolCall) -> Message:
+    """Run one tool call; a missing tool or a tool's exception becomes an error result for the model."""
+    tool = tools.get(call.name)
+    if tool is None:
+        known = ", ".join(sorted(tools)) or "none"
+        return Message.tool(call.id, f"error: no tool named {call.name!r} (known: {known})", is_error=True)
+    arguments = call.parsed_arguments()
+    try:
+        output = await (tool(**arguments) if isinstance(arguments, dict) else tool(arguments))
+    except Exception as exc:
+        logger.info("tool %r failed: %r", call.name, exc)
+        return Message.tool(call.id, f"error: {type(exc).__name__}: {exc}", is_error=True)
+    if isinstance(output, Message):
+        return output
+    text = output if isinstance(output, str) else json.dumps(output, ensure_ascii=False, default=str)
+    return Message.tool(call.id, text)

@@ -1,0 +1,441 @@
+"""maybe_compact and compact_now, end to end on real stores."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from contextfold import (
+    SUMMARY_PREFIX,
+    TRUNCATED_METADATA_KEY,
+    ApproximateCounter,
+    Compactor,
+    ConfigError,
+    EpisodicCompactionConfig,
+    ManualRecoveryBoundary,
+    Message,
+    RunOptions,
+    SummarizeOptions,
+    SummarizerError,
+    SummaryCheckpoint,
+    TiktokenCounter,
+    ToolCall,
+    conversation,
+    maybe_compact,
+)
+from contextfold.stores import MemoryStore, SQLiteStore
+from contextfold.summarizers import FunctionSummarizer, Summary
+
+THREAD = "t-1"
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    backend = MemoryStore() if request.param == "memory" else SQLiteStore(tmp_path / "cf.db")
+    async with backend:
+        yield backend
+
+
+def options(budget: int = 400, **overrides: Any) -> RunOptions:
+    settings: dict[str, Any] = {
+        "trigger_token_budget": budget,
+        "max_summary_tokens": 60,
+        "keep_recent_messages": 2,
+    }
+    settings.update(overrides)
+    return RunOptions(max_history_tokens=budget * 2, compaction=SummarizeOptions(**settings))
+
+
+def recorder() -> FunctionSummarizer:
+    async def fn(messages: Sequence[Message], previous: str | None, limit: int) -> Summary:
+        names = ",".join(m.metadata.get("n", "?") for m in messages)
+        text = f"{previous or ''}|{names}"
+        return Summary(text=text[-300:], model="recorder")
+
+    return FunctionSummarizer(fn)
+
+
+def turn(n: int, size: int = 60) -> list[Message]:
+    """One user turn and one tool step with its result, each message tagged with an id."""
+    call = ToolCall(id=f"c{n}", name="read_file", arguments=json.dumps({"path": f"src/f{n}.py"}))
+    return [
+        Message.user(f"task {n}: " + "word " * size, n=f"u{n}"),
+        Message.assistant(None, tool_calls=[call], n=f"a{n}"),
+        Message.tool(f"c{n}", "line\n" * size, n=f"r{n}"),
+    ]
+
+
+async def grow(compactor: Compactor, turns: range, *, compact: bool = True) -> list[Any]:
+    results = []
+    for n in turns:
+        await compactor.append(THREAD, turn(n))
+        if compact:
+            results.append(await compactor.maybe_compact(THREAD))
+    return results
+
+
+async def test_no_trigger_returns_none_without_loading_or_tokenizing(store: Any) -> None:
+    """Below the budget maybe_compact returns None without loading the thread or counting tokens."""
+    counter = TiktokenCounter()
+    compactor = Compactor(store, options=options(budget=100_000), counter=counter)
+    await grow(compactor, range(20), compact=False)
+    loads = 0
+    original = store.load
+
+    async def counting_load(*args: Any, **kwargs: Any) -> Any:
+        nonlocal loads
+        loads += 1
+        return await original(*args, **kwargs)
+
+    store.load = counting_load
+    misses = counter.misses
+    assert await compactor.maybe_compact(THREAD) is None
+    assert loads == 0
+    assert counter.misses == misses
+
+
+async def test_compaction_rewrites_to_pinned_head_summary_and_verbatim_tail(store: Any) -> None:
+    """A firing trigger leaves [system prompt, summary, ...recent turns verbatim] and records a checkpoint."""
+    summarizer = recorder()
+    compactor = Compactor(store, options=options(), summarizer=summarizer, counter=ApproximateCounter())
+    await compactor.append(THREAD, [Message.system("be careful", n="sys")])
+    await grow(compactor, range(6), compact=False)
+    before = await compactor.context(THREAD)
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.compacted
+    after = await compactor.context(THREAD)
+    assert after[0].text == "be careful"
+    assert after[1].is_summary and after[1].text.startswith(SUMMARY_PREFIX)
+    assert after[1].role.value == "user"
+    tail = after[2:]
+    assert tail == before[len(before) - len(tail) :]
+    assert result.dropped_messages == len(before) - 1 - len(tail)
+    assert result.tokens_after < result.tokens_before
+    assert result.reason == "token_count"
+    checkpoint = await store.latest_checkpoint(THREAD)
+    assert isinstance(checkpoint.episode, SummaryCheckpoint)
+    assert checkpoint.episode.dropped_messages == result.dropped_messages
+    assert checkpoint.episode.summary == after[1].text.removeprefix(SUMMARY_PREFIX)
+    assert (await store.stats(THREAD)).total_tokens == result.tokens_after
+
+
+async def test_tool_calls_stay_with_their_results(store: Any) -> None:
+    """After compaction every kept tool result's call is kept, and no kept call lacks its result."""
+    compactor = Compactor(
+        store, options=options(budget=300), summarizer=recorder(), counter=ApproximateCounter()
+    )
+    for n in range(12):
+        calls = [ToolCall(id=f"p{n}-{k}", name="search", arguments="{}") for k in range(3)]
+        await compactor.append(
+            THREAD, [Message.user(f"q{n} " * 40, n=f"u{n}"), Message.assistant(None, tool_calls=calls)]
+        )
+        await compactor.append(THREAD, [Message.tool(c.id, "hit " * 30) for c in reversed(calls)])
+        await compactor.maybe_compact(THREAD)
+    context = await compactor.context(THREAD)
+    calls_kept = {c.id for m in context for c in m.tool_calls}
+    results_kept = {m.tool_call_id for m in context if m.tool_call_id}
+    assert calls_kept == results_kept
+    assert any(m.is_summary for m in context)
+
+
+async def test_summaries_are_incremental(store: Any) -> None:
+    """Each original message reaches the summarizer at most once, and the previous summary is passed on."""
+    summarizer = recorder()
+    compactor = Compactor(
+        store, options=options(budget=300), summarizer=summarizer, counter=ApproximateCounter()
+    )
+    results = await grow(compactor, range(30))
+    assert sum(1 for r in results if r is not None and r.compacted) >= 3
+    seen = [m.metadata.get("n") for call in summarizer.calls for m in call[0]]
+    assert len(seen) == len(set(seen))
+    assert all(not m.is_summary for call in summarizer.calls for m in call[0])
+    assert summarizer.calls[0][1] is None
+    assert all(call[1] for call in summarizer.calls[1:])
+
+
+async def test_summarizer_failure_raise_leaves_everything_as_it_was(store: Any) -> None:
+    """With on_summarizer_error='raise' a failing summarizer raises SummarizerError and nothing is written."""
+
+    async def broken(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        raise RuntimeError("provider down")
+
+    compactor = Compactor(
+        store,
+        options=options(on_summarizer_error="raise"),
+        summarizer=FunctionSummarizer(broken),
+        counter=ApproximateCounter(),
+    )
+    await grow(compactor, range(6), compact=False)
+    before = await store.load(THREAD)
+    log = [r async for r in store.replay(THREAD)]
+    with pytest.raises(SummarizerError, match="provider down"):
+        await compactor.maybe_compact(THREAD)
+    assert await store.load(THREAD) == before
+    assert [r async for r in store.replay(THREAD)] == log
+
+
+async def test_summarizer_failure_skip_writes_nothing_and_backs_off(store: Any) -> None:
+    """With on_summarizer_error='skip' the step goes on uncompacted and nothing is written."""
+
+    async def broken(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        raise RuntimeError("provider down")
+
+    summarizer = FunctionSummarizer(broken)
+    compactor = Compactor(
+        store,
+        options=options(on_summarizer_error="skip"),
+        summarizer=summarizer,
+        counter=ApproximateCounter(),
+    )
+    await grow(compactor, range(6), compact=False)
+    before = await store.load(THREAD)
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.stalled
+    assert await store.load(THREAD) == before
+    assert await store.latest_checkpoint(THREAD) is None
+    assert await compactor.maybe_compact(THREAD) is None  # backing off: no second call right away
+    assert len(summarizer.calls) == 1
+
+
+async def test_summarizer_failure_fallback_marks_the_checkpoint_degraded(store: Any) -> None:
+    """The default policy falls back to the extractive summarizer and marks the checkpoint degraded."""
+
+    async def broken(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        raise RuntimeError("provider down")
+
+    compactor = Compactor(
+        store, options=options(), summarizer=FunctionSummarizer(broken), counter=ApproximateCounter()
+    )
+    await grow(compactor, range(6), compact=False)
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.degraded
+    assert result.summarizer_model == "extractive"
+    checkpoint = await store.latest_checkpoint(THREAD)
+    assert checkpoint.episode.degraded
+    context = await compactor.context(THREAD)
+    assert context[0].is_summary and context[0].metadata.get("contextfold.degraded")
+    assert "src/f4.py" in context[0].text
+
+
+async def test_a_tail_too_big_to_fold_stalls_without_calling_the_summarizer(store: Any) -> None:
+    """With only protected turns left the compactor reports a stall and backs off, summarizing nothing."""
+    summarizer = recorder()
+    compactor = Compactor(
+        store,
+        options=options(budget=200, keep_recent_messages=0, min_recent_turns=2),
+        summarizer=summarizer,
+        counter=ApproximateCounter(),
+    )
+    await compactor.append(THREAD, [Message.user("a " * 600), Message.user("b " * 600)])
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.stalled and "min_recent_turns" in result.detail
+    assert summarizer.calls == []
+    skipped = [await compactor.maybe_compact(THREAD) for _ in range(1)]
+    assert skipped == [None]
+
+
+async def test_oversized_tool_output_is_cut_with_a_marker(store: Any) -> None:
+    """A tool output over max_tool_output_tokens is cut, with a marker, to get the request under the limit."""
+    compactor = Compactor(
+        store,
+        options=options(budget=400, max_tool_output_tokens=100),
+        summarizer=recorder(),
+        counter=ApproximateCounter(),
+    )
+    call = ToolCall(id="big", name="dump", arguments="{}")
+    await compactor.append(
+        THREAD,
+        [
+            Message.user("dump it"),
+            Message.assistant(None, tool_calls=[call]),
+            Message.tool("big", "x" * 8000),
+        ],
+    )
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.truncated_messages == 1
+    context = await compactor.context(THREAD)
+    cut = next(m for m in context if m.tool_call_id == "big")
+    assert "tokens of tool output cut by contextfold" in cut.text
+    assert cut.metadata[TRUNCATED_METADATA_KEY] == 2000
+    assert (await store.stats(THREAD)).total_tokens < 400
+    original = [m for m in conversation([r async for r in store.replay(THREAD)]) if m.tool_call_id == "big"]
+    assert original[0].text == "x" * 8000
+
+
+async def test_concurrent_compaction_is_re_read_and_nothing_is_lost(store: Any) -> None:
+    """A prefix rewritten underneath a compaction makes it read again; every message survives somewhere."""
+    compactor = Compactor(
+        store, options=options(budget=300), summarizer=recorder(), counter=ApproximateCounter()
+    )
+    await grow(compactor, range(8), compact=False)
+    real_load = store.load
+    interfered = False
+
+    async def load_then_interfere(thread: str, **kwargs: Any) -> Any:
+        nonlocal interfered
+        window = await real_load(thread, **kwargs)
+        if not interfered:
+            interfered = True
+            first = window.messages[0]
+            await store.replace_prefix(
+                thread,
+                through_seq=first.seq,
+                expected_version=window.version,
+                replacement=[first.message],
+                tokens=[first.tokens],
+            )
+            await store.append(thread, [Message.user("late arrival", n="late")], [3])
+        return window
+
+    store.load = load_then_interfere
+    result = await compactor.maybe_compact(THREAD)
+    store.load = real_load
+    assert result is not None and result.compacted
+    context = await compactor.context(THREAD)
+    assert context[-1].metadata.get("n") == "late"
+    log = [r async for r in store.replay(THREAD)]
+    checkpoints = [r.episode for r in log if isinstance(r.episode, SummaryCheckpoint)]
+    assert len(checkpoints) == 1
+
+
+async def test_two_compactors_on_one_thread_apply_one_compaction(store: Any) -> None:
+    """Two workers checking the same thread at once apply exactly one compaction."""
+
+    async def slow(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        await anyio.sleep(0.05)
+        return "folded"
+
+    first = Compactor(
+        store, options=options(budget=300), summarizer=FunctionSummarizer(slow), counter=ApproximateCounter()
+    )
+    second = Compactor(
+        store, options=options(budget=300), summarizer=FunctionSummarizer(slow), counter=ApproximateCounter()
+    )
+    await grow(first, range(8), compact=False)
+    results: list[Any] = []
+
+    async def check(compactor: Compactor) -> None:
+        results.append(await compactor.maybe_compact(THREAD))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(check, first)
+        tg.start_soon(check, second)
+    assert sum(1 for r in results if r is not None) == 1
+    log = [r async for r in store.replay(THREAD)]
+    assert sum(1 for r in log if isinstance(r.episode, SummaryCheckpoint)) == 1
+
+
+async def test_manual_recovery_writes_a_clean_slate_boundary(store: Any) -> None:
+    """compact_now(reason='manual_recovery') folds every turn and records a ManualRecoveryBoundary."""
+    compactor = Compactor(
+        store, options=options(budget=100_000, max_summary_tokens=60), counter=ApproximateCounter()
+    )
+    await compactor.append(THREAD, [Message.system("prompt")])
+    await grow(compactor, range(5), compact=False)
+    assert (await store.pressure(THREAD)).user_messages_since_boundary == 5
+    result = await compactor.compact_now(THREAD, reason="manual_recovery")
+    assert result is not None and result.reason == "manual_recovery"
+    context = await compactor.context(THREAD)
+    assert [m.text for m in context[:1]] == ["prompt"]
+    assert len(context) == 2 and context[1].is_summary
+    last = [r async for r in store.replay(THREAD)][-1]
+    assert isinstance(last.episode, ManualRecoveryBoundary)
+    pressure = await store.pressure(THREAD)
+    assert pressure.user_messages_since_boundary == 0
+    assert pressure.user_messages_after_latest_run_completed == 0
+
+
+async def test_episodic_policy_triggers_on_unfinished_turns(store: Any) -> None:
+    """With an episodic policy, 8 user messages without a clean completion fire 'unfinished_turns'."""
+    compactor = Compactor(
+        store,
+        options=options(budget=100_000, episodic=EpisodicCompactionConfig()),
+        summarizer=recorder(),
+        counter=ApproximateCounter(),
+    )
+    for n in range(7):
+        await compactor.append(THREAD, turn(n, size=2))
+        assert await compactor.maybe_compact(THREAD) is None
+    await compactor.complete_run(THREAD)
+    for n in range(7, 15):
+        await compactor.append(THREAD, turn(n, size=2))
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.reason == "unfinished_turns"
+
+
+async def test_episodic_age_trigger_uses_the_given_clock(store: Any) -> None:
+    """The age-and-turns rule fires for an old, busy thread when asked with a later 'now'."""
+    compactor = Compactor(
+        store,
+        options=options(budget=100_000, episodic=EpisodicCompactionConfig(trigger_unfinished_turns=1000)),
+        summarizer=recorder(),
+        counter=ApproximateCounter(),
+    )
+    for n in range(50):
+        await compactor.append(THREAD, turn(n, size=1))
+    assert await compactor.maybe_compact(THREAD) is None
+    later = datetime.now(UTC) + timedelta(days=31)
+    result = await compactor.maybe_compact(THREAD, now=later)
+    assert result is not None and result.reason == "age_and_turns"
+
+
+async def test_mask_mode_replaces_old_tool_outputs_only(store: Any) -> None:
+    """Mask mode keeps every message but replaces older tool outputs with a placeholder."""
+    summarizer = recorder()
+    compactor = Compactor(
+        store, options=options(budget=300, mode="mask"), summarizer=summarizer, counter=ApproximateCounter()
+    )
+    await grow(compactor, range(6), compact=False)
+    before = await compactor.context(THREAD)
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.masked_messages > 0 and result.dropped_messages == 0
+    after = await compactor.context(THREAD)
+    assert len(after) == len(before)
+    assert [m.role for m in after] == [m.role for m in before]
+    assert "tool output elided" in after[2].text
+    assert after[-1] == before[-1]
+    assert summarizer.calls == []
+
+
+async def test_drop_mode_folds_without_a_summary(store: Any) -> None:
+    """Drop mode removes the old turns without calling the summarizer."""
+    summarizer = recorder()
+    compactor = Compactor(
+        store, options=options(mode="drop"), summarizer=summarizer, counter=ApproximateCounter()
+    )
+    await grow(compactor, range(6), compact=False)
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.dropped_messages > 0
+    assert not any(m.is_summary for m in await compactor.context(THREAD))
+    assert summarizer.calls == []
+
+
+async def test_bare_maybe_compact_validates_options_like_the_seed() -> None:
+    """A zero budget, or a window below max_history_tokens, is rejected with ConfigError at construction."""
+    with pytest.raises(ConfigError) as zero:
+        RunOptions(compaction=SummarizeOptions(trigger_token_budget=0))
+    assert zero.value.key == "compaction.trigger_token_budget"
+    with pytest.raises(ConfigError, match="at least 2500"):
+        RunOptions(max_history_tokens=10_000, compaction=SummarizeOptions(trigger_token_budget=2000))
+    async with MemoryStore() as store:
+        assert await maybe_compact(store, THREAD, options=RunOptions.without_compaction()) is None
+
+
+async def test_bare_maybe_compact_compacts(store: Any) -> None:
+    """The module-level maybe_compact folds a thread like a Compactor does."""
+    compactor = Compactor(store, options=options(), counter=ApproximateCounter())
+    await grow(compactor, range(6), compact=False)
+    result = await maybe_compact(store, THREAD, options=options(), counter=ApproximateCounter())
+    assert result is not None and result.compacted and result.summarizer_model == "extractive"
+
+
+async def test_wrong_store_is_a_config_error() -> None:
+    """Passing something that is not a store names the argument and the fix."""
+    with pytest.raises(ConfigError, match="short_term"):
+        Compactor(object(), options=options())
