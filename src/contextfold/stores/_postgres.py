@@ -24,6 +24,7 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Self
 
+import anyio
 import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
@@ -205,6 +206,7 @@ class PostgresStore:
         self._s = sql.Identifier(schema)
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
         self._closed = False
+        self._opening = anyio.Lock()
 
     def __repr__(self) -> str:
         return f"PostgresStore({_where(self._dsn)!r}, schema={self._schema!r})"
@@ -213,10 +215,13 @@ class PostgresStore:
 
     async def open(self) -> None:
         """Connect, create or migrate the schema, and start the pool; a second call does nothing."""
-        if self._closed:
-            raise StoreClosedError(f"{self!r} was closed; create a new PostgresStore")
-        if self._pool is not None:
-            return
+        async with self._opening:
+            if self._closed:
+                raise StoreClosedError(f"{self!r} was closed; create a new PostgresStore")
+            if self._pool is None:
+                await self._open()
+
+    async def _open(self) -> None:
         try:
             conn = await psycopg.AsyncConnection.connect(
                 self._dsn, autocommit=True, connect_timeout=_CONNECT_TIMEOUT_SECONDS
@@ -228,7 +233,14 @@ class PostgresStore:
                 "or pass PostgresStore the DSN of one that does"
             ) from exc
         async with conn:
-            await self._migrate(conn)
+            try:
+                await self._migrate(conn)
+            except psycopg.Error as exc:
+                raise StoreError(
+                    f"cannot create or migrate schema {self._schema!r} at {_where(self._dsn)}: "
+                    f"{str(exc).strip()}; grant the user CREATE on the database, or have an owner "
+                    "open the store once to create it"
+                ) from exc
         pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
             self._dsn,
             min_size=self._min_size,
