@@ -1,0 +1,282 @@
+"""Option validation: the klieo rules, and every rejected option as a ConfigError with key, value, fix."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from contextfold import (
+    WINDOW_MULTIPLE_OF_TRIGGER,
+    CompactionConfig,
+    ConfigError,
+    EpisodicCompactionConfig,
+    Message,
+    ObservationMasking,
+    Pressure,
+    RunOptions,
+    SummarizeOptions,
+    TokenBudget,
+)
+
+# klieo compaction.rs ----------------------------------------------------------------
+
+
+def test_compaction_is_off_unless_configured() -> None:
+    """RunOptions() carries no compaction options."""
+    assert RunOptions().compaction is None
+    assert RunOptions(max_history_tokens=4000).compaction is None
+
+
+def test_without_compaction_is_the_explicit_way_to_disable_compaction() -> None:
+    """RunOptions.without_compaction() keeps the history limit and sets compaction to None."""
+    options = RunOptions.without_compaction(max_history_tokens=50_000)
+    assert options.compaction is None
+    assert options.max_history_tokens == 50_000
+    assert RunOptions.without_compaction() == RunOptions()
+
+
+def test_a_zero_trigger_token_budget_is_rejected_with_the_way_to_disable_compaction() -> None:
+    """A zero budget would re-summarize every step, so it is rejected pointing at without_compaction()."""
+    with pytest.raises(ConfigError) as info:
+        SummarizeOptions(trigger_token_budget=0)
+    error = info.value
+    assert error.key == "compaction.trigger_token_budget"
+    assert error.value == 0
+    assert "non-zero" in error.reason
+    assert "RunOptions.without_compaction()" in error.reason
+    assert not isinstance(error, ValidationError)
+
+
+def test_a_zero_budget_given_as_a_mapping_inside_run_options_is_rejected_the_same_way() -> None:
+    """A nested compaction mapping with a zero budget raises the same ConfigError from RunOptions."""
+    with pytest.raises(ConfigError) as info:
+        RunOptions(max_history_tokens=1000, compaction={"trigger_token_budget": 0})  # type: ignore[arg-type]
+    assert info.value.key == "compaction.trigger_token_budget"
+    assert "without_compaction" in info.value.reason
+
+
+def test_a_window_below_max_history_tokens_is_rejected_with_the_smallest_budget_that_works() -> None:
+    """A window below max_history_tokens is rejected naming the key, the reason and the minimum budget."""
+    max_history = 100_001
+    smallest = math.ceil(max_history / WINDOW_MULTIPLE_OF_TRIGGER)
+    with pytest.raises(ConfigError) as info:
+        RunOptions(
+            max_history_tokens=max_history, compaction=SummarizeOptions(trigger_token_budget=smallest - 1)
+        )
+    error = info.value
+    assert error.key == "compaction.trigger_token_budget"
+    assert error.value == smallest - 1
+    assert f"= {(smallest - 1) * WINDOW_MULTIPLE_OF_TRIGGER} is below max_history_tokens = {max_history}" in (
+        error.reason
+    )
+    assert f"at least {smallest}" in error.reason
+    assert not isinstance(error, ValidationError)
+
+    accepted = RunOptions(
+        max_history_tokens=max_history, compaction=SummarizeOptions(trigger_token_budget=smallest)
+    )
+    assert accepted.compaction is not None
+    assert accepted.compaction.window_tokens >= max_history
+
+
+def test_the_window_is_the_budget_times_the_window_multiple() -> None:
+    """window_tokens is trigger_token_budget * WINDOW_MULTIPLE_OF_TRIGGER."""
+    assert SummarizeOptions(trigger_token_budget=8000).window_tokens == 8000 * WINDOW_MULTIPLE_OF_TRIGGER
+    assert WINDOW_MULTIPLE_OF_TRIGGER >= 1
+
+
+def test_a_window_equal_to_max_history_tokens_is_accepted() -> None:
+    """The window check is strict: a window exactly max_history_tokens is enough."""
+    budget = 2500
+    options = RunOptions(
+        max_history_tokens=budget * WINDOW_MULTIPLE_OF_TRIGGER,
+        compaction=SummarizeOptions(trigger_token_budget=budget),
+    )
+    assert options.compaction is not None
+
+
+def test_without_compaction_skips_the_window_check() -> None:
+    """A huge history limit needs no budget when compaction is off."""
+    assert RunOptions.without_compaction(max_history_tokens=10**9).max_history_tokens == 10**9
+
+
+# defaults and derived planners ------------------------------------------------------
+
+
+def test_summarize_options_defaults() -> None:
+    """Defaults keep 8 messages and 2 turns, aim at half the budget and cap the summary at 1024 tokens."""
+    options = SummarizeOptions(trigger_token_budget=8000)
+    assert options.keep_recent_messages == 8
+    assert options.min_recent_turns == 2
+    assert options.effective_target_tokens == 4000
+    assert options.max_summary_tokens == 1024
+    assert options.mode == "summarize"
+    assert options.episodic is None
+
+
+def test_a_small_budget_gets_a_summary_cap_that_fits_its_target() -> None:
+    """With budget 1000 the default summary cap is half the 500-token target, not a rejection."""
+    options = SummarizeOptions(trigger_token_budget=1000)
+    assert options.max_summary_tokens == 250
+    assert SummarizeOptions(trigger_token_budget=1000, target_tokens=300).max_summary_tokens == 150
+
+
+def test_the_planner_fires_above_the_budget_and_keeps_recent_messages() -> None:
+    """compaction_config() fires strictly above the budget and keeps keep_recent_messages verbatim."""
+    options = SummarizeOptions(trigger_token_budget=100, keep_recent_messages=3, min_recent_turns=0)
+    config = options.compaction_config()
+    assert isinstance(config, CompactionConfig)
+    assert isinstance(config.strategy, TokenBudget)
+    assert options.trigger.reason(Pressure(1, 100)) is None
+    assert options.trigger.reason(Pressure(1, 101)) == "token_count"
+    history = [Message.user("u" * 400) for _ in range(6)]
+    plan = config.plan(history, 600)
+    assert plan.kept == tuple(history[-3:])
+
+
+def test_mask_mode_plans_observation_masking() -> None:
+    """mode='mask' plans with ObservationMasking."""
+    assert isinstance(SummarizeOptions(trigger_token_budget=100, mode="mask").strategy(), ObservationMasking)
+
+
+def test_episodic_options_add_the_episodic_policy_to_the_budget_trigger() -> None:
+    """With an episodic policy, context pressure fires at its threshold before the budget does."""
+    options = SummarizeOptions(
+        trigger_token_budget=10_000, episodic=EpisodicCompactionConfig(trigger_context_tokens=5_000)
+    )
+    assert options.trigger.reason(Pressure(1, 5_000)) == "context_pressure"
+    assert options.trigger.reason(Pressure(1, 4_999)) is None
+
+
+def test_options_are_frozen() -> None:
+    """Built options cannot be changed afterwards, so a validated value stays valid."""
+    options = SummarizeOptions(trigger_token_budget=8000)
+    with pytest.raises(ValidationError):
+        options.trigger_token_budget = 0  # type: ignore[misc]
+
+
+# every rejected option --------------------------------------------------------------
+
+Build = Callable[[], Any]
+
+
+def summarize(**fields: Any) -> Build:
+    return lambda: SummarizeOptions(**fields)
+
+
+def run(**fields: Any) -> Build:
+    return lambda: RunOptions(**fields)
+
+
+REJECTED: list[tuple[str, Build, str, object]] = [
+    ("negative budget", summarize(trigger_token_budget=-5), "compaction.trigger_token_budget", -5),
+    ("string budget", summarize(trigger_token_budget="8000"), "compaction.trigger_token_budget", "8000"),
+    ("bool budget", summarize(trigger_token_budget=True), "compaction.trigger_token_budget", True),
+    ("missing budget", summarize(), "compaction.trigger_token_budget", {}),
+    ("tiny budget", summarize(trigger_token_budget=1), "compaction.trigger_token_budget", 1),
+    (
+        "negative keep",
+        summarize(trigger_token_budget=8000, keep_recent_messages=-1),
+        "compaction.keep_recent_messages",
+        -1,
+    ),
+    ("zero target", summarize(trigger_token_budget=8000, target_tokens=0), "compaction.target_tokens", 0),
+    (
+        "target at budget",
+        summarize(trigger_token_budget=8000, target_tokens=8000),
+        "compaction.target_tokens",
+        8000,
+    ),
+    (
+        "negative floor",
+        summarize(trigger_token_budget=8000, min_recent_turns=-1),
+        "compaction.min_recent_turns",
+        -1,
+    ),
+    (
+        "zero summary",
+        summarize(trigger_token_budget=8000, max_summary_tokens=0),
+        "compaction.max_summary_tokens",
+        0,
+    ),
+    (
+        "summary over target",
+        summarize(trigger_token_budget=8000, max_summary_tokens=4000),
+        "compaction.max_summary_tokens",
+        4000,
+    ),
+    ("unknown mode", summarize(trigger_token_budget=8000, mode="shred"), "compaction.mode", "shred"),
+    (
+        "unknown error policy",
+        summarize(trigger_token_budget=8000, on_summarizer_error="ignore"),
+        "compaction.on_summarizer_error",
+        "ignore",
+    ),
+    (
+        "unknown role",
+        summarize(trigger_token_budget=8000, summary_role="robot"),
+        "compaction.summary_role",
+        "robot",
+    ),
+    (
+        "zero tool output cap",
+        summarize(trigger_token_budget=8000, max_tool_output_tokens=0),
+        "compaction.max_tool_output_tokens",
+        0,
+    ),
+    ("unknown option", summarize(trigger_token_budget=8000, budget=3), "compaction.budget", 3),
+    (
+        "bad episodic",
+        summarize(trigger_token_budget=8000, episodic={"trigger_unfinished_turns": -1}),
+        "compaction.episodic.trigger_unfinished_turns",
+        -1,
+    ),
+    ("zero history", run(max_history_tokens=0), "max_history_tokens", 0),
+    ("negative history", run(max_history_tokens=-1), "max_history_tokens", -1),
+    (
+        "nested negative keep",
+        run(compaction={"trigger_token_budget": 40_000, "keep_recent_messages": -2}),
+        "compaction.keep_recent_messages",
+        -2,
+    ),
+    (
+        "nested bad episodic",
+        run(compaction={"trigger_token_budget": 40_000, "episodic": {"trigger_age_days": -1}}),
+        "compaction.episodic.trigger_age_days",
+        -1,
+    ),
+    ("compaction of the wrong type", run(compaction=5), "compaction", 5),
+    ("unknown run option", run(compactoin=None), "compactoin", None),
+]
+
+
+@pytest.mark.parametrize(("build", "key", "value"), [r[1:] for r in REJECTED], ids=[r[0] for r in REJECTED])
+def test_every_rejected_option_is_a_config_error_naming_key_value_and_fix(
+    build: Build, key: str, value: object
+) -> None:
+    """A rejected option raises ConfigError (never ValidationError) with its key, its value and a reason."""
+    with pytest.raises(ConfigError) as info:
+        build()
+    error = info.value
+    assert not isinstance(error, ValidationError)
+    assert error.key == key
+    assert error.value == value
+    assert str(error).startswith(f"{key}={value!r}: ")
+    assert error.reason and "Value error" not in error.reason
+
+
+def test_own_rules_say_which_value_would_work() -> None:
+    """The cross-field rules name a value that would be accepted."""
+    with pytest.raises(ConfigError) as info:
+        SummarizeOptions(trigger_token_budget=8000, target_tokens=9000)
+    assert "use at most 7999" in info.value.reason
+    with pytest.raises(ConfigError) as info:
+        SummarizeOptions(trigger_token_budget=8000, max_summary_tokens=4000)
+    assert "use at most 2000" in info.value.reason
+    with pytest.raises(ConfigError) as info:
+        SummarizeOptions(trigger_token_budget=-1)
+    assert "positive" in info.value.reason

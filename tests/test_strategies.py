@@ -1,0 +1,296 @@
+"""Planning: atomic units, strategies, floors and the pinned head, starting from the seed's tests.
+
+The seed's ``AgentStep`` (an action and its observation) is one atomic unit
+here: an assistant message with one tool call, followed by its tool result.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from contextfold import (
+    MASKED_METADATA_KEY,
+    SUMMARY_METADATA_KEY,
+    ApproximateCounter,
+    CompactionConfig,
+    CompactionPlan,
+    ConfigError,
+    Message,
+    ObservationMasking,
+    Orphan,
+    SlidingWindow,
+    TokenBudget,
+    TokenCount,
+    ToolCall,
+    TurnCount,
+    Unit,
+    group_units,
+    split_head,
+)
+
+
+def step(name: str, observation_len: int) -> list[Message]:
+    """The seed's ``step(name, observation_len)``: a tool call with input "input" and its observation."""
+    call = ToolCall(id=f"call_{name}", name=name, arguments=json.dumps("input"))
+    return [Message.assistant(None, tool_calls=[call]), Message.tool(call.id, "x" * observation_len)]
+
+
+def steps(count: int, observation_len: int) -> list[Message]:
+    return [m for i in range(count) for m in step(f"t{i}", observation_len)]
+
+
+def kept_tools(plan: CompactionPlan) -> list[str]:
+    return [m.tool_calls[0].name for m in plan.kept if m.tool_calls]
+
+
+def estimate_step_tokens(messages: list[Message]) -> int:
+    counter = ApproximateCounter()
+    return sum(counter.count(m) for m in messages)
+
+
+# lc_agents compaction.rs strategies -------------------------------------------------
+
+
+def test_sliding_window_keeps_recent_suffix() -> None:
+    """SlidingWindow(2) over five steps keeps the newest two, in order, and drops three."""
+    config = CompactionConfig(TurnCount(2), SlidingWindow(keep_recent_turns=2)).with_min_recent_turns(1)
+    plan = config.plan(steps(5, 10), 0)
+    assert plan.dropped_turns == 3
+    assert plan.kept_turns == 2
+    assert kept_tools(plan) == ["t3", "t4"]
+
+
+def test_no_compaction_below_trigger() -> None:
+    """Below the trigger the plan is a no-op: every step kept, none dropped."""
+    config = CompactionConfig(TurnCount(10), SlidingWindow(keep_recent_turns=2))
+    history = steps(5, 10)
+    plan = config.plan(history, 0)
+    assert plan.dropped_turns == 0
+    assert plan.kept_turns == 5
+    assert plan.kept == tuple(history)
+    assert plan.dropped == ()
+    assert plan.reason is None
+    assert not plan.compacts
+
+
+def test_min_recent_turns_floor() -> None:
+    """The floor of two steps wins over a strategy that would keep none."""
+    config = CompactionConfig(TurnCount(1), SlidingWindow(keep_recent_turns=0)).with_min_recent_turns(2)
+    plan = config.plan(steps(6, 10), 0)
+    assert plan.kept_turns == 2
+    assert plan.dropped_turns == 4
+    assert kept_tools(plan)[1] == "t5"
+
+
+def test_token_budget_drops_oldest_until_fit() -> None:
+    """TokenBudget(150) drops the oldest ~101-token steps until the rest fit or only the floor is left."""
+    config = CompactionConfig(TokenCount(150), TokenBudget(max_tokens=150, keep_recent_turns=1))
+    config = config.with_min_recent_turns(1)
+    history = steps(5, 400)
+    total = sum(estimate_step_tokens(history[i : i + 2]) for i in range(0, len(history), 2))
+    assert total > 150, "precondition: history over budget"
+
+    plan = config.plan(history, total)
+    assert plan.dropped_turns >= 1, "over budget -> drop"
+    kept_tokens = estimate_step_tokens(list(plan.kept))
+    assert kept_tokens <= 150 or plan.kept_turns <= 1, (plan.kept_turns, plan.dropped_turns, kept_tokens)
+
+
+def test_token_budget_respects_keep_floor() -> None:
+    """TokenBudget keeps keep_recent_turns steps even when each step alone busts the budget."""
+    config = CompactionConfig(TokenCount(10), TokenBudget(max_tokens=10, keep_recent_turns=2))
+    config = config.with_min_recent_turns(1)
+    plan = config.plan(steps(4, 400), 500)
+    assert plan.kept_turns == 2, "keep floor wins over the budget"
+    assert kept_tools(plan)[0] == "t2"
+
+
+def test_compaction_never_orphans_tool_results() -> None:
+    """A cut keeps every kept action paired with its non-empty observation, and counts add up."""
+    config = CompactionConfig(TurnCount(0), SlidingWindow(keep_recent_turns=3))
+    history = steps(8, 50)
+    plan = config.plan(history, 0)
+    assert plan.kept_turns + plan.dropped_turns == 8
+    assert len(plan.kept) + len(plan.dropped) == len(history)
+    calls = {c.id for m in plan.kept for c in m.tool_calls}
+    results = [m for m in plan.kept if m.role == "tool"]
+    assert {m.tool_call_id for m in results} == calls
+    assert all(m.content for m in results)
+
+
+def test_estimate_scales_with_content() -> None:
+    """The ~4-bytes-per-token estimate of a step grows with its observation."""
+    assert estimate_step_tokens(step("tool", 400)) > estimate_step_tokens(step("tool", 40))
+
+
+# atomic units ---------------------------------------------------------------------
+
+
+def call(call_id: str, name: str = "f") -> ToolCall:
+    return ToolCall(id=call_id, name=name, arguments="{}")
+
+
+def test_parallel_calls_and_their_results_form_one_unit() -> None:
+    """An assistant message with two calls and both results, in any order, is one unit."""
+    body = [
+        Message.user("go"),
+        Message.assistant(None, tool_calls=[call("a"), call("b")]),
+        Message.tool("b", "B"),
+        Message.tool("a", "A"),
+        Message.user("next"),
+    ]
+    units, orphans = group_units(body)
+    assert units == [Unit("user", 0, 1), Unit("assistant", 1, 4), Unit("user", 4, 5)]
+    assert orphans == []
+
+
+def test_a_unit_spans_messages_interleaved_before_a_late_result() -> None:
+    """A user message between a call and its late result is absorbed into the call's unit."""
+    body = [
+        Message.assistant(None, tool_calls=[call("a")]),
+        Message.user("meanwhile"),
+        Message.assistant(None, tool_calls=[call("b")]),
+        Message.tool("a", "A"),
+        Message.tool("b", "B"),
+    ]
+    units, _ = group_units(body)
+    assert units == [Unit("assistant", 0, 5)]
+
+
+def test_a_tail_unit_waiting_for_results_is_pending() -> None:
+    """An assistant step at the tail with an unanswered call is pending, not an orphan."""
+    body = [
+        Message.user("go"),
+        Message.assistant(None, tool_calls=[call("a"), call("b")]),
+        Message.tool("a", "A"),
+    ]
+    units, orphans = group_units(body)
+    assert units[-1] == Unit("assistant", 1, 3, pending=True)
+    assert orphans == []
+
+
+def test_results_without_calls_and_abandoned_calls_are_reported() -> None:
+    """A result with no call and a call never answered before the next turn are orphans, not errors."""
+    body = [
+        Message.tool("ghost", "?"),
+        Message.assistant(None, tool_calls=[call("a")]),
+        Message.user("never mind"),
+    ]
+    units, orphans = group_units(body)
+    assert [u.kind for u in units] == ["tool", "assistant", "user"]
+    assert orphans == [Orphan(0, "ghost", "result_without_call"), Orphan(1, "a", "call_without_result")]
+
+
+def test_split_head_pins_leading_system_messages_and_finds_the_previous_summary() -> None:
+    """Leading system messages are pinned; a summary right after them is the previous summary."""
+    summary = Message.user("earlier", **{SUMMARY_METADATA_KEY: True})
+    messages = [Message.system("a"), Message.system("b"), summary, Message.user("hi")]
+    assert split_head(messages) == (2, summary)
+    assert split_head([Message.user("hi")]) == (0, None)
+    assert split_head([summary, Message.user("hi")]) == (0, summary)
+
+
+# plans ----------------------------------------------------------------------------
+
+
+def conversation(turns: int) -> list[Message]:
+    out: list[Message] = []
+    for i in range(turns):
+        out.append(Message.user(f"question {i}"))
+        out.extend(step(f"t{i}", 40))
+        out.append(Message.assistant(f"answer {i}"))
+    return out
+
+
+def test_plan_keeps_the_pinned_head_and_previous_summary_out_of_the_cut() -> None:
+    """The system prompt and previous summary are neither dropped nor counted as turns."""
+    summary = Message.system("so far", **{SUMMARY_METADATA_KEY: True})
+    head = [Message.system("you are helpful"), summary]
+    body = conversation(4)
+    plan = CompactionConfig(TurnCount(3), SlidingWindow(2), min_recent_turns=0).plan(head + body)
+    assert plan.pinned == (head[0],)
+    assert plan.previous_summary == summary
+    assert plan.reason == "turn_count"
+    assert plan.dropped + plan.kept == tuple(body)
+    assert plan.kept == tuple(body[-3:])  # the last tool step (2 messages) and the answer
+    assert plan.kept_turns == 2
+    assert plan.dropped_turns == 10
+
+
+def test_a_pending_tail_is_kept_without_blocking_older_cuts() -> None:
+    """With SlidingWindow(0) and no floor the pending tail stays and everything older goes."""
+    body = [*conversation(2), Message.assistant(None, tool_calls=[call("late")])]
+    plan = CompactionConfig(TurnCount(0), SlidingWindow(0), min_recent_turns=0).plan(body)
+    assert plan.kept == (body[-1],)
+    assert plan.dropped == tuple(body[:-1])
+
+
+def test_min_recent_messages_keeps_whole_units_covering_that_many_messages() -> None:
+    """A floor of three messages keeps the two newest units when they hold one and two messages."""
+    body = conversation(3)
+    config = CompactionConfig(TurnCount(0), SlidingWindow(0), min_recent_turns=0, min_recent_messages=3)
+    plan = config.plan(body)
+    assert plan.kept == tuple(body[-3:])  # the tool step (2 messages) and the answer (1)
+
+
+def test_forced_plans_skip_the_trigger() -> None:
+    """force_reason plans a cut even when the trigger would not fire, and names that reason."""
+    plan = CompactionConfig(TurnCount(1000), SlidingWindow(1), min_recent_turns=0).plan(
+        conversation(2), force_reason="manual_recovery"
+    )
+    assert plan.reason == "manual_recovery"
+    assert plan.kept_turns == 1
+
+
+def test_message_tokens_replace_the_estimate() -> None:
+    """Given per-message token counts, TokenBudget keeps exactly the newest units that fit."""
+    body = [Message.user(str(i)) for i in range(5)]
+    config = CompactionConfig(TokenCount(1), TokenBudget(25), min_recent_turns=0)
+    plan = config.plan(body, 50, message_tokens=[10] * 5)
+    assert plan.kept == tuple(body[-2:])
+    with pytest.raises(ConfigError) as info:
+        config.plan(body, 50, message_tokens=[10] * 4)
+    assert info.value.key == "message_tokens"
+
+
+def test_observation_masking_replaces_only_old_tool_outputs() -> None:
+    """ObservationMasking keeps every message, masking tool outputs older than the newest turns."""
+    body = conversation(3)
+    config = CompactionConfig(TurnCount(0), ObservationMasking(2, "[{tool_call_id}: {tokens} tokens]"))
+    plan = config.plan(body)
+    assert plan.dropped == ()
+    assert len(plan.kept) == len(body)
+    assert plan.masked == 2
+    for before, after in zip(body, plan.kept, strict=True):
+        assert (after.role, after.tool_calls, after.tool_call_id) == (
+            before.role,
+            before.tool_calls,
+            before.tool_call_id,
+        )
+    masked = [m for m in plan.kept if m.metadata.get(MASKED_METADATA_KEY)]
+    assert [m.content for m in masked] == ["[call_t0: 10 tokens]", "[call_t1: 10 tokens]"]
+    assert plan.kept[-2].content == "x" * 40  # the newest tool output is untouched
+    again = config.plan(list(plan.kept))
+    assert again.masked == 0 and not again.compacts
+
+
+@pytest.mark.parametrize(
+    ("build", "key"),
+    [
+        (lambda: SlidingWindow(-1), "SlidingWindow.keep_recent_turns"),
+        (lambda: TokenBudget(-1), "TokenBudget.max_tokens"),
+        (lambda: TokenBudget(10, keep_recent_turns=-2), "TokenBudget.keep_recent_turns"),
+        (lambda: ObservationMasking(-1), "ObservationMasking.keep_recent_turns"),
+        (lambda: ObservationMasking(1, "{call_id}"), "ObservationMasking.placeholder"),
+        (lambda: CompactionConfig(TurnCount(1), SlidingWindow(1), min_recent_turns=-1), "min_recent_turns"),
+        (lambda: CompactionConfig("turns", SlidingWindow(1)), "trigger"),  # type: ignore[arg-type]
+        (lambda: CompactionConfig(TurnCount(1), 3), "strategy"),  # type: ignore[arg-type]
+    ],
+)
+def test_bad_strategy_settings_are_config_errors(build: object, key: str) -> None:
+    """Negative counts, unknown placeholder fields and wrong types name their key."""
+    with pytest.raises(ConfigError) as info:
+        build()  # type: ignore[operator]
+    assert info.value.key == key
