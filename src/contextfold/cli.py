@@ -78,7 +78,7 @@ def main() -> None:
 @click.option(
     "--budget",
     type=click.IntRange(min=1),
-    default=6000,
+    default=12000,
     show_default=True,
     help="Compact when the working context is above this many tokens.",
 )
@@ -270,7 +270,7 @@ def inspect(db: Path, thread: str, replay: bool) -> None:
 @click.option(
     "--budget",
     type=click.IntRange(min=1),
-    default=6000,
+    default=12000,
     show_default=True,
     help="Token budget the compaction aims under.",
 )

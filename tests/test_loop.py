@@ -1,0 +1,247 @@
+"""StepLoop: hook order, error propagation, and the same compaction in blocking and streaming runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from contextfold import (
+    ApproximateCounter,
+    Compacted,
+    Compactor,
+    ConfigError,
+    Hook,
+    LlmCallEpisode,
+    Message,
+    RunCompletedEpisode,
+    RunFinished,
+    RunOptions,
+    Step,
+    StepLoop,
+    SummarizeOptions,
+    TextDelta,
+    ToolCall,
+    ToolCallEpisode,
+    ToolFinished,
+    conversation,
+)
+from contextfold.stores import MemoryStore, SQLiteStore
+from contextfold.testing import ScriptedModel, tool_step
+
+OPTIONS = RunOptions(
+    max_history_tokens=1_200,
+    compaction=SummarizeOptions(trigger_token_budget=300, max_summary_tokens=60, keep_recent_messages=2),
+)
+
+
+def agent(messages: list[Message]) -> Message:
+    """Call one tool after each user message, then answer."""
+    if messages[-1].role.value == "tool":
+        return Message.assistant("answered " + "ok " * 10)
+    return tool_step("fetch", '{"url": "https://example.org/a"}', call_id=f"c{len(messages)}")
+
+
+async def fetch(url: str) -> str:
+    return f"{url}\n" + "payload line\n" * 60
+
+
+class Recording(Hook):
+    def __init__(self, name: str, log: list[str], *, fail: bool = False, optional: bool = False) -> None:
+        self.name, self.log, self.fail, self.optional = name, log, fail, optional
+
+    async def before_request(self, step: Step) -> None:
+        self.log.append(f"before:{self.name}")
+        if self.fail:
+            raise RuntimeError(f"{self.name} broke")
+
+    async def after_response(self, step: Step) -> None:
+        self.log.append(f"after:{self.name}")
+
+    async def on_run_completed(self, thread: str, clean: bool) -> None:
+        self.log.append(f"done:{self.name}:{clean}")
+
+
+def make_loop(store: Any, *hooks: Hook) -> StepLoop:
+    return StepLoop(Compactor(store, options=OPTIONS, counter=ApproximateCounter()), hooks=hooks)
+
+
+async def test_before_hooks_run_in_order_and_after_hooks_in_reverse() -> None:
+    """before_request runs first-to-last, after_response and run completion last-to-first."""
+    log: list[str] = []
+    async with MemoryStore() as store:
+        loop = make_loop(store, Recording("a", log), Recording("b", log))
+        await loop.run("t", "hi", llm=ScriptedModel([Message.assistant("hello")]))
+    assert log == ["before:a", "before:b", "after:b", "after:a", "done:b:True", "done:a:True"]
+
+
+async def test_a_failing_hook_stops_the_step() -> None:
+    """A hook's error propagates and the model is never called."""
+    model = ScriptedModel([Message.assistant("never")])
+    async with MemoryStore() as store:
+        loop = make_loop(store, Recording("bad", []), Recording("broken", [], fail=True))
+        with pytest.raises(RuntimeError, match="broken broke"):
+            await loop.run("t", "hi", llm=model)
+    assert model.calls == 0
+
+
+async def test_an_optional_hook_failure_is_logged_and_the_chain_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A hook marked optional fails without stopping the run; the failure is logged."""
+    log: list[str] = []
+    async with MemoryStore() as store:
+        loop = make_loop(store, Recording("flaky", log, fail=True, optional=True), Recording("next", log))
+        result = await loop.run("t", "hi", llm=ScriptedModel([Message.assistant("hello")]))
+    assert result.reply.text == "hello"
+    assert "before:next" in log
+    assert "flaky broke" in caplog.text
+
+
+async def test_non_hooks_are_rejected() -> None:
+    """Passing something that is not a Hook names its position."""
+    async with MemoryStore() as store:
+        with pytest.raises(ConfigError, match=r"hooks\[0\]"):
+            StepLoop(Compactor(store, options=OPTIONS), hooks=[object()])  # type: ignore[list-item]
+
+
+async def test_blocking_and_streaming_runs_compact_the_same_way(tmp_path: Path) -> None:
+    """The same script leaves the same working context and the same compactions in run() and stream()."""
+    async with SQLiteStore(tmp_path / "loop.db") as store:
+        loop = make_loop(store)
+        blocking_compactions = 0
+        for n in range(6):
+            result = await loop.run(
+                "blocking", f"question {n}", llm=ScriptedModel(agent), tools={"fetch": fetch}
+            )
+            blocking_compactions += len(result.compactions)
+        streaming = ScriptedModel(agent, chunk_size=3)
+        events: list[Any] = []
+        for n in range(6):
+            events += [
+                e
+                async for e in loop.stream(
+                    "streaming", f"question {n}", llm=streaming.stream, tools={"fetch": fetch}
+                )
+            ]
+        blocking = await loop.compactor.context("blocking")
+        streamed = await loop.compactor.context("streaming")
+    assert blocking_compactions > 0
+    assert blocking_compactions == sum(isinstance(e, Compacted) for e in events)
+    assert [(m.role, m.text) for m in blocking] == [(m.role, m.text) for m in streamed]
+    last_tool = max(i for i, e in enumerate(events) if isinstance(e, ToolFinished))
+    deltas = "".join(e.text for e in events[last_tool:] if isinstance(e, TextDelta))
+    assert deltas == blocking[-1].text
+
+
+async def test_replay_gives_back_the_whole_conversation_after_many_compactions() -> None:
+    """After many compactions, replaying the episodic log yields every original message in order."""
+    async with MemoryStore() as store:
+        loop = make_loop(store)
+        compactions = 0
+        for n in range(15):
+            user = Message.user(f"question {n}")
+            result = await loop.run("t", user, llm=ScriptedModel(agent), tools={"fetch": fetch})
+            compactions += len(result.compactions)
+        records = [r async for r in store.replay("t")]
+        context = await loop.compactor.context("t")
+    replayed = conversation(records)
+    assert compactions >= 3
+    assert len(replayed) == 15 * 4
+    assert [m.text for m in replayed if m.role.value == "user"] == [f"question {n}" for n in range(15)]
+    tool_calls = [r.episode.call for r in records if isinstance(r.episode, ToolCallEpisode)]
+    assert len(tool_calls) == 15
+    # every message that is still in the working context verbatim is in the log
+    originals = {(m.role, m.text, m.tool_call_id) for m in replayed}
+    assert all((m.role, m.text, m.tool_call_id) in originals for m in context if not m.is_summary)
+
+
+async def test_each_message_is_recorded_before_it_reaches_the_working_context() -> None:
+    """The episodic log is written before short-term memory for every message of a step."""
+    order: list[str] = []
+    async with MemoryStore() as store:
+        record, append = store.record, store.append
+
+        async def spy_record(thread: str, episode: Any, **kw: Any) -> Any:
+            order.append(f"record:{episode.kind}")
+            return await record(thread, episode, **kw)
+
+        async def spy_append(thread: str, messages: Any, tokens: Any) -> Any:
+            order.extend(f"append:{m.role.value}" for m in messages)
+            return await append(thread, messages, tokens)
+
+        store.record, store.append = spy_record, spy_append
+        loop = make_loop(store)
+        await loop.run("t", "hi", llm=ScriptedModel(agent), tools={"fetch": fetch})
+    assert order[:2] == ["record:user_message", "append:user"]
+    assert order[2:4] == ["record:llm_call", "append:assistant"]
+    assert order[4:7] == ["record:tool_call", "record:tool_result", "append:tool"]
+
+
+async def test_llm_call_episodes_say_what_was_sent() -> None:
+    """An LLM-call episode records how many messages and tokens the request carried."""
+    async with MemoryStore() as store:
+        loop = make_loop(store)
+        await loop.append("t", Message.system("You are a careful agent. " * 10))
+        await loop.run("t", "hi", llm=ScriptedModel([Message.assistant("hello")]))
+        calls = [r.episode async for r in store.replay("t") if isinstance(r.episode, LlmCallEpisode)]
+    assert calls[0].request_messages == 2
+    assert calls[0].request_tokens > 0
+
+
+async def test_a_clean_run_completion_resets_unfinished_turns() -> None:
+    """Finishing a run records run_completed and resets the unfinished-turns count."""
+    async with MemoryStore() as store:
+        loop = make_loop(store)
+        await loop.append("t", Message.user("one"), Message.user("two"))
+        assert (await store.pressure("t")).user_messages_after_latest_run_completed == 2
+        await loop.run("t", "three", llm=ScriptedModel([Message.assistant("done")]))
+        pressure = await store.pressure("t")
+        last = [r.episode async for r in store.replay("t")][-1]
+    assert pressure.user_messages_after_latest_run_completed == 0
+    assert isinstance(last, RunCompletedEpisode) and last.clean
+
+
+async def test_running_out_of_steps_ends_the_run_uncleanly() -> None:
+    """A run that hits max_steps ends with RunFinished(clean=False) and an unclean completion."""
+    always_tool = ScriptedModel(lambda m: tool_step("fetch", '{"url": "u"}', call_id=f"c{len(m)}"))
+    async with MemoryStore() as store:
+        loop = make_loop(store)
+        events = [
+            e
+            async for e in loop.stream(
+                "t", "loop forever", llm=always_tool.stream, tools={"fetch": fetch}, max_steps=3
+            )
+        ]
+        last = [r.episode async for r in store.replay("t")][-1]
+    assert isinstance(events[-1], RunFinished) and not events[-1].clean and events[-1].steps == 3
+    assert isinstance(last, RunCompletedEpisode) and not last.clean
+
+
+async def test_tool_failures_become_error_results_for_the_model() -> None:
+    """An unknown tool or a raising tool yields an error tool result instead of crashing the run."""
+
+    async def explode(**_: Any) -> str:
+        raise ValueError("disk on fire")
+
+    calls = [
+        ToolCall(id="x1", name="missing", arguments="{}"),
+        ToolCall(id="x2", name="explode", arguments="{}"),
+    ]
+    model = ScriptedModel([Message.assistant(None, tool_calls=calls), Message.assistant("sorry")])
+    async with MemoryStore() as store:
+        loop = make_loop(store)
+        events = [e async for e in loop.stream("t", "go", llm=model.stream, tools={"explode": explode})]
+    results = [e.result for e in events if isinstance(e, ToolFinished)]
+    assert "no tool named 'missing'" in results[0].text
+    assert "ValueError: disk on fire" in results[1].text
+    assert all(r.metadata.get("is_error") for r in results)
+
+
+async def test_max_steps_must_be_positive() -> None:
+    """max_steps below 1 is a ConfigError naming the option."""
+    async with MemoryStore() as store:
+        loop = make_loop(store)
+        with pytest.raises(ConfigError, match="max_steps"):
+            await loop.run("t", "hi", llm=ScriptedModel([]), max_steps=0)
