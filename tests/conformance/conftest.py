@@ -3,12 +3,16 @@
 ``store`` is an open store for the test's backend (memory, SQLite, PostgreSQL);
 ``open_store`` opens another handle on the same data, to test durability and
 separate workers. PostgreSQL tests get a schema of their own, dropped afterwards.
+``raw_sql`` runs SQL on the backend's database directly, bypassing the store,
+for the tests that show what the database itself enforces; tests that need it
+narrow ``backend`` to ``SQL_BACKENDS``.
 """
 
 from __future__ import annotations
 
+import sqlite3
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +21,14 @@ import pytest
 from contextfold.stores import MemoryStore, SQLiteStore
 
 OpenStore = Callable[[], Awaitable[Any]]
+RawSQL = Callable[[str, Sequence[Any]], Awaitable[list[tuple[Any, ...]]]]
 
 BACKENDS = [
     pytest.param("memory", id="memory"),
     pytest.param("sqlite", id="sqlite"),
     pytest.param("postgres", id="postgres", marks=pytest.mark.postgres),
 ]
+SQL_BACKENDS = BACKENDS[1:]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -31,24 +37,30 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-async def open_store(
-    backend: str, tmp_path: Path, request: pytest.FixtureRequest
-) -> AsyncIterator[OpenStore]:
+def database(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, str]:
+    """Where the test's data lives: the SQLite file, or the PostgreSQL URL and schema."""
+    if backend == "sqlite":
+        return {"path": str(tmp_path / "contextfold.db")}
+    if backend == "postgres":
+        return {"url": request.getfixturevalue("postgres_url"), "schema": f"cf_test_{uuid.uuid4().hex[:12]}"}
+    return {}
+
+
+@pytest.fixture
+async def open_store(backend: str, database: dict[str, str]) -> AsyncIterator[OpenStore]:
     """A factory of stores over one shared database; every store it opens is closed after the test."""
     opened: list[Any] = []
     memory = MemoryStore()  # the memory backend shares data between handles only within one object
-    schema = f"cf_test_{uuid.uuid4().hex[:12]}"
-    url = request.getfixturevalue("postgres_url") if backend == "postgres" else ""
 
     async def factory() -> Any:
         if backend == "memory":
             return memory
         if backend == "sqlite":
-            store: Any = SQLiteStore(tmp_path / "contextfold.db")
+            store: Any = SQLiteStore(database["path"])
         else:
             from contextfold.stores import PostgresStore
 
-            store = PostgresStore(url, schema=schema)
+            store = PostgresStore(database["url"], schema=database["schema"])
         await store.__aenter__()
         opened.append(store)
         return store
@@ -60,10 +72,39 @@ async def open_store(
     if backend == "postgres":
         import psycopg
 
-        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-            await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        async with await psycopg.AsyncConnection.connect(database["url"], autocommit=True) as conn:
+            await conn.execute(f'DROP SCHEMA IF EXISTS "{database["schema"]}" CASCADE')
 
 
 @pytest.fixture
 async def store(open_store: OpenStore) -> Any:
     return await open_store()
+
+
+@pytest.fixture
+def raw_sql(backend: str, database: dict[str, str]) -> RawSQL:
+    """Run one statement (``?`` placeholders) in its own transaction on the store's tables."""
+
+    async def sqlite_run(statement: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+        conn = sqlite3.connect(database["path"], timeout=30)
+        try:
+            with conn:
+                return conn.execute(statement, tuple(params)).fetchall()
+        finally:
+            conn.close()
+
+    async def postgres_run(statement: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+        import psycopg
+
+        async with await psycopg.AsyncConnection.connect(database["url"]) as conn:
+            await conn.execute(f'SET search_path TO "{database["schema"]}"')
+            cur = await conn.execute(statement.replace("?", "%s"), tuple(params))  # type: ignore[arg-type]
+            rows = await cur.fetchall() if cur.description else []
+            await conn.commit()
+            return rows
+
+    if backend == "sqlite":
+        return sqlite_run
+    if backend == "postgres":
+        return postgres_run
+    pytest.fail("raw_sql needs a SQL backend: parametrize the test with SQL_BACKENDS")

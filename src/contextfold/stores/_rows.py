@@ -96,7 +96,7 @@ def encode_messages(
             )
         _whole_number(f"tokens[{index}]", count, minimum=0)
         try:
-            body = message.model_dump_json()
+            body = message.model_dump_json(warnings="error")
             Message.model_validate_json(body)
         except (ValidationError, PydanticSerializationError) as exc:
             raise InvalidMessageError(where, _first_error(exc)) from None
@@ -119,7 +119,7 @@ def encode_episode(episode: Episode) -> str:
         names = ", ".join(kind.__name__ for kind in _EPISODE_TYPES)
         raise InvalidMessageError("episode", f"must be one of {names}, got {type(episode).__name__}")
     try:
-        body = episode.model_dump_json()
+        body = episode.model_dump_json(warnings="error")
         EPISODE_ADAPTER.validate_json(body)
     except (ValidationError, PydanticSerializationError) as exc:
         raise InvalidMessageError("episode", _first_error(exc)) from None
