@@ -1,0 +1,357 @@
+"""An offline, deterministic summarizer that keeps what a model would need verbatim.
+
+It copies lines rather than writing prose: the user's requests and
+constraints, decisions, identifiers (paths, ids, URLs, numbers) and
+``key: value`` facts — from text, tool-call arguments and tool results alike —
+and each tool call with the head of its result. Lines are ranked by value
+(identifiers and facts highest) and then by age, and the summary keeps the
+best lines that fit ``max_summary_tokens``, so the oldest low-value lines go
+first. It writes the same sections as the model prompt, and reads a previous
+summary back by those sections to merge with it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._episodes import Usage
+from .._errors import ConfigError
+from .._messages import Message, Role
+from .._tokens import TiktokenCounter, TokenCounter
+from ._base import Summary
+from ._prompt import SECTIONS, cut_middle, tool_names_of
+
+__all__ = ["ExtractiveSummarizer", "find_identifiers"]
+
+GOAL, DECISIONS, FACTS, TOOLS, OPEN = range(len(SECTIONS))
+
+_URL = r"https?://[^\s<>\"'`)\]},;]+"
+_EMAIL = r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b"
+_ABS_PATH = r"(?<![\w/.])(?:~|\.{1,2})?/[\w.@+-]+(?:/[\w.@+-]+)*/?"
+_REL_PATH = r"\b[\w.-]+(?:/[\w.@+-]+)+"
+_FILE = r"\b[\w-]+(?:\.[\w-]+)*\.[A-Za-z][A-Za-z0-9]{0,7}\b(?=[^\w/]|$)"
+_ID = r"\b(?=[\w-]*\d)(?=[\w-]*[A-Za-z])[A-Za-z0-9][\w-]*[A-Za-z0-9]\b"
+_NUMBER = r"(?<![\w.])-?\d[\d,_]*(?:\.\d+)+(?![\w.])|(?<![\w.])-?\d{3,}(?:[,_]\d{3})*(?![\w.])"
+_IDENTIFIER = re.compile("|".join(f"(?:{p})" for p in (_URL, _EMAIL, _ABS_PATH, _REL_PATH, _ID, _NUMBER)))
+_FILENAME = re.compile(_FILE)
+_FILE_SUFFIXES = frozenset(
+    "py js ts tsx jsx json yaml yml toml md txt csv tsv log sql rs go java kt c h cc cpp hpp sh cfg "
+    "ini conf xml html css parquet lock env pdf png jpg zip gz tar db sqlite ipynb rb php swift".split()
+)
+_KEY_VALUE = re.compile(r"^\s*[-*•]?\s*\"?([A-Za-z][\w .\-/]{0,40}?)\"?\s*[:=]\s*(\S.*?)\s*,?$")
+_SENTENCE = re.compile(r"(?<=[.!?])\s+|\n+")
+_CONSTRAINT = re.compile(
+    r"\b(must|never|always|only|do not|don't|dont|should not|shouldn't|avoid|without|at most|"
+    r"at least|no more than|required?|constraint|deadline|before)\b",
+    re.IGNORECASE,
+)
+_DECISION = re.compile(
+    r"\b(decided?|decision|chose|choose|chosen|going to|we will|i will|i'll|we'll|switch(?:ed)? to|"
+    r"instead|settled on|concluded?|root cause|the fix|approach|opted)\b",
+    re.IGNORECASE,
+)
+_NEXT = re.compile(
+    r"\b(next|todo|to do|remaining|still need|pending|follow[- ]up|not yet|then i|then we|after that|"
+    r"open question|blocked)\b",
+    re.IGNORECASE,
+)
+_WHITESPACE = re.compile(r"\s+")
+_HEADING = re.compile(r"^\s*#{1,6}\s*(.+?)\s*#*\s*$")
+
+_MAX_IDS_PER_MESSAGE = 16
+_MAX_FACTS_PER_MESSAGE = 10
+_OPEN_LINES_KEPT = 3
+
+
+def _one_line(text: str) -> str:
+    return _WHITESPACE.sub(" ", text).strip()
+
+
+def find_identifiers(text: str) -> list[str]:
+    """Paths, URLs, e-mail addresses, ids, file names and long numbers in ``text``, in order, once each.
+
+    An identifier inside a longer one (the number in a path) is not repeated.
+    """
+    found: list[str] = []
+    for match in _IDENTIFIER.finditer(text):
+        value = match.group(0).rstrip(".:")
+        if len(value) >= 3:
+            found.append(value)
+    for match in _FILENAME.finditer(text):
+        if match.group(0).rsplit(".", 1)[-1].lower() in _FILE_SUFFIXES:
+            found.append(match.group(0))
+    out: list[str] = []
+    for value in sorted(dict.fromkeys(found), key=lambda v: (-len(v), text.find(v))):
+        if not any(value in longer for longer in out):
+            out.append(value)
+    return sorted(out, key=text.find)
+
+
+def _flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            yield from _flatten(inner, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(value, list):
+        for index, inner in enumerate(value[:_MAX_FACTS_PER_MESSAGE]):
+            yield from _flatten(inner, f"{prefix}[{index}]")
+    elif value is not None and value != "":
+        yield prefix or "value", value if isinstance(value, str) else json.dumps(value)
+
+
+def _key_values(text: str) -> list[tuple[str, str]]:
+    """``key: value`` pairs of a JSON object, or of ``key: value`` / ``key=value`` lines."""
+    stripped = text.strip()
+    if stripped[:1] in "{[":
+        try:
+            return list(_flatten(json.loads(stripped)))[:_MAX_FACTS_PER_MESSAGE]
+        except ValueError:
+            pass
+    pairs: list[tuple[str, str]] = []
+    for line in text.splitlines():
+        match = _KEY_VALUE.match(line)
+        if match and not match.group(2).startswith("//"):
+            pairs.append((match.group(1).strip(), match.group(2).strip().strip('"')))
+            if len(pairs) == _MAX_FACTS_PER_MESSAGE:
+                break
+    return pairs
+
+
+@dataclass(frozen=True, slots=True)
+class _Line:
+    section: int
+    text: str
+    priority: int
+    order: int
+    ids: tuple[str, ...] = ()
+    """For an identifier list, the identifiers; the line is rewritten to those not kept elsewhere."""
+    label: str = ""
+
+
+class ExtractiveSummarizer:
+    """Summarizes without a model: deterministic, offline, and within ``max_summary_tokens``.
+
+    ``counter`` measures the budget (exact ``TiktokenCounter`` by default).
+    Lines are cut to ``max_line_chars`` characters, and a tool result's head
+    to ``result_head_chars``.
+    """
+
+    model = "extractive"
+
+    def __init__(
+        self,
+        counter: TokenCounter | None = None,
+        *,
+        max_line_chars: int = 240,
+        result_head_chars: int = 160,
+    ) -> None:
+        if isinstance(max_line_chars, bool) or not isinstance(max_line_chars, int) or max_line_chars < 40:
+            raise ConfigError(
+                "max_line_chars", "must be at least 40 characters, for example 240", value=max_line_chars
+            )
+        if (
+            isinstance(result_head_chars, bool)
+            or not isinstance(result_head_chars, int)
+            or (result_head_chars < 0)
+        ):
+            raise ConfigError(
+                "result_head_chars", "must be a whole number >= 0, for example 160", value=result_head_chars
+            )
+        self._counter = counter
+        self.max_line_chars = max_line_chars
+        self.result_head_chars = result_head_chars
+
+    @property
+    def counter(self) -> TokenCounter:
+        if self._counter is None:
+            self._counter = TiktokenCounter()
+        return self._counter
+
+    def __repr__(self) -> str:
+        return f"ExtractiveSummarizer(counter={self._counter!r})"
+
+    async def summarize(
+        self,
+        messages: Sequence[Message],
+        *,
+        previous_summary: str | None,
+        max_summary_tokens: int,
+    ) -> Summary:
+        """The best lines of ``previous_summary`` and ``messages`` that fit ``max_summary_tokens``."""
+        if (
+            isinstance(max_summary_tokens, bool)
+            or not isinstance(max_summary_tokens, int)
+            or (max_summary_tokens <= 0)
+        ):
+            raise ConfigError(
+                "max_summary_tokens",
+                "must be a positive token count, for example 1024",
+                value=max_summary_tokens,
+            )
+        lines = self._parse_previous(previous_summary or "")
+        for message in messages:
+            if message.is_summary:
+                lines.extend(self._parse_previous(message.text, start=len(lines)))
+        lines.extend(self._extract(messages, start=len(lines)))
+        text = self._select(lines, max_summary_tokens)
+        counter = self.counter
+        input_tokens = sum(counter.count(m) for m in messages)
+        if previous_summary:
+            input_tokens += counter.count_text(previous_summary)
+        return Summary(
+            text=text,
+            model=self.model,
+            usage=Usage(input_tokens=input_tokens, output_tokens=counter.count_text(text)),
+        )
+
+    # reading ---------------------------------------------------------------
+
+    def _line(self, section: int, text: str, priority: int, order: int) -> _Line:
+        return _Line(section, cut_middle(_one_line(text), self.max_line_chars), priority, order)
+
+    def _ids_line(self, label: str, ids: Sequence[str], priority: int, order: int) -> _Line:
+        ids = tuple(ids[:_MAX_IDS_PER_MESSAGE])
+        return _Line(FACTS, f"{label}: {', '.join(ids)}", priority, order, ids, label)
+
+    def _fact_lines(self, label: str, text: str, priority: int, order: int) -> list[_Line]:
+        """``key: value`` facts (always high value), then a line of the identifiers they do not hold."""
+        out: list[_Line] = []
+        held = ""
+        for key, value in _key_values(text):
+            line = self._line(FACTS, f"{key}: {value}", 4, order)
+            out.append(line)
+            held += line.text + "\n"
+        ids = [i for i in find_identifiers(text) if i not in held]
+        if ids:
+            out.append(self._ids_line(label, ids, priority, order))
+        return out
+
+    def _extract(self, messages: Sequence[Message], start: int) -> list[_Line]:
+        names = tool_names_of(messages)
+        results = {m.tool_call_id: m.text for m in messages if m.role is Role.TOOL and m.tool_call_id}
+        first_goal = start == 0
+        out: list[_Line] = []
+        for offset, message in enumerate(messages):
+            order = start + offset
+            text = message.text
+            if message.is_summary:
+                continue
+            if message.role is Role.USER or message.role is Role.SYSTEM:
+                if message.role is Role.USER and text.strip():
+                    priority = 5 if first_goal else 2
+                    first_goal = False
+                    out.append(self._line(GOAL, f"{message.role.value}: {text}", priority, order))
+                for sentence in _SENTENCE.split(text):
+                    if _CONSTRAINT.search(sentence) and len(sentence) > 12:
+                        out.append(self._line(GOAL, sentence, 3, order))
+                out.extend(self._fact_lines(message.role.value, text, 4, order))
+            elif message.role is Role.ASSISTANT:
+                for sentence in _SENTENCE.split(text):
+                    if _NEXT.search(sentence):
+                        out.append(self._line(OPEN, sentence, 2, order))
+                    elif _DECISION.search(sentence):
+                        out.append(self._line(DECISIONS, sentence, 2, order))
+                out.extend(self._fact_lines("assistant", text, 3, order))
+                for call in message.tool_calls:
+                    arguments = _one_line(call.arguments)
+                    head = _one_line(results.get(call.id, ""))[: self.result_head_chars]
+                    shown = f"{call.name}({cut_middle(arguments, self.max_line_chars // 2)})"
+                    out.append(self._line(TOOLS, f"{shown} -> {head}" if head else shown, 1, order))
+                    out.extend(self._fact_lines(f"{call.name} arguments", call.arguments, 4, order))
+            else:
+                name = names.get(message.tool_call_id or "")
+                if name is None:
+                    head = _one_line(text)[: self.result_head_chars]
+                    out.append(self._line(TOOLS, f"result of call {message.tool_call_id}: {head}", 1, order))
+                out.extend(self._fact_lines(f"{name or 'tool'} result", text, 3, order))
+        return out
+
+    def _parse_previous(self, summary: str, start: int = 0) -> list[_Line]:
+        """The lines of a previous summary, each in its section, ranked as when first written."""
+        out: list[_Line] = []
+        section = FACTS
+        seen_goal = start > 0
+        known = {heading.lower(): index for index, heading in enumerate(SECTIONS)}
+        for raw in summary.splitlines():
+            heading = _HEADING.match(raw)
+            if heading:
+                section = known.get(heading.group(1).lower(), FACTS)
+                continue
+            text = raw.strip()
+            if text.startswith(("- ", "* ")):
+                text = text[2:].strip()
+            if not text or text.lower() == "none":
+                continue
+            order = start + len(out)
+            if section == GOAL:
+                priority = 5 if not seen_goal else 3 if _CONSTRAINT.search(text) else 2
+                seen_goal = True
+            elif section == FACTS:
+                label, colon, rest = text.partition(": ")
+                is_list = bool(colon) and (
+                    label in ("user", "system", "assistant") or label.endswith((" arguments", " result"))
+                )
+                priority = 3 if label == "assistant" or label.endswith(" result") else 4
+                if is_list:
+                    ids = tuple(part.strip() for part in rest.split(", ") if part.strip())
+                    out.append(self._ids_line(label, ids, priority, order))
+                    continue
+            elif section == TOOLS:
+                priority = 1
+            else:
+                priority = 2
+            out.append(_Line(section, cut_middle(text, self.max_line_chars), priority, order))
+        return out
+
+    # writing -----------------------------------------------------------------
+
+    def _select(self, lines: list[_Line], budget: int) -> str:
+        count = self.counter.count_text
+        newest_open = sorted((ln for ln in lines if ln.section == OPEN), key=lambda ln: -ln.order)
+        stale = {id(ln) for ln in newest_open[_OPEN_LINES_KEPT:]}
+        ranked = sorted(
+            (ln for ln in lines if id(ln) not in stale), key=lambda ln: (-ln.priority, -ln.order, ln.section)
+        )
+        skeleton = self._render([])
+        used = count(skeleton)
+        chosen: list[_Line] = []
+        texts: set[str] = set()
+        kept_ids: set[str] = set()
+        for line in ranked:
+            if line.ids:
+                fresh = tuple(i for i in line.ids if i not in kept_ids)
+                if not fresh:
+                    continue
+                line = _Line(
+                    FACTS, f"{line.label}: {', '.join(fresh)}", line.priority, line.order, fresh, line.label
+                )
+            if line.text in texts:
+                continue
+            cost = count(f"- {line.text}\n") + 1
+            if used + cost > budget:
+                continue
+            used += cost
+            chosen.append(line)
+            texts.add(line.text)
+            if line.section == FACTS:  # other sections may be dropped first, so facts repeat their ids
+                kept_ids.update(line.ids or find_identifiers(line.text))
+        text = self._render(chosen)
+        # Joined text can tokenize a little differently from its lines: drop the lowest-ranked until it fits.
+        while chosen and count(text) > budget:
+            chosen.pop()
+            text = self._render(chosen)
+        while text and count(text) > budget:
+            text = text[: max(0, len(text) * 3 // 4)].rstrip()
+        return text
+
+    @staticmethod
+    def _render(chosen: list[_Line]) -> str:
+        blocks: list[str] = []
+        for index, heading in enumerate(SECTIONS):
+            section = sorted((ln for ln in chosen if ln.section == index), key=lambda ln: ln.order)
+            body = "\n".join(f"- {ln.text}" for ln in section) or "- none"
+            blocks.append(f"## {heading}\n{body}")
+        return "\n\n".join(blocks)

@@ -1,0 +1,115 @@
+"""A summarizer over any OpenAI-compatible Chat Completions endpoint."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
+from urllib.parse import urlparse
+
+import httpx
+from pydantic import SecretStr
+
+from .._episodes import Usage
+from .._tokens import TokenCounter
+from ._http import ChatSummarizer, SummarizerRetry
+from ._prompt import DEFAULT_MAX_MESSAGE_CHARS
+
+__all__ = ["OpenAICompatibleSummarizer"]
+
+OPENAI_BASE_URL = "https://api.openai.com/v1"
+
+TokenLimitField = Literal["max_tokens", "max_completion_tokens"]
+
+
+class OpenAICompatibleSummarizer(ChatSummarizer):
+    """Summarizes with a Chat Completions model: OpenAI, or vLLM, Ollama, LM Studio, OpenRouter, ....
+
+    The key comes from ``api_key`` or ``OPENAI_API_KEY``; a local server given
+    as ``base_url`` may need none. ``token_limit_field`` names the output
+    limit: by default ``max_completion_tokens`` for api.openai.com (its newer
+    models reject ``max_tokens``) and ``max_tokens`` elsewhere, which every
+    compatible server accepts. Every other option is described on
+    ``ChatSummarizer``.
+    """
+
+    provider: ClassVar[str] = "OpenAI-compatible"
+    env_var: ClassVar[str] = "OPENAI_API_KEY"
+    official_host: ClassVar[str] = "api.openai.com"
+    default_base_url: ClassVar[str] = OPENAI_BASE_URL
+    default_context_window_tokens: ClassVar[int] = 128_000
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        base_url: str = OPENAI_BASE_URL,
+        api_key: str | SecretStr | None = None,
+        client: httpx.AsyncClient | None = None,
+        timeout: float = 60.0,
+        max_retries: int = 2,
+        retry: SummarizerRetry | None = None,
+        context_window_tokens: int = 128_000,
+        max_message_chars: int = DEFAULT_MAX_MESSAGE_CHARS,
+        counter: TokenCounter | None = None,
+        headers: Mapping[str, str] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        token_limit_field: TokenLimitField | None = None,
+    ) -> None:
+        super().__init__(
+            model,
+            base_url=base_url,
+            api_key=api_key,
+            client=client,
+            timeout=timeout,
+            max_retries=max_retries,
+            retry=retry,
+            context_window_tokens=context_window_tokens,
+            max_message_chars=max_message_chars,
+            counter=counter,
+            headers=headers,
+            extra_body=extra_body,
+        )
+        if token_limit_field is None:
+            official = urlparse(self.base_url).hostname == self.official_host
+            token_limit_field = "max_completion_tokens" if official else "max_tokens"
+        self.token_limit_field: TokenLimitField = token_limit_field
+
+    @property
+    def url(self) -> str:
+        return f"{self.base_url}/chat/completions"
+
+    def _auth_headers(self, key: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"}
+
+    def request_body(self, system: str, user: str, max_tokens: int) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": user},
+            ],
+            self.token_limit_field: max_tokens,
+            **self.extra_body,
+        }
+
+    def _parse_reply(self, data: Mapping[str, Any]) -> tuple[str, str | None, Usage]:
+        choices = data.get("choices")
+        if not isinstance(choices, list) or not choices:
+            raise ValueError("'choices' is missing or empty")
+        message = choices[0].get("message") if isinstance(choices[0], Mapping) else None
+        if not isinstance(message, Mapping):
+            raise ValueError("'choices[0].message' is missing")
+        content = message.get("content")
+        if isinstance(content, list):  # some compatible servers answer with content parts
+            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+        if content is not None and not isinstance(content, str):
+            raise ValueError(f"'choices[0].message.content' is a {type(content).__name__}, not text")
+        raw_usage = data.get("usage")
+        usage = Usage()
+        if isinstance(raw_usage, Mapping):
+            usage = Usage(
+                input_tokens=int(raw_usage.get("prompt_tokens") or 0),
+                output_tokens=int(raw_usage.get("completion_tokens") or 0),
+            )
+        model = data.get("model")
+        return content or "", model if isinstance(model, str) and model else None, usage
