@@ -59,8 +59,6 @@ __all__ = ["PostgresStore"]
 SCHEMA_VERSION = 1
 """The newest schema this code writes; a database at a higher version is refused."""
 
-_FIRST_WINDOW_BATCH = 64
-_MAX_WINDOW_BATCH = 2048
 _REPLAY_BATCH = 500
 _CONNECT_TIMEOUT_SECONDS = 10
 _IDENTIFIER_MAX_BYTES = 63
@@ -374,22 +372,35 @@ class PostgresStore:
             self._require_open("append")
             return []
         counts = [count for _, count in rows]
-        async with self._connection("append", thread) as conn, conn.transaction():
-            # The upsert row-locks the thread, so concurrent appenders get disjoint seqs.
-            cur = await conn.execute(
-                self._q(
-                    "INSERT INTO {s}.threads AS t (thread, message_count, total_tokens, last_seq) "
-                    "VALUES (%s, %s, %s, %s) ON CONFLICT (thread) DO UPDATE SET "
-                    "message_count = t.message_count + EXCLUDED.message_count, "
-                    "total_tokens = t.total_tokens + EXCLUDED.total_tokens, "
-                    "last_seq = t.last_seq + EXCLUDED.last_seq RETURNING last_seq"
-                ),
-                (thread, len(rows), sum(counts), len(rows)),
-            )
+        # One statement, one round trip: the upsert row-locks the thread, so concurrent
+        # appenders get disjoint seqs, and both inserts commit together or not at all.
+        query = self._q(
+            "WITH t AS ("
+            " INSERT INTO {s}.threads AS t (thread, message_count, total_tokens, last_seq)"
+            " VALUES (%(thread)s, %(n)s, %(total)s, %(n)s) ON CONFLICT (thread) DO UPDATE SET"
+            "  message_count = t.message_count + EXCLUDED.message_count,"
+            "  total_tokens = t.total_tokens + EXCLUDED.total_tokens,"
+            "  last_seq = t.last_seq + EXCLUDED.last_seq"
+            " RETURNING last_seq),"
+            " added AS ("
+            " INSERT INTO {s}.messages (thread, seq, tokens, body)"
+            " SELECT %(thread)s, t.last_seq - %(n)s + u.n, u.tokens, u.body"
+            " FROM t, unnest(%(tokens)s::integer[], %(bodies)s::text[])"
+            "  WITH ORDINALITY AS u(tokens, body, n))"
+            " SELECT last_seq FROM t"
+        )
+        params = {
+            "thread": thread,
+            "n": len(rows),
+            "total": sum(counts),
+            "tokens": counts,
+            "bodies": [body for body, _ in rows],
+        }
+        async with self._connection("append", thread) as conn:
+            cur = await conn.execute(query, params)
             last = await cur.fetchone()
-            assert last is not None
-            first = int(last[0]) - len(rows) + 1
-            await self._insert_messages(conn, thread, first, rows)
+        assert last is not None
+        first = int(last[0]) - len(rows) + 1
         return [
             StoredMessage(seq=first + n, message=message, tokens=count)
             for n, (message, count) in enumerate(zip(messages, counts, strict=True))
@@ -398,7 +409,6 @@ class PostgresStore:
     async def _insert_messages(
         self, conn: psycopg.AsyncConnection[Any], thread: str, first: int, rows: list[tuple[str, int]]
     ) -> None:
-        # One statement whatever the batch size: the rows travel as two array parameters.
         await conn.execute(
             self._q(
                 "INSERT INTO {s}.messages (thread, seq, tokens, body) "
@@ -411,25 +421,29 @@ class PostgresStore:
     async def load(self, thread: str, *, max_tokens: int | None = None) -> ContextWindow:
         """The working context; with ``max_tokens``, only the newest messages that fit.
 
-        Reads from the newest message backwards in growing batches and stops at
-        the limit, all inside one read-only snapshot.
+        One statement reads the thread's counters and, newest first, a quarter
+        more messages than the average message size says will fit, so a
+        windowed load reads a bounded number of rows and usually costs one round
+        trip. If the guess falls short (uneven sizes), it asks again for more.
         """
         _check_thread(thread)
         limit = check_max_tokens(max_tokens)
-        async with self._connection("load", thread) as conn, conn.transaction():
-            await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            stats = await self._stats(conn, thread)
-            if limit is None or stats.total_tokens <= limit:
-                cur = await conn.execute(
-                    self._q("SELECT seq, tokens, body FROM {s}.messages WHERE thread = %s ORDER BY seq"),
-                    (thread,),
-                )
+        percent = 125
+        async with self._connection("load", thread) as conn:
+            while True:
+                params = {"thread": thread, "limit": limit, "percent": percent}
+                cur = await conn.execute(self._load_query, params)
                 rows = await cur.fetchall()
-                window = Window(thread, None)
-                for seq, count, body in reversed(rows):
-                    window.offer(seq, count, body)
-            else:
-                window = await self._newest_within(conn, thread, limit, stats.last_seq)
+                window = Window(thread, limit)
+                for row in rows:
+                    if row[4] is None or not window.offer(row[4], row[5], row[6]):
+                        break
+                asked = rows[0][7] if rows else None
+                # Within one statement the counters and the rows come from one snapshot.
+                if window.full or asked is None or len(rows) < asked:
+                    break
+                percent *= 4
+        stats = ThreadStats() if not rows else _thread_stats(rows[0][:4])
         return ContextWindow(
             thread=thread,
             messages=window.messages(),
@@ -438,24 +452,21 @@ class PostgresStore:
             complete=not window.full,
         )
 
-    async def _newest_within(
-        self, conn: psycopg.AsyncConnection[Any], thread: str, limit: int, last_seq: int
-    ) -> Window:
-        window = Window(thread, limit)
-        before, batch = last_seq + 1, _FIRST_WINDOW_BATCH
-        query = self._q(
-            "SELECT seq, tokens, body FROM {s}.messages WHERE thread = %s AND seq < %s "
-            "ORDER BY seq DESC LIMIT %s"
+    @property
+    def _load_query(self) -> sql.Composed:
+        return self._q(
+            "SELECT t.message_count, t.total_tokens, t.version, t.last_seq, m.seq, m.tokens, m.body, lim.n"
+            " FROM {s}.threads t"
+            " CROSS JOIN LATERAL (SELECT CASE"
+            "  WHEN %(limit)s::bigint IS NULL OR t.total_tokens <= %(limit)s::bigint THEN NULL"
+            "  ELSE %(percent)s::bigint * %(limit)s::bigint * t.message_count"
+            "   / (100 * greatest(t.total_tokens, 1)) + 16"
+            "  END AS n) lim"
+            " LEFT JOIN LATERAL (SELECT seq, tokens, body FROM {s}.messages"
+            "  WHERE thread = t.thread ORDER BY seq DESC LIMIT lim.n) m ON true"
+            " WHERE t.thread = %(thread)s"
+            " ORDER BY m.seq DESC"
         )
-        while True:
-            cur = await conn.execute(query, (thread, before, batch))
-            rows = await cur.fetchall()
-            for seq, count, body in rows:
-                if not window.offer(seq, count, body):
-                    return window
-            if len(rows) < batch:
-                return window
-            before, batch = rows[-1][0], min(batch * 2, _MAX_WINDOW_BATCH)
 
     async def stats(self, thread: str) -> ThreadStats:
         """Message count, token total, version and newest seq, from the thread's row."""
@@ -474,10 +485,7 @@ class PostgresStore:
             (thread,),
         )
         row = await cur.fetchone()
-        if row is None:
-            return ThreadStats()
-        count, total, version, last_seq = row
-        return ThreadStats(message_count=count, total_tokens=total, version=version, last_seq=last_seq)
+        return ThreadStats() if row is None else _thread_stats(row)
 
     async def replace_prefix(
         self,
@@ -528,8 +536,7 @@ class PostgresStore:
             )
             updated = await cur.fetchone()
             assert updated is not None
-        count, total, version, last_seq = updated
-        return ThreadStats(message_count=count, total_tokens=total, version=version, last_seq=last_seq)
+        return _thread_stats(updated)
 
     @asynccontextmanager
     async def compaction_lock(self, thread: str) -> AsyncIterator[bool]:
@@ -665,6 +672,11 @@ class PostgresStore:
             )
             row = await cur.fetchone()
         return None if row is None else self._episode(thread, row)
+
+
+def _thread_stats(row: Sequence[Any]) -> ThreadStats:
+    count, total, version, last_seq = row
+    return ThreadStats(message_count=count, total_tokens=total, version=version, last_seq=last_seq)
 
 
 def _counters(row: tuple[Any, ...]) -> PressureCounters:

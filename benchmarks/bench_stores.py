@@ -1,0 +1,263 @@
+"""Store benchmark: append throughput, and whether the hot-path reads stay flat as a thread grows.
+
+For each backend (memory, SQLite, PostgreSQL) and each thread size it builds
+one thread of that many messages (batched appends) and as many episodes, then
+measures single-message appends, a windowed ``load(max_tokens=2000)``,
+``stats()`` (the token total) and ``pressure()``. The window, the total and the
+pressure must cost the same at 100,000 messages as at 1,000: the script prints
+the largest/smallest size ratio of their medians, which should stay near 1.
+
+Run it with::
+
+    .venv/bin/python benchmarks/bench_stores.py
+    .venv/bin/python benchmarks/bench_stores.py --sizes 1000,10000 --backends memory,sqlite
+
+PostgreSQL is reached through ``CONTEXTFOLD_TEST_POSTGRES_URL`` (default
+``postgresql://postgres@127.0.0.1:5432/test``), in a schema of its own that is
+dropped afterwards; when the server is unreachable that backend is skipped.
+SQLite runs with its default ``synchronous="FULL"``, except while building
+the episode log, which would otherwise measure the disk's fsync rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from contextfold import ContextfoldError, Message
+from contextfold._episodes import Episode, RunCompletedEpisode, UserMessageEpisode
+from contextfold.stores import MemoryStore, SQLiteStore
+
+DEFAULT_SIZES = (1_000, 10_000, 100_000)
+BACKENDS = ("memory", "sqlite", "postgres")
+DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
+TOKENS_PER_MESSAGE = 20
+WINDOW_TOKENS = 2_000
+BUILD_BATCH = 1_000
+RECORD_WORKERS = 8
+SINGLE_APPENDS = 100
+READ_REPEATS = 50
+THREAD = "bench-thread"
+
+
+@dataclass(frozen=True)
+class Result:
+    backend: str
+    size: int
+    build_per_s: float
+    """Messages per second appended in batches of ``BUILD_BATCH``."""
+    single_per_s: float
+    """Messages per second appended one per call."""
+    record_per_s: float
+    window_ms: float
+    stats_ms: float
+    pressure_ms: float
+
+
+def _message(n: int) -> Message:
+    role = "user" if n % 2 == 0 else "assistant"
+    return Message.model_validate(
+        {"role": role, "content": f"message {n}: " + "the quick brown fox jumps over the lazy dog " * 2}
+    )
+
+
+def _episode(n: int) -> Episode:
+    if n % 10 == 9:
+        return RunCompletedEpisode(clean=True)
+    return UserMessageEpisode(message=Message.user(f"user message {n}"))
+
+
+async def _median_ms(call: Callable[[], Awaitable[object]], repeats: int = READ_REPEATS) -> float:
+    await call()  # warm caches and prepared statements before timing
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        await call()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1000
+
+
+async def _record_all(store: Any, count: int, workers: int) -> float:
+    """Record ``count`` episodes with ``workers`` concurrent callers; episodes per second."""
+    next_n = 0
+
+    async def worker() -> None:
+        nonlocal next_n
+        while next_n < count:
+            n, next_n = next_n, next_n + 1
+            await store.record(THREAD, _episode(n))
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for _ in range(workers):
+            tg.start_soon(worker)
+    return count / (time.perf_counter() - start)
+
+
+async def _bench(backend: str, size: int, store: Any, record_store: Any) -> Result:
+    start = time.perf_counter()
+    for offset in range(0, size, BUILD_BATCH):
+        batch = [_message(n) for n in range(offset, min(size, offset + BUILD_BATCH))]
+        await store.append(THREAD, batch, [TOKENS_PER_MESSAGE] * len(batch))
+    build_per_s = size / (time.perf_counter() - start)
+
+    record_per_s = await _record_all(record_store, size, 1 if backend == "memory" else RECORD_WORKERS)
+
+    single = _message(size)
+    start = time.perf_counter()
+    for _ in range(SINGLE_APPENDS):
+        await store.append(THREAD, [single], [TOKENS_PER_MESSAGE])
+    single_per_s = SINGLE_APPENDS / (time.perf_counter() - start)
+
+    window = await store.load(THREAD, max_tokens=WINDOW_TOKENS)
+    expected = WINDOW_TOKENS // TOKENS_PER_MESSAGE
+    if len(window.messages) != expected or window.complete:
+        raise AssertionError(f"{backend}: window of {len(window.messages)} messages, expected {expected}")
+    stats = await store.stats(THREAD)
+    if stats.message_count != size + SINGLE_APPENDS:
+        raise AssertionError(f"{backend}: {stats.message_count} messages, expected {size + SINGLE_APPENDS}")
+    pressure = await store.pressure(THREAD)
+    if pressure.total_user_messages != size - size // 10:
+        raise AssertionError(f"{backend}: pressure counted {pressure.total_user_messages} user messages")
+
+    return Result(
+        backend=backend,
+        size=size,
+        build_per_s=build_per_s,
+        single_per_s=single_per_s,
+        record_per_s=record_per_s,
+        window_ms=await _median_ms(lambda: store.load(THREAD, max_tokens=WINDOW_TOKENS)),
+        stats_ms=await _median_ms(lambda: store.stats(THREAD)),
+        pressure_ms=await _median_ms(lambda: store.pressure(THREAD)),
+    )
+
+
+@asynccontextmanager
+async def _stores(backend: str, postgres_url: str) -> AsyncIterator[tuple[Any, Any]]:
+    """A fresh, empty store for one run, and the handle episodes are recorded through."""
+    if backend == "memory":
+        async with MemoryStore() as memory:
+            yield memory, memory
+    elif backend == "sqlite":
+        with tempfile.TemporaryDirectory(prefix="contextfold-bench-") as folder:
+            path = Path(folder) / "bench.db"
+            async with SQLiteStore(path) as store, SQLiteStore(path, synchronous="NORMAL") as fast:
+                yield store, fast
+    else:
+        import psycopg
+        from psycopg import sql
+
+        from contextfold.stores import PostgresStore
+
+        schema = f"cf_bench_{uuid.uuid4().hex[:10]}"
+        try:
+            async with PostgresStore(postgres_url, schema=schema, max_size=RECORD_WORKERS) as store:
+                yield store, store
+        finally:
+            async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as conn:
+                await conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+def _table(results: list[Result]) -> str:
+    header = (
+        f"{'backend':<9} {'messages':>9} {'append batched/s':>17} {'append single/s':>16} "
+        f"{'record/s':>9} {'window ms':>10} {'stats ms':>9} {'pressure ms':>12}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in results:
+        lines.append(
+            f"{r.backend:<9} {r.size:>9,} {r.build_per_s:>17,.0f} {r.single_per_s:>16,.0f} "
+            f"{r.record_per_s:>9,.0f} {r.window_ms:>10.3f} {r.stats_ms:>9.3f} {r.pressure_ms:>12.3f}"
+        )
+    return "\n".join(lines)
+
+
+def _ratios(results: list[Result]) -> str:
+    lines = []
+    for backend in dict.fromkeys(r.backend for r in results):
+        runs = sorted((r for r in results if r.backend == backend), key=lambda r: r.size)
+        if len(runs) < 2:
+            continue
+        small, large = runs[0], runs[-1]
+        lines.append(
+            f"{backend:<9} {large.size:,}/{small.size:,} ratio: "
+            f"window {large.window_ms / small.window_ms:.2f}  "
+            f"stats {large.stats_ms / small.stats_ms:.2f}  "
+            f"pressure {large.pressure_ms / small.pressure_ms:.2f}"
+        )
+    return "\n".join(lines)
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument(
+        "--sizes",
+        default=",".join(str(size) for size in DEFAULT_SIZES),
+        help="comma-separated messages per thread (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--backends", default=",".join(BACKENDS), help="comma-separated subset of %(default)s"
+    )
+    parser.add_argument(
+        "--postgres-url",
+        default=os.environ.get("CONTEXTFOLD_TEST_POSTGRES_URL", DEFAULT_POSTGRES_URL),
+        help="PostgreSQL DSN (default: $CONTEXTFOLD_TEST_POSTGRES_URL or %(default)s)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        args.sizes = sorted({int(size) for size in args.sizes.split(",")})
+    except ValueError:
+        parser.error(f"--sizes must be comma-separated whole numbers, got {args.sizes!r}")
+    if any(size < WINDOW_TOKENS // TOKENS_PER_MESSAGE + 1 for size in args.sizes):
+        parser.error(f"every size must exceed the {WINDOW_TOKENS // TOKENS_PER_MESSAGE} messages of a window")
+    args.backends = [name.strip() for name in args.backends.split(",") if name.strip()]
+    unknown = sorted(set(args.backends) - set(BACKENDS))
+    if unknown:
+        parser.error(f"unknown backends {unknown}; choose from {', '.join(BACKENDS)}")
+    return args
+
+
+async def _run(args: argparse.Namespace) -> list[Result]:
+    results = []
+    for backend in args.backends:
+        for size in args.sizes:
+            try:
+                async with _stores(backend, args.postgres_url) as (store, record_store):
+                    result = await _bench(backend, size, store, record_store)
+            except (ContextfoldError, OSError) as exc:
+                print(f"{backend}: skipped ({exc})", file=sys.stderr)
+                break
+            print(
+                f"{backend} {size:,}: window {result.window_ms:.3f} ms, pressure {result.pressure_ms:.3f} ms",
+                file=sys.stderr,
+            )
+            results.append(result)
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark and print its table; 0 on success."""
+    args = _parse(argv)
+    results = anyio.run(_run, args)
+    print(_table(results))
+    ratios = _ratios(results)
+    if ratios:
+        print()
+        print(ratios)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
