@@ -64,8 +64,12 @@ def _invalid(exc: ValidationError) -> InvalidMessageError:
     errors = exc.errors()
     first = errors[0]
     inner = first.get("ctx", {}).get("error")
-    if isinstance(inner, InvalidMessageError):  # raised by a model validator, already precise
-        return inner
+    if isinstance(inner, InvalidMessageError):  # our own rule, or a nested model's own error
+        where = _field_of(first["loc"])
+        if not where:
+            return inner
+        separator = "" if inner.field.startswith("[") else "."
+        return InvalidMessageError(f"{where}{separator}{inner.field}", inner.reason)
     # A union (``content``) fails once per member; the deepest location is the informative one.
     deepest = max(errors, key=lambda e: len(e["loc"]))
     field = _field_of(deepest["loc"])
@@ -445,6 +449,8 @@ def _anthropic_user(content: list[Any], field: str) -> list[Message]:
             )
         )
     flush()
+    if not content:
+        messages.append(_build(field, Role.USER, []))
     return messages
 
 

@@ -1,0 +1,109 @@
+"""The Message model: roles, tool calls, metadata and validation that names the field."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from contextfold import SUMMARY_METADATA_KEY, InvalidMessageError, Message, Role, ToolCall
+
+
+def test_roles_are_the_four_chat_roles() -> None:
+    """Role has exactly system, user, assistant and tool, valued as their wire names."""
+    assert [r.value for r in Role] == ["system", "user", "assistant", "tool"]
+    assert Role("tool") is Role.TOOL
+
+
+def test_constructors_build_each_role() -> None:
+    """The role constructors fill role, content, calls, call id and metadata."""
+    lookup = ToolCall(id="call_1", name="lookup", arguments='{"q": "paris"}')
+    assert Message.system("be brief").role is Role.SYSTEM
+    user = Message.user("hi", source="cli")
+    assert (user.role, user.content, user.metadata) == (Role.USER, "hi", {"source": "cli"})
+    assistant = Message.assistant(None, tool_calls=[lookup])
+    assert (assistant.role, assistant.content, assistant.tool_calls) == (Role.ASSISTANT, None, (lookup,))
+    result = Message.tool("call_1", "sunny")
+    assert (result.role, result.tool_call_id, result.content) == (Role.TOOL, "call_1", "sunny")
+
+
+def test_messages_are_immutable_and_comparable() -> None:
+    """Messages are frozen values: equal when their fields are equal, and not assignable."""
+    assert Message.user("a") == Message.user("a")
+    assert Message.user("a") != Message.user("b")
+    message = Message.user("a")
+    with pytest.raises(ValidationError):
+        message.content = "b"  # type: ignore[misc]
+
+
+def test_tool_call_arguments_decode_from_json() -> None:
+    """parsed_arguments() is the JSON value of the arguments text; the default is an empty object."""
+    assert ToolCall(id="1", name="f", arguments='{"a": [1, 2]}').parsed_arguments() == {"a": [1, 2]}
+    assert ToolCall(id="1", name="f").parsed_arguments() == {}
+
+
+def test_text_joins_text_parts_and_skips_others() -> None:
+    """text is the string content, or the text parts joined by newlines, or empty for None."""
+    parts = [
+        {"type": "text", "text": "look"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "text", "text": "here"},
+    ]
+    assert Message(role=Role.USER, content=parts).text == "look\nhere"
+    assert Message.user("plain").text == "plain"
+    assert Message.assistant(None, tool_calls=[ToolCall(id="1", name="f")]).text == ""
+
+
+def test_is_summary_reads_the_summary_metadata_flag() -> None:
+    """A message is a summary exactly when its metadata carries the summary flag."""
+    assert Message.user("earlier", **{SUMMARY_METADATA_KEY: True}).is_summary
+    assert not Message.user("earlier").is_summary
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"role": "tool", "content": "x"}, "tool_call_id"),
+        ({"role": "tool", "content": "x", "tool_call_id": ""}, "tool_call_id"),
+        ({"role": "user", "content": "x", "tool_call_id": "c1"}, "tool_call_id"),
+        ({"role": "user", "content": "x", "tool_calls": [{"id": "1", "name": "f"}]}, "tool_calls"),
+        ({"role": "narrator", "content": "x"}, "role"),
+        ({"role": "user", "content": 5}, "content"),
+        ({"role": "user", "content": [{"type": "text", "text": "ok"}, "loose"]}, "content[1]"),
+        ({"role": "user", "content": "x", "colour": "red"}, "colour"),
+        (
+            {"role": "assistant", "tool_calls": [{"id": "1", "name": "f", "arguments": "{"}]},
+            "tool_calls[0].arguments",
+        ),
+        ({"role": "assistant", "tool_calls": [{"id": "", "name": "f"}]}, "tool_calls[0].id"),
+        ({"role": "assistant", "tool_calls": [{"id": "1", "name": ""}]}, "tool_calls[0].name"),
+        (
+            {"role": "assistant", "tool_calls": [{"id": "1", "name": "f"}, {"id": "1", "name": "g"}]},
+            "tool_calls",
+        ),
+    ],
+)
+def test_invalid_messages_raise_invalid_message_error_naming_the_field(
+    fields: dict[str, object], field: str
+) -> None:
+    """Building a malformed message raises InvalidMessageError whose field names the culprit."""
+    with pytest.raises(InvalidMessageError) as info:
+        Message(**fields)  # type: ignore[arg-type]
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{field}: ")
+    assert "Value error" not in info.value.reason
+
+
+def test_arguments_that_are_not_json_say_what_they_were() -> None:
+    """A non-JSON arguments text is rejected with the offending text in the reason."""
+    with pytest.raises(InvalidMessageError) as info:
+        ToolCall(id="1", name="f", arguments="{city: Paris}")
+    assert info.value.field == "arguments"
+    assert "{city: Paris}" in info.value.reason
+    assert "JSON" in info.value.reason
+
+
+def test_invalid_message_error_is_not_a_pydantic_error() -> None:
+    """Construction errors are contextfold errors, not pydantic ValidationErrors."""
+    with pytest.raises(InvalidMessageError) as info:
+        Message.tool("", "x")
+    assert not isinstance(info.value, ValidationError)
