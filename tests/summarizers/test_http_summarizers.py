@@ -442,6 +442,7 @@ def test_summarizers_satisfy_the_protocol(provider: Provider) -> None:
     ("option", "value"),
     [
         ("timeout", 0),
+        ("timeout", float("nan")),
         ("max_retries", -1),
         ("base_url", "ftp://example"),
         ("context_window_tokens", 100),

@@ -29,14 +29,17 @@ __all__ = ["ExtractiveSummarizer", "find_identifiers"]
 
 GOAL, DECISIONS, FACTS, TOOLS, OPEN = range(len(SECTIONS))
 
-_URL = r"https?://[^\s<>\"'`)\]},;]+"
+_URL = r"\b[a-z][a-z0-9+.-]*://[^\s<>\"'`)\]},;]+"
+_VERSION = r"\bv\d+(?:\.\d+)+\b"
 _EMAIL = r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b"
 _ABS_PATH = r"(?<![\w/.])(?:~|\.{1,2})?/[\w.@+-]+(?:/[\w.@+-]+)*/?"
 _REL_PATH = r"\b[\w.-]+(?:/[\w.@+-]+)+"
 _FILE = r"\b[\w-]+(?:\.[\w-]+)*\.[A-Za-z][A-Za-z0-9]{0,7}\b(?=[^\w/]|$)"
 _ID = r"\b(?=[\w-]*\d)(?=[\w-]*[A-Za-z])[A-Za-z0-9][\w-]*[A-Za-z0-9]\b"
 _NUMBER = r"(?<![\w.])-?\d[\d,_]*(?:\.\d+)+(?![\w.])|(?<![\w.])-?\d{3,}(?:[,_]\d{3})*(?![\w.])"
-_IDENTIFIER = re.compile("|".join(f"(?:{p})" for p in (_URL, _EMAIL, _ABS_PATH, _REL_PATH, _ID, _NUMBER)))
+_IDENTIFIER = re.compile(
+    "|".join(f"(?:{p})" for p in (_URL, _EMAIL, _ABS_PATH, _REL_PATH, _VERSION, _ID, _NUMBER))
+)
 _FILENAME = re.compile(_FILE)
 _FILE_SUFFIXES = frozenset(
     "py js ts tsx jsx json yaml yml toml md txt csv tsv log sql rs go java kt c h cc cpp hpp sh cfg "
@@ -89,6 +92,11 @@ def find_identifiers(text: str) -> list[str]:
         if not any(value in longer for longer in out):
             out.append(value)
     return sorted(out, key=text.find)
+
+
+def _fact_priority(value: str) -> int:
+    """A ``key: value`` fact is high value when its value holds an identifier."""
+    return 4 if find_identifiers(value) else 2
 
 
 def _flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
@@ -217,11 +225,11 @@ class ExtractiveSummarizer:
         return _Line(FACTS, f"{label}: {', '.join(ids)}", priority, order, ids, label)
 
     def _fact_lines(self, label: str, text: str, priority: int, order: int) -> list[_Line]:
-        """``key: value`` facts (always high value), then a line of the identifiers they do not hold."""
+        """``key: value`` facts, then a line of the identifiers they do not hold."""
         out: list[_Line] = []
         held = ""
         for key, value in _key_values(text):
-            line = self._line(FACTS, f"{key}: {value}", 4, order)
+            line = self._line(FACTS, f"{key}: {value}", _fact_priority(value), order)
             out.append(line)
             held += line.text + "\n"
         ids = [i for i in find_identifiers(text) if i not in held]
@@ -295,6 +303,8 @@ class ExtractiveSummarizer:
                     label in ("user", "system", "assistant") or label.endswith((" arguments", " result"))
                 )
                 priority = 3 if label == "assistant" or label.endswith(" result") else 4
+                if not is_list:
+                    priority = _fact_priority(rest or text)
                 if is_list:
                     ids = tuple(part.strip() for part in rest.split(", ") if part.strip())
                     out.append(self._ids_line(label, ids, priority, order))

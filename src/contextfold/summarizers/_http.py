@@ -16,6 +16,7 @@ how to read the reply; everything else lives here:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 from abc import ABC, abstractmethod
@@ -81,7 +82,7 @@ class SummarizerRetry:
     def __post_init__(self) -> None:
         for key in ("initial_delay", "max_delay", "max_retry_after"):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
                 raise ConfigError(
                     f"SummarizerRetry.{key}", "must be a number of seconds >= 0, for example 0.5", value=value
                 )
@@ -123,7 +124,7 @@ class SummarizerRetry:
 
 def _check_number(key: str, value: object, minimum: float, reason: str, whole: bool = False) -> None:
     kinds = int if whole else int | float
-    if isinstance(value, bool) or not isinstance(value, kinds) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, kinds) or not minimum <= value < math.inf:
         raise ConfigError(key, reason, value=value)
 
 

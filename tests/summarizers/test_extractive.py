@@ -1,0 +1,210 @@
+"""The offline extractive summarizer: what it keeps, its budget, determinism and incremental merging."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from contextfold import ConfigError, Message, TiktokenCounter, ToolCall
+from contextfold.summarizers import SECTIONS, ExtractiveSummarizer, Summarizer, find_identifiers
+
+COUNTER = TiktokenCounter()
+
+
+def call(call_id: str, name: str, **arguments: object) -> ToolCall:
+    return ToolCall(id=call_id, name=name, arguments=json.dumps(arguments))
+
+
+SESSION = [
+    Message.user("Migrate the billing service to Postgres 16. You must never touch /etc/prod/secrets.yaml."),
+    Message.assistant(
+        "I decided to start with the schema. Next I will check the replica.",
+        tool_calls=[call("c1", "read_file", path="/srv/billing/config/db.toml")],
+    ),
+    Message.tool("c1", "host: db-7.internal\nport: 5432\nreplicas = 3"),
+    Message.assistant(
+        None, tool_calls=[call("c2", "http_get", url="https://status.example.com/api/v2/db-7")]
+    ),
+    Message.tool("c2", '{"status": "degraded", "incident": "INC-48213"}'),
+]
+
+
+async def summarize(
+    messages: list[Message],
+    previous: str | None = None,
+    budget: int = 1000,
+    summarizer: ExtractiveSummarizer | None = None,
+) -> str:
+    summary = await (summarizer or ExtractiveSummarizer(COUNTER)).summarize(
+        messages, previous_summary=previous, max_summary_tokens=budget
+    )
+    return summary.text
+
+
+async def test_writes_the_fixed_sections_in_order() -> None:
+    """The summary has the prompt's five sections, in the prompt's order."""
+    text = await summarize(SESSION)
+    positions = [text.index(f"## {heading}") for heading in SECTIONS]
+    assert positions == sorted(positions)
+
+
+async def test_keeps_identifiers_found_only_in_tool_call_arguments() -> None:
+    """A path and a URL that appear only in tool-call arguments are in the summary's facts."""
+    text = await summarize(SESSION)
+    facts = text.split("## Facts and identifiers")[1].split("## ")[0]
+    assert "/srv/billing/config/db.toml" in facts
+    assert "https://status.example.com/api/v2/db-7" in facts
+
+
+async def test_keeps_requests_constraints_facts_and_tool_heads() -> None:
+    """User requests, constraints, decisions, key: value facts and tool names with result heads survive."""
+    text = await summarize(SESSION)
+    assert "Migrate the billing service to Postgres 16" in text
+    assert "- You must never touch /etc/prod/secrets.yaml." in text
+    assert "- I decided to start with the schema." in text
+    assert "- Next I will check the replica." in text.split("## Open tasks and next step")[1]
+    for fact in ("host: db-7.internal", "port: 5432", "replicas: 3", "incident: INC-48213"):
+        assert f"- {fact}" in text
+    assert 'read_file({"path": "/srv/billing/config/db.toml"}) -> host: db-7.internal' in text
+
+
+async def test_reports_the_extractive_model_and_the_tokens_it_read() -> None:
+    """Usage counts the messages and previous summary read, and the summary written."""
+    summary = await ExtractiveSummarizer(COUNTER).summarize(
+        SESSION, previous_summary="earlier notes", max_summary_tokens=800
+    )
+    assert summary.model == "extractive"
+    assert summary.usage.input_tokens == sum(COUNTER.count(m) for m in SESSION) + COUNTER.count_text(
+        "earlier notes"
+    )
+    assert summary.usage.output_tokens == COUNTER.count_text(summary.text)
+
+
+async def test_is_deterministic() -> None:
+    """The same input gives the same summary, from one instance or two."""
+    first = await summarize(SESSION, budget=120)
+    assert await summarize(SESSION, budget=120) == first
+    assert await summarize(SESSION, budget=120, summarizer=ExtractiveSummarizer(TiktokenCounter())) == first
+
+
+async def test_incremental_merge_keeps_every_old_fact_when_there_is_room() -> None:
+    """Updating a summary with new messages keeps all of its facts when the budget allows."""
+    first = await summarize(SESSION[:3])
+    later = [Message.user("The order id is ord_99812; deploy to eu-west-3 by 17:00.")]
+    second = await summarize(later, previous=first, budget=2000)
+    for identifier in find_identifiers(first):
+        assert identifier in second
+    assert "ord_99812" in second and "eu-west-3" in second
+    assert second.count("## Facts and identifiers") == 1
+
+
+async def test_a_tight_budget_drops_the_oldest_low_value_lines_first() -> None:
+    """Under pressure old tool-result heads go before newer ones, and facts outlast both."""
+    messages: list[Message] = []
+    for n in range(12):
+        messages.append(Message.assistant(None, tool_calls=[call(f"c{n}", "run_step")]))
+        messages.append(Message.tool(f"c{n}", f"step {n} finished without trouble"))
+    messages.append(Message.user("Remember: build id BLD-77123 and artifact s3://bucket/rel/app-9.tar.gz"))
+    text = await summarize(messages, budget=170)
+    assert COUNTER.count_text(text) <= 170
+    assert "BLD-77123" in text and "s3://bucket/rel/app-9.tar.gz" in text
+    kept_steps = [n for n in range(12) if f"step {n} finished" in text]
+    assert kept_steps, "some tool heads should fit"
+    assert kept_steps == list(range(12 - len(kept_steps), 12)), "the newest tool heads are the ones kept"
+
+
+async def test_facts_from_the_previous_summary_outrank_new_low_value_lines() -> None:
+    """An old identifier survives a merge that must drop lines, while new tool heads are dropped."""
+    previous = await summarize([Message.user("The customer is cust_5512 at /data/cust_5512/export.csv")])
+    noise = [
+        Message.assistant("Checking.", tool_calls=[call("n", "noop")]),
+        Message.tool("n", "nothing " * 40),
+    ]
+    text = await summarize(noise, previous=previous, budget=110)
+    assert "/data/cust_5512/export.csv" in text
+    assert COUNTER.count_text(text) <= 110
+
+
+async def test_a_summary_message_among_the_input_is_merged_like_a_previous_summary() -> None:
+    """A summary passed as a message is read back by its sections rather than quoted whole."""
+    earlier = await summarize(SESSION[:3])
+    summary_message = Message.user(earlier, **{"contextfold.summary": True})
+    text = await summarize([summary_message, Message.user("also ord_1234")])
+    assert text.count("## Goal and constraints") == 1
+    assert "/srv/billing/config/db.toml" in text and "ord_1234" in text
+
+
+@pytest.mark.parametrize("budget", [0, -5])
+async def test_a_non_positive_budget_is_a_config_error(budget: int) -> None:
+    """``max_summary_tokens`` must be positive."""
+    with pytest.raises(ConfigError) as caught:
+        await summarize(SESSION, budget=budget)
+    assert caught.value.key == "max_summary_tokens"
+
+
+def test_bad_options_fail_at_construction() -> None:
+    """Line and head sizes are checked when the summarizer is built."""
+    with pytest.raises(ConfigError, match="max_line_chars"):
+        ExtractiveSummarizer(max_line_chars=5)
+    with pytest.raises(ConfigError, match="result_head_chars"):
+        ExtractiveSummarizer(result_head_chars=-1)
+
+
+def test_satisfies_the_protocol() -> None:
+    """The extractive summarizer is a Summarizer."""
+    assert isinstance(ExtractiveSummarizer(), Summarizer)
+
+
+def test_find_identifiers_finds_paths_urls_ids_and_numbers_once() -> None:
+    """Identifiers are found in order, and one inside a longer one is not repeated."""
+    text = "see /a/b/c-2.py and src/x/y.py v1.2.3, 12, 1234, 0x9f3a22, ab12-cd, https://x.io/a?b=1. main.py"
+    assert find_identifiers(text) == [
+        "/a/b/c-2.py",
+        "src/x/y.py",
+        "v1.2.3",
+        "1234",
+        "0x9f3a22",
+        "ab12-cd",
+        "https://x.io/a?b=1",
+        "main.py",
+    ]
+
+
+_words = st.text(alphabet="abcdefgh /:._-0123456789\n", min_size=0, max_size=120)
+_message = st.one_of(
+    _words.map(Message.user),
+    _words.map(Message.assistant),
+    st.tuples(st.text(alphabet="abcxyz_", min_size=1, max_size=8), _words).map(
+        lambda p: Message.assistant(
+            None, tool_calls=[ToolCall(id="t", name=p[0], arguments=json.dumps({"a": p[1]}))]
+        )
+    ),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    messages=st.lists(_message, max_size=12),
+    previous=st.one_of(st.none(), _words),
+    budget=st.integers(1, 400),
+)
+async def test_never_exceeds_the_budget(messages: list[Message], previous: str | None, budget: int) -> None:
+    """Whatever the input, the summary fits ``max_summary_tokens``."""
+    text = await summarize(messages, previous=previous, budget=budget)
+    assert COUNTER.count_text(text) <= budget
+
+
+@settings(max_examples=40, deadline=None)
+@given(path=st.from_regex(r"/[a-z]{2,8}/[a-z0-9_]{2,8}/[a-z0-9]{2,8}\.(json|log|csv)", fullmatch=True))
+async def test_an_argument_path_survives_whenever_the_budget_allows(path: str) -> None:
+    """A path passed only as a tool argument is kept even under a small budget."""
+    messages = [
+        Message.user("please look around"),
+        Message.assistant(None, tool_calls=[call("a", "open", target=path)]),
+        Message.tool("a", "opened " + "blah " * 50),
+    ]
+    text = await summarize(messages, budget=90)
+    assert path in text
