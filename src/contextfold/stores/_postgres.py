@@ -385,7 +385,7 @@ class PostgresStore:
             " added AS ("
             " INSERT INTO {s}.messages (thread, seq, tokens, body)"
             " SELECT %(thread)s, t.last_seq - %(n)s + u.n, u.tokens, u.body"
-            " FROM t, unnest(%(tokens)s::integer[], %(bodies)s::text[])"
+            " FROM t, unnest(%(tokens)b::integer[], %(bodies)b::text[])"
             "  WITH ORDINALITY AS u(tokens, body, n))"
             " SELECT last_seq FROM t"
         )
@@ -413,7 +413,7 @@ class PostgresStore:
             self._q(
                 "INSERT INTO {s}.messages (thread, seq, tokens, body) "
                 "SELECT %s, %s + u.n - 1, u.tokens, u.body "
-                "FROM unnest(%s::integer[], %s::text[]) WITH ORDINALITY AS u(tokens, body, n)"
+                "FROM unnest(%b::integer[], %b::text[]) WITH ORDINALITY AS u(tokens, body, n)"
             ),
             (thread, first, [count for _, count in rows], [body for body, _ in rows]),
         )
