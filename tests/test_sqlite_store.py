@@ -1,0 +1,175 @@
+"""What only the SQLite backend does: its file, schema version, leases and worker threads."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from contextfold import ConfigError, Message, StoreError, UserMessageEpisode
+from contextfold.stores import SQLiteStore
+from contextfold.stores._sqlite import SCHEMA_VERSION
+
+
+def query(path: Path, statement: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    conn = sqlite3.connect(path, timeout=30)
+    try:
+        with conn:
+            return conn.execute(statement, params).fetchall()
+    finally:
+        conn.close()
+
+
+async def test_a_new_file_is_in_wal_mode_at_the_current_schema(tmp_path: Path) -> None:
+    """Opening creates the file in WAL mode with ``PRAGMA user_version`` at the schema version."""
+    path = tmp_path / "new.db"
+    async with SQLiteStore(path):
+        pass
+    assert query(path, "PRAGMA journal_mode") == [("wal",)]
+    assert query(path, "PRAGMA user_version") == [(SCHEMA_VERSION,)]
+
+
+async def test_a_newer_schema_is_refused_and_left_alone(tmp_path: Path) -> None:
+    """A file at a newer schema version raises StoreError naming the version and the fix, untouched."""
+    path = tmp_path / "future.db"
+    query(path, "PRAGMA user_version = 99")
+    store = SQLiteStore(path)
+    with pytest.raises(StoreError, match=r"schema version 99.*upgrade contextfold"):
+        await store.__aenter__()
+    await store.aclose()
+    assert query(path, "PRAGMA user_version") == [(99,)]
+    assert query(path, "SELECT name FROM sqlite_master") == []
+
+
+async def test_several_stores_opening_a_new_file_at_once_create_one_schema(tmp_path: Path) -> None:
+    """Stores opening the same new file concurrently all succeed and share one schema."""
+    path = tmp_path / "race.db"
+    stores = [SQLiteStore(path) for _ in range(4)]
+    async with anyio.create_task_group() as group:
+        for store in stores:
+            group.start_soon(store.__aenter__)
+    try:
+        for n, store in enumerate(stores):
+            await store.append("t", [Message.user(f"m{n}")], [1])
+        assert (await stores[0].stats("t")).message_count == 4
+    finally:
+        for store in stores:
+            await store.aclose()
+
+
+async def test_a_store_opens_on_first_use(tmp_path: Path) -> None:
+    """A store used without ``async with`` opens its file on the first call."""
+    store = SQLiteStore(tmp_path / "lazy.db")
+    try:
+        await store.append("t", [Message.user("hi")], [1])
+        assert (await store.stats("t")).message_count == 1
+    finally:
+        await store.aclose()
+
+
+async def test_an_unopenable_path_names_the_file(tmp_path: Path) -> None:
+    """A path SQLite cannot open raises StoreError naming the path."""
+    store = SQLiteStore(tmp_path)
+    with pytest.raises(StoreError, match=str(tmp_path)):
+        await store.stats("t")
+    await store.aclose()
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("busy_timeout", 0), ("lease_seconds", -1), ("synchronous", "OFF")],
+)
+def test_bad_options_are_config_errors(tmp_path: Path, option: str, value: Any) -> None:
+    """A non-positive timeout or an unknown synchronous mode is a ConfigError naming the option."""
+    with pytest.raises(ConfigError) as caught:
+        SQLiteStore(tmp_path / "x.db", **{option: value})
+    assert caught.value.key == option
+
+
+async def test_a_replacing_insert_cannot_overwrite_an_episode(tmp_path: Path) -> None:
+    """INSERT OR REPLACE, which deletes without firing DELETE triggers, is refused on the episode table."""
+    path = tmp_path / "log.db"
+    async with SQLiteStore(path) as store:
+        record = await store.record("t", UserMessageEpisode(message=Message.user("original")))
+        with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+            query(
+                path,
+                "INSERT OR REPLACE INTO episodes (thread, seq, at, kind, body) VALUES (?, 1, ?, 'x', '{}')",
+                ("t", record.at.isoformat()),
+            )
+        assert [r async for r in store.replay("t")] == [record]
+
+
+async def test_waiting_for_another_writer_leaves_the_event_loop_running(tmp_path: Path) -> None:
+    """An append queued behind another connection's write lock waits in a worker thread, not on the loop."""
+    path = tmp_path / "busy.db"
+    async with SQLiteStore(path) as store:
+        blocker = sqlite3.connect(path, isolation_level=None)
+        try:
+            blocker.execute("BEGIN IMMEDIATE")
+            appended = anyio.Event()
+
+            async def append() -> None:
+                await store.append("t", [Message.user("waited")], [1])
+                appended.set()
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(append)
+                for _ in range(100):
+                    await anyio.lowlevel.checkpoint()
+                assert not appended.is_set()
+                blocker.execute("COMMIT")
+        finally:
+            blocker.close()
+        assert (await store.stats("t")).message_count == 1
+
+
+def hold_lock(path: str, holding: Any) -> None:
+    async def main() -> None:
+        async with SQLiteStore(path) as store, store.compaction_lock("t") as mine:
+            assert mine
+            holding.set()
+            await anyio.sleep_forever()
+
+    anyio.run(main)
+
+
+async def test_a_killed_holders_lease_blocks_until_it_expires(tmp_path: Path) -> None:
+    """The lease of a SIGKILLed lock holder keeps others out until lease_seconds pass, then is taken over."""
+    path = tmp_path / "lease.db"
+    context = multiprocessing.get_context("spawn")
+    holding = context.Event()
+    child = context.Process(target=hold_lock, args=(str(path), holding), daemon=True)
+    child.start()
+    try:
+        assert await anyio.to_thread.run_sync(holding.wait, 60)
+    finally:
+        os.kill(child.pid or 0, signal.SIGKILL)
+        await anyio.to_thread.run_sync(child.join)
+
+    async with SQLiteStore(path) as now, now.compaction_lock("t") as mine:
+        assert not mine
+    later = SQLiteStore(path, clock=lambda: time.time() + 301)
+    async with later, later.compaction_lock("t") as mine:
+        assert mine
+    async with SQLiteStore(path) as now, now.compaction_lock("t") as mine:
+        assert mine
+
+
+async def test_closing_inside_the_lock_releases_it(tmp_path: Path) -> None:
+    """A store closed while its caller still holds the compaction lock gives the lock back."""
+    path = tmp_path / "close.db"
+    async with SQLiteStore(path) as other:
+        store = SQLiteStore(path)
+        async with store.compaction_lock("t") as mine:
+            assert mine
+            await store.aclose()
+            async with other.compaction_lock("t") as theirs:
+                assert theirs
