@@ -51,17 +51,18 @@ def open_target(target: Target) -> Any:
 
 @pytest.fixture
 async def target(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Target]:
+    """The database named by the test's parameter: a new SQLite file, or a PostgreSQL schema of its own."""
     backend = request.param
     if backend == "postgres":
         url = request.getfixturevalue("postgres_url")
-        schema = f"cf_conc_{uuid.uuid4().hex[:12]}"
+        schema = f"cf_test_{uuid.uuid4().hex[:12]}"
         yield {"backend": backend, "url": url, "schema": schema}
         import psycopg
 
         async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
             await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
     else:
-        yield {"backend": backend, "path": str(tmp_path / "busy.db")}
+        yield {"backend": backend, "path": str(tmp_path / "store.db")}
 
 
 def message_id(message: Message) -> str:

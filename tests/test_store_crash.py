@@ -19,14 +19,13 @@ import random
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
+import test_store_concurrency as concurrency
 from contextfold import Message, SummaryCheckpoint, UserMessageEpisode
 from contextfold.stores import SQLiteStore
 from test_store_concurrency import COVERS, fold_once, message_id
@@ -48,19 +47,7 @@ def open_target(target: Target, *, clock_offset: float = 0.0) -> Any:
     return PostgresStore(target["url"], schema=target["schema"], min_size=1, max_size=3)
 
 
-@pytest.fixture
-async def target(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Target]:
-    backend = request.param
-    if backend == "postgres":
-        url = request.getfixturevalue("postgres_url")
-        schema = f"cf_crash_{uuid.uuid4().hex[:12]}"
-        yield {"backend": backend, "url": url, "schema": schema}
-        import psycopg
-
-        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-            await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-    else:
-        yield {"backend": backend, "path": str(tmp_path / "crash.db")}
+target = concurrency.target  # the same fresh SQLite file or PostgreSQL schema per test
 
 
 async def churn(target: Target, started: Any) -> None:
