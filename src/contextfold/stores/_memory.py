@@ -19,7 +19,7 @@ from typing import Self
 from anyio.lowlevel import checkpoint
 
 from .._episodes import Episode, EpisodeRecord
-from .._errors import ConflictError, StoreClosedError
+from .._errors import StoreClosedError
 from .._messages import Message
 from .._policy import EpisodicCompactionPressure
 from ._base import ContextWindow, StoredMessage, ThreadStats
@@ -32,7 +32,9 @@ from ._rows import (
     decode_episode,
     encode_episode,
     encode_messages,
+    missing_seq_conflict,
     utc,
+    version_conflict,
 )
 
 __all__ = ["MemoryStore"]
@@ -150,17 +152,11 @@ class MemoryStore:
         context = self._contexts.get(thread, _Context())
         stats = context.stats
         if stats.version != expected_version:
-            raise ConflictError(
-                f"thread {thread!r} is at version {stats.version}, not {expected_version}: another "
-                "compaction replaced its prefix since it was loaded; load it again and retry"
-            )
+            raise version_conflict(thread, stats.version, expected_version)
         messages = context.messages
         cut = bisect.bisect_right(messages, through_seq, key=lambda stored: stored.seq)
         if cut == 0 or messages[cut - 1].seq != through_seq:
-            raise ConflictError(
-                f"thread {thread!r} holds no message with seq {through_seq}; load it again and "
-                "cut at a seq the window returned"
-            )
+            raise missing_seq_conflict(thread, through_seq)
         first = through_seq - len(rows) + 1
         new = [
             StoredMessage(seq=first + n, tokens=count, message=Message.model_validate_json(body))

@@ -26,7 +26,7 @@ from .._episodes import (
     SummaryCheckpoint,
     UserMessageEpisode,
 )
-from .._errors import ConfigError, InvalidMessageError, StoreError
+from .._errors import ConfigError, ConflictError, InvalidMessageError, StoreError
 from .._messages import Message
 from .._policy import EpisodicCompactionPressure
 from ._base import StoredMessage
@@ -44,7 +44,9 @@ __all__ = [
     "decode_message",
     "encode_episode",
     "encode_messages",
+    "missing_seq_conflict",
     "utc",
+    "version_conflict",
     "whole_days",
 ]
 
@@ -111,6 +113,20 @@ def check_from_seq(from_seq: Any) -> int:
 def check_replace(through_seq: Any, expected_version: Any) -> None:
     _whole_number("through_seq", through_seq, minimum=1)
     _whole_number("expected_version", expected_version, minimum=0)
+
+
+def version_conflict(thread: str, version: int, expected_version: int) -> ConflictError:
+    return ConflictError(
+        f"thread {thread!r} is at version {version}, not {expected_version}: another "
+        "compaction replaced its prefix since it was loaded; load it again and retry"
+    )
+
+
+def missing_seq_conflict(thread: str, through_seq: int) -> ConflictError:
+    return ConflictError(
+        f"thread {thread!r} holds no message with seq {through_seq}; load it again and "
+        "cut at a seq the window returned"
+    )
 
 
 def encode_episode(episode: Episode) -> str:

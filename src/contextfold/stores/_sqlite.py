@@ -29,7 +29,7 @@ import anyio
 from anyio import to_thread
 
 from .._episodes import Episode, EpisodeRecord
-from .._errors import ConfigError, ConflictError, StoreClosedError, StoreError
+from .._errors import ConfigError, StoreClosedError, StoreError
 from .._messages import Message
 from .._policy import EpisodicCompactionPressure
 from ._base import ContextWindow, StoredMessage, ThreadStats
@@ -43,7 +43,9 @@ from ._rows import (
     decode_episode,
     encode_episode,
     encode_messages,
+    missing_seq_conflict,
     utc,
+    version_conflict,
 )
 
 __all__ = ["SCHEMA_VERSION", "SQLiteStore"]
@@ -397,18 +399,12 @@ class SQLiteStore:
             with _transaction(conn, "IMMEDIATE"):
                 stats = _read_stats(conn, thread)
                 if stats.version != expected_version:
-                    raise ConflictError(
-                        f"thread {thread!r} is at version {stats.version}, not {expected_version}: another "
-                        "compaction replaced its prefix since it was loaded; load it again and retry"
-                    )
+                    raise version_conflict(thread, stats.version, expected_version)
                 found = conn.execute(
                     "SELECT 1 FROM messages WHERE thread = ? AND seq = ?", (thread, through_seq)
                 ).fetchone()
                 if found is None:
-                    raise ConflictError(
-                        f"thread {thread!r} holds no message with seq {through_seq}; load it again and "
-                        "cut at a seq the window returned"
-                    )
+                    raise missing_seq_conflict(thread, through_seq)
                 count, removed = conn.execute(
                     "SELECT count(*), coalesce(sum(tokens), 0) FROM messages WHERE thread = ? AND seq <= ?",
                     (thread, through_seq),
