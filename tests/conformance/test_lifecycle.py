@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -139,3 +141,28 @@ async def test_a_corrupt_episode_row_names_its_thread_and_seq(store: Any, raw_sq
     )
     with pytest.raises(StoreError, match=r"thread 't'.*episode seq 2"):
         [r async for r in store.replay("t")]
+
+
+def test_postgres_store_without_psycopg_says_how_to_install_it() -> None:
+    """Without psycopg, contextfold still imports and creating a PostgresStore names the extra to install."""
+    script = (
+        "import sys\n"
+        "sys.modules['psycopg'] = None\n"
+        "import contextfold\n"
+        "from contextfold.stores import MemoryStore, PostgresStore\n"
+        "try:\n"
+        "    PostgresStore('postgresql://127.0.0.1/x')\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert "pip install 'contextfold[postgres]'" in done.stdout
+
+
+def test_the_stores_package_exports_every_backend() -> None:
+    """contextfold.stores lists the protocols and all three backends in ``__all__``, each importable."""
+    import contextfold.stores as stores
+
+    assert set(stores.__all__) >= {"MemoryStore", "SQLiteStore", "PostgresStore"}
+    for name in stores.__all__:
+        assert getattr(stores, name).__name__ == name

@@ -363,11 +363,15 @@ class SQLiteStore:
                 stats = _read_stats(conn, thread)
                 # The cursor steps through the index newest first, one row at a time,
                 # so stopping here leaves the older rows unread.
-                for seq, tokens, body in conn.execute(
+                rows = conn.execute(
                     "SELECT seq, tokens, body FROM messages WHERE thread = ? ORDER BY seq DESC", (thread,)
-                ):
-                    if not window.offer(seq, tokens, body):
-                        break
+                )
+                try:
+                    for seq, tokens, body in rows:
+                        if not window.offer(seq, tokens, body):
+                            break
+                finally:
+                    rows.close()
             return ContextWindow(
                 thread=thread,
                 messages=window.messages(),
