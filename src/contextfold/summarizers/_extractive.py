@@ -45,7 +45,8 @@ _FILE_SUFFIXES = frozenset(
     "py js ts tsx jsx json yaml yml toml md txt csv tsv log sql rs go java kt c h cc cpp hpp sh cfg "
     "ini conf xml html css parquet lock env pdf png jpg zip gz tar db sqlite ipynb rb php swift".split()
 )
-_KEY_VALUE = re.compile(r"^\s*[-*•]?\s*\"?([A-Za-z][\w .\-/]{0,40}?)\"?\s*[:=]\s*(\S.*?)\s*,?$")
+_KEY_VALUE = re.compile(r"^\s*[-*•]?\s*\"?([A-Za-z][\w -]{0,39}?)\"?\s*[:=]\s*(\S.*?)\s*,?$")
+_ARGUMENT_LABEL = re.compile(r"[\w.-]+\([^()]*\)")
 _SENTENCE = re.compile(r"(?<=[.!?])\s+|\n+")
 _CONSTRAINT = re.compile(
     r"\b(must|never|always|only|do not|don't|dont|should not|shouldn't|avoid|without|at most|"
@@ -94,9 +95,26 @@ def find_identifiers(text: str) -> list[str]:
     return sorted(out, key=text.find)
 
 
-def _fact_priority(value: str) -> int:
-    """A ``key: value`` fact is high value when its value holds an identifier."""
-    return 4 if find_identifiers(value) else 2
+def _fact_priority(text: str) -> tuple[int, str | None]:
+    """How much a line of the facts section is worth, and its label when it is a list of identifiers.
+
+    What the user said ranks highest, then what the assistant passed to its
+    tools, then labelled facts from results; bare identifiers seen in tool
+    output rank with decisions. A fact whose value holds no identifier ranks
+    low. Extraction and re-reading a previous summary both use this, so a
+    line keeps its rank across merges.
+    """
+    label, colon, rest = text.partition(": ")
+    if colon and label in ("user", "system"):
+        return 5, label
+    if colon and label.endswith(" arguments"):
+        return 4, label
+    if colon and (label == "assistant" or label.endswith(" result")):
+        return 2, label
+    valuable = bool(find_identifiers(rest if colon else text))
+    if colon and _ARGUMENT_LABEL.fullmatch(label):
+        return (4 if valuable else 2), None
+    return (3 if valuable else 2), None
 
 
 def _flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
@@ -220,21 +238,29 @@ class ExtractiveSummarizer:
     def _line(self, section: int, text: str, priority: int, order: int) -> _Line:
         return _Line(section, cut_middle(_one_line(text), self.max_line_chars), priority, order)
 
-    def _ids_line(self, label: str, ids: Sequence[str], priority: int, order: int) -> _Line:
-        ids = tuple(ids[:_MAX_IDS_PER_MESSAGE])
+    def _fact(self, text: str, order: int) -> _Line:
+        priority, label = _fact_priority(text)
+        if label is None:
+            return self._line(FACTS, text, priority, order)
+        ids = tuple(part.strip() for part in text.partition(": ")[2].split(", ") if part.strip())
+        ids = ids[:_MAX_IDS_PER_MESSAGE]
         return _Line(FACTS, f"{label}: {', '.join(ids)}", priority, order, ids, label)
 
-    def _fact_lines(self, label: str, text: str, priority: int, order: int) -> list[_Line]:
-        """``key: value`` facts, then a line of the identifiers they do not hold."""
+    def _fact_lines(self, label: str, text: str, order: int, *, key_prefix: str | None = None) -> list[_Line]:
+        """``key: value`` facts, then one line listing the identifiers those facts do not hold.
+
+        With ``key_prefix`` (a tool's name) facts are written ``tool(key): value``.
+        """
         out: list[_Line] = []
         held = ""
         for key, value in _key_values(text):
-            line = self._line(FACTS, f"{key}: {value}", _fact_priority(value), order)
+            shown = f"{key_prefix}({key})" if key_prefix else key
+            line = self._fact(f"{shown}: {value}", order)
             out.append(line)
             held += line.text + "\n"
         ids = [i for i in find_identifiers(text) if i not in held]
         if ids:
-            out.append(self._ids_line(label, ids, priority, order))
+            out.append(self._fact(f"{label}: {', '.join(ids)}", order))
         return out
 
     def _extract(self, messages: Sequence[Message], start: int) -> list[_Line]:
@@ -255,26 +281,32 @@ class ExtractiveSummarizer:
                 for sentence in _SENTENCE.split(text):
                     if _CONSTRAINT.search(sentence) and len(sentence) > 12:
                         out.append(self._line(GOAL, sentence, 3, order))
-                out.extend(self._fact_lines(message.role.value, text, 4, order))
+                ids = find_identifiers(text)
+                if ids:  # the user's own words: identifiers only, the sentence is in the goal section
+                    out.append(self._fact(f"{message.role.value}: {', '.join(ids)}", order))
             elif message.role is Role.ASSISTANT:
                 for sentence in _SENTENCE.split(text):
                     if _NEXT.search(sentence):
                         out.append(self._line(OPEN, sentence, 2, order))
                     elif _DECISION.search(sentence):
                         out.append(self._line(DECISIONS, sentence, 2, order))
-                out.extend(self._fact_lines("assistant", text, 3, order))
+                out.extend(self._fact_lines("assistant", text, order))
                 for call in message.tool_calls:
                     arguments = _one_line(call.arguments)
                     head = _one_line(results.get(call.id, ""))[: self.result_head_chars]
                     shown = f"{call.name}({cut_middle(arguments, self.max_line_chars // 2)})"
                     out.append(self._line(TOOLS, f"{shown} -> {head}" if head else shown, 1, order))
-                    out.extend(self._fact_lines(f"{call.name} arguments", call.arguments, 4, order))
+                    out.extend(
+                        self._fact_lines(
+                            f"{call.name} arguments", call.arguments, order, key_prefix=call.name
+                        )
+                    )
             else:
                 name = names.get(message.tool_call_id or "")
                 if name is None:
                     head = _one_line(text)[: self.result_head_chars]
                     out.append(self._line(TOOLS, f"result of call {message.tool_call_id}: {head}", 1, order))
-                out.extend(self._fact_lines(f"{name or 'tool'} result", text, 3, order))
+                out.extend(self._fact_lines(f"{name or 'tool'} result", text, order))
         return out
 
     def _parse_previous(self, summary: str, start: int = 0) -> list[_Line]:
@@ -298,17 +330,8 @@ class ExtractiveSummarizer:
                 priority = 5 if not seen_goal else 3 if _CONSTRAINT.search(text) else 2
                 seen_goal = True
             elif section == FACTS:
-                label, colon, rest = text.partition(": ")
-                is_list = bool(colon) and (
-                    label in ("user", "system", "assistant") or label.endswith((" arguments", " result"))
-                )
-                priority = 3 if label == "assistant" or label.endswith(" result") else 4
-                if not is_list:
-                    priority = _fact_priority(rest or text)
-                if is_list:
-                    ids = tuple(part.strip() for part in rest.split(", ") if part.strip())
-                    out.append(self._ids_line(label, ids, priority, order))
-                    continue
+                out.append(self._fact(text, order))
+                continue
             elif section == TOOLS:
                 priority = 1
             else:
