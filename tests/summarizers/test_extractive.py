@@ -208,3 +208,13 @@ async def test_an_argument_path_survives_whenever_the_budget_allows(path: str) -
     ]
     text = await summarize(messages, budget=90)
     assert path in text
+
+
+async def test_a_huge_unbroken_blob_does_not_hide_the_identifiers_around_it() -> None:
+    """A megabyte of base64-like text is skipped as one word; the ids next to it are still kept."""
+    blob = "".join("Ab3+/x.9-" for _ in range(120_000))
+    result = f"wrote /srv/out/report-77.json\n{blob}\nchecksum: 5f1e09a7c3"
+    messages = [Message.assistant(None, tool_calls=[call("b", "export")]), Message.tool("b", result)]
+    text = await summarize(messages, budget=300)
+    assert "/srv/out/report-77.json" in text and "checksum: 5f1e09a7c3" in text
+    assert COUNTER.count_text(text) <= 300

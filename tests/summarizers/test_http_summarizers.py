@@ -473,3 +473,48 @@ def test_openai_official_endpoint_limits_with_max_completion_tokens() -> None:
     body = summarizer.request_body("s", "u", 123)
     assert body["max_completion_tokens"] == 123 and "max_tokens" not in body
     validate_openai_body(body)
+
+
+async def test_an_oversized_previous_summary_is_cut_to_fit_the_window(
+    provider: Provider, script: Script, base_url: str
+) -> None:
+    """A previous summary larger than the window is cut with a marker rather than failing the call."""
+    counter = ApproximateCounter()
+    script.then(reply_json(provider.reply("ok", 1, 1)))
+    async with provider.make(base_url, context_window_tokens=2048, counter=counter) as summarizer:
+        await summarizer.summarize(CONVERSATION, previous_summary="old fact. " * 3000, max_summary_tokens=200)
+    prompt = provider.user_prompt(script.bodies[0])
+    assert "characters cut ...]" in prompt
+    assert counter.count_text(SYSTEM_PROMPT + prompt) + 200 <= 2048
+
+
+async def test_extra_body_fields_are_sent_and_still_valid(
+    provider: Provider, script: Script, base_url: str
+) -> None:
+    """``extra_body`` fields the API defines reach the request, which the SDK types still accept."""
+    extra: dict[str, Any] = {"stop_sequences": ["END"]} if provider is ANTHROPIC else {"temperature": 0.2}
+    script.then(reply_json(provider.reply("ok", 1, 1)))
+    async with provider.make(base_url, extra_body=extra) as summarizer:
+        await summarizer.summarize(CONVERSATION, previous_summary=None, max_summary_tokens=300)
+    assert extra.items() <= script.bodies[0].items()
+    provider.validate(script.bodies[0])
+
+
+def test_extra_body_may_not_override_what_the_summarizer_sets(provider: Provider) -> None:
+    """Setting the model or the messages through ``extra_body`` is a ConfigError."""
+    with pytest.raises(ConfigError, match="model") as caught:
+        provider.make("http://127.0.0.1:1/v1", extra_body={"model": "other", "top_p": 1})
+    assert caught.value.key == "extra_body"
+
+
+async def test_anthropic_cache_tokens_count_as_input(
+    script: Script, base_url: str, provider: Provider
+) -> None:
+    """Cache reads and writes reported by the Messages API are part of the input tokens."""
+    reply = provider.reply("ok", 10, 4)
+    if provider is ANTHROPIC:
+        reply["usage"].update(cache_creation_input_tokens=5, cache_read_input_tokens=7)
+    script.then(reply_json(reply))
+    async with provider.make(base_url) as summarizer:
+        summary = await summarizer.summarize(CONVERSATION, previous_summary=None, max_summary_tokens=300)
+    assert summary.usage == Usage(input_tokens=22 if provider is ANTHROPIC else 10, output_tokens=4)

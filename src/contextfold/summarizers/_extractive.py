@@ -16,6 +16,7 @@ import json
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 from .._episodes import Usage
@@ -67,6 +68,9 @@ _WHITESPACE = re.compile(r"\s+")
 _HEADING = re.compile(r"^\s*#{1,6}\s*(.+?)\s*#*\s*$")
 
 _MAX_IDS_PER_MESSAGE = 16
+_MAX_IDENTIFIER_CHARS = 400
+_MAX_IDENTIFIERS_SCANNED = 64
+_MAX_KEY_VALUE_LINE_CHARS = 500
 _MAX_FACTS_PER_MESSAGE = 10
 _OPEN_LINES_KEPT = 3
 
@@ -79,20 +83,26 @@ def find_identifiers(text: str) -> list[str]:
     """Paths, URLs, e-mail addresses, ids, file names and long numbers in ``text``, in order, once each.
 
     An identifier inside a longer one (the number in a path) is not repeated.
+    Identifiers hold no whitespace, so the text is scanned word by word, and
+    words too long to be one (a base64 blob) are skipped: the cost stays
+    linear in the text.
     """
-    found: list[str] = []
-    for match in _IDENTIFIER.finditer(text):
-        value = match.group(0).rstrip(".:")
-        if len(value) >= 3:
-            found.append(value)
-    for match in _FILENAME.finditer(text):
-        if match.group(0).rsplit(".", 1)[-1].lower() in _FILE_SUFFIXES:
-            found.append(match.group(0))
-    out: list[str] = []
-    for value in sorted(dict.fromkeys(found), key=lambda v: (-len(v), text.find(v))):
-        if not any(value in longer for longer in out):
-            out.append(value)
-    return sorted(out, key=text.find)
+    found: dict[str, None] = {}
+    for word in text.split():
+        if len(word) > _MAX_IDENTIFIER_CHARS:
+            continue
+        for match in _IDENTIFIER.finditer(word):
+            value = match.group(0).rstrip(".:")
+            if len(value) >= 3:
+                found.setdefault(value)
+        for match in _FILENAME.finditer(word):
+            if match.group(0).rsplit(".", 1)[-1].lower() in _FILE_SUFFIXES:
+                found.setdefault(match.group(0))
+        if len(found) >= _MAX_IDENTIFIERS_SCANNED:
+            break
+    longest_first = sorted(found, key=len, reverse=True)
+    kept = {v for i, v in enumerate(longest_first) if not any(v in longer for longer in longest_first[:i])}
+    return [value for value in found if value in kept]
 
 
 def _fact_priority(text: str) -> tuple[int, str | None]:
@@ -133,11 +143,13 @@ def _key_values(text: str) -> list[tuple[str, str]]:
     stripped = text.strip()
     if stripped[:1] in "{[":
         try:
-            return list(_flatten(json.loads(stripped)))[:_MAX_FACTS_PER_MESSAGE]
+            return list(islice(_flatten(json.loads(stripped)), _MAX_FACTS_PER_MESSAGE))
         except ValueError:
             pass
     pairs: list[tuple[str, str]] = []
     for line in text.splitlines():
+        if len(line) > _MAX_KEY_VALUE_LINE_CHARS:
+            continue
         match = _KEY_VALUE.match(line)
         if match and not match.group(2).startswith("//"):
             pairs.append((match.group(1).strip(), match.group(2).strip().strip('"')))
@@ -235,6 +247,9 @@ class ExtractiveSummarizer:
 
     # reading ---------------------------------------------------------------
 
+    def _head(self, text: str) -> str:
+        return _one_line(text[: self.result_head_chars * 4])[: self.result_head_chars]
+
     def _line(self, section: int, text: str, priority: int, order: int) -> _Line:
         return _Line(section, cut_middle(_one_line(text), self.max_line_chars), priority, order)
 
@@ -293,7 +308,7 @@ class ExtractiveSummarizer:
                 out.extend(self._fact_lines("assistant", text, order))
                 for call in message.tool_calls:
                     arguments = _one_line(call.arguments)
-                    head = _one_line(results.get(call.id, ""))[: self.result_head_chars]
+                    head = self._head(results.get(call.id, ""))
                     shown = f"{call.name}({cut_middle(arguments, self.max_line_chars // 2)})"
                     out.append(self._line(TOOLS, f"{shown} -> {head}" if head else shown, 1, order))
                     out.extend(
@@ -304,7 +319,7 @@ class ExtractiveSummarizer:
             else:
                 name = names.get(message.tool_call_id or "")
                 if name is None:
-                    head = _one_line(text)[: self.result_head_chars]
+                    head = self._head(text)
                     out.append(self._line(TOOLS, f"result of call {message.tool_call_id}: {head}", 1, order))
                 out.extend(self._fact_lines(f"{name or 'tool'} result", text, order))
         return out

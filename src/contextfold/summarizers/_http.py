@@ -52,6 +52,9 @@ __all__ = ["SummarizerRetry"]
 logger = logging.getLogger("contextfold.summarizers")
 
 _RETRIED_STATUSES = frozenset({408, 409, 429})
+_RESERVED_BODY_FIELDS = frozenset(
+    {"model", "messages", "system", "max_tokens", "max_completion_tokens", "stream"}
+)
 _BODY_EXCERPT_CHARS = 300
 _REDACTED = "[redacted]"
 _MIN_CHUNK_TOKENS = 256
@@ -211,6 +214,14 @@ class ChatSummarizer(ABC):
         self._counter = counter
         self._extra_headers = dict(headers or {})
         self.extra_body: dict[str, Any] = dict(extra_body or {})
+        clashes = sorted(set(self.extra_body) & _RESERVED_BODY_FIELDS)
+        if clashes:
+            raise ConfigError(
+                "extra_body",
+                f"may not set {clashes}: the summarizer sets them itself; pass model to the "
+                "constructor and max_summary_tokens to summarize()",
+                value=dict(self.extra_body),
+            )
         key = api_key if api_key is not None else os.environ.get(self.env_var) or None
         self._api_key: SecretStr | None = SecretStr(key) if isinstance(key, str) else key
         if self._api_key is None and parsed.hostname == self.official_host:
@@ -304,9 +315,10 @@ class ChatSummarizer(ABC):
             room = usable - overhead - max_summary_tokens
             if summary:
                 summary_tokens = count(summary)
-                if summary_tokens > room - _MIN_CHUNK_TOKENS:
-                    keep = room - _MIN_CHUNK_TOKENS
-                    summary = cut_middle(summary, max(100, len(summary) * keep // summary_tokens))
+                if (
+                    summary_tokens > room - _MIN_CHUNK_TOKENS
+                ):  # an oversized previous summary is cut, not fatal
+                    summary = self._fit(summary, room - _MIN_CHUNK_TOKENS)
                     summary_tokens = count(summary)
                 room -= summary_tokens
             chunk: list[str] = []
@@ -327,7 +339,7 @@ class ChatSummarizer(ABC):
         return Summary(text=summary or "", model=model, usage=usage)
 
     def _fit(self, text: str, room: int) -> str:
-        """One rendered message cut until it fits ``room`` tokens."""
+        """``text`` cut in the middle until it fits ``room`` tokens (or down to 100 characters)."""
         limit = len(text)
         while limit > 100:
             limit = max(100, limit * 3 // 4)
