@@ -218,3 +218,27 @@ async def test_a_huge_unbroken_blob_does_not_hide_the_identifiers_around_it() ->
     text = await summarize(messages, budget=300)
     assert "/srv/out/report-77.json" in text and "checksum: 5f1e09a7c3" in text
     assert COUNTER.count_text(text) <= 300
+
+
+async def test_ranks_survive_a_round_trip_through_the_summary_text() -> None:
+    """Re-reading a summary ranks each line as when it was written, so merging is stable."""
+    summarizer = ExtractiveSummarizer(COUNTER)
+    first = await summarize(SESSION, summarizer=summarizer)
+    extracted = summarizer._select(summarizer._extract(SESSION, 0), 1000)
+    assert extracted == first
+    reread = summarizer._parse_previous(first)
+    assert summarizer._select(reread, 1000) == first
+    for budget in (60, 120, 200):
+        assert summarizer._select(reread, budget) == summarizer._select(
+            summarizer._extract(SESSION, 0), budget
+        )
+
+
+async def test_a_result_key_named_like_a_label_is_quoted() -> None:
+    """A tool result's ``user`` key is not mistaken for the user's own words."""
+    messages = [
+        Message.assistant(None, tool_calls=[call("w", "whoami")]),
+        Message.tool("w", '{"user": "u-4411"}'),
+    ]
+    text = await summarize(messages)
+    assert "- 'user': u-4411" in text

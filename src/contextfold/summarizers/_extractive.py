@@ -270,6 +270,8 @@ class ExtractiveSummarizer:
         held = ""
         for key, value in _key_values(text):
             shown = f"{key_prefix}({key})" if key_prefix else key
+            if _fact_priority(f"{shown}: x")[1] is not None:  # a key such as "user" must not read as a label
+                shown = f"'{shown}'"
             line = self._fact(f"{shown}: {value}", order)
             out.append(line)
             held += line.text + "\n"
@@ -341,8 +343,8 @@ class ExtractiveSummarizer:
             if not text or text.lower() == "none":
                 continue
             order = start + len(out)
-            if section == GOAL:
-                priority = 5 if not seen_goal else 3 if _CONSTRAINT.search(text) else 2
+            if section == GOAL:  # the first request is the goal; other requests rank below constraints
+                priority = 5 if not seen_goal else 2 if text.startswith(("user: ", "system: ")) else 3
                 seen_goal = True
             elif section == FACTS:
                 out.append(self._fact(text, order))

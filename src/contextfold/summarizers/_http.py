@@ -87,7 +87,9 @@ class SummarizerRetry:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
                 raise ConfigError(
-                    f"SummarizerRetry.{key}", "must be a number of seconds >= 0, for example 0.5", value=value
+                    f"SummarizerRetry.{key}",
+                    "must be a finite number of seconds >= 0, for example 0.5",
+                    value=value,
                 )
         if self.max_delay < self.initial_delay:
             raise ConfigError(
