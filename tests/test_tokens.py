@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import gzip
 import hashlib
+import importlib.util
 import inspect
 import json
 import os
@@ -411,3 +412,24 @@ def test_load_encoding_is_loaded_once_per_process() -> None:
     """load_encoding returns the same Encoding object on every call."""
     assert load_encoding("o200k_base") is load_encoding("o200k_base")
     assert TiktokenCounter().encoding is TiktokenCounter().encoding
+
+
+# the benchmark ---------------------------------------------------------------------------------
+
+
+def test_the_token_benchmark_runs_small_and_prints_both_ratios(capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/bench_tokens.py runs end to end at small sizes and reports the growth and exact ratios."""
+    path = Path(__file__).parent.parent / "benchmarks" / "bench_tokens.py"
+    spec = importlib.util.spec_from_file_location("bench_tokens", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    status = bench.main(["--sizes", "20,200", "--repeat", "1", "--messages", "20", "--sentences", "1,2"])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "ratio 200/20 = " in out
+    growth = [line for line in out.splitlines() if "ratio 200/20" in line]
+    assert [line.split()[0] for line in growth] == ["tiktoken", "approximate"]
+    exact = [line for line in out.splitlines() if "encode_ordinary" in line and "chars" in line]
+    assert len(exact) == 2
+    assert all("ratio " in line for line in exact)

@@ -137,6 +137,8 @@ class TokenCounter(Protocol):
 
 _Key = tuple[object, ...]
 
+_NAME_CACHE_SIZE = 4096
+
 
 def _content_text(message: Message) -> str:
     if message.content is None:
@@ -168,19 +170,27 @@ class _CachedCounter:
 
     def count(self, message: Message) -> int:
         """Tokens one message costs, its chat-format overhead included."""
-        text = _content_text(message)
-        calls = tuple((c.id, c.name, c.arguments) for c in message.tool_calls) if message.tool_calls else ()
-        key: _Key = (message.role, text, calls, message.tool_call_id, message.name)
-        cached = self._cache.get(key)
+        content = message.content
+        text = content if type(content) is str else _content_text(message)
+        calls = message.tool_calls
+        key: _Key = (
+            message.role,
+            text,
+            tuple([(c.id, c.name, c.arguments) for c in calls]) if calls else (),
+            message.tool_call_id,
+            message.name,
+        )
+        cache = self._cache
+        cached = cache.get(key)
         if cached is not None:
-            self._cache.move_to_end(key)
+            cache.move_to_end(key)
             return cached
         self.misses += 1
         value = self._measure(message, text)
         if self._cache_size:
-            self._cache[key] = value
-            if len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+            cache[key] = value
+            if len(cache) > self._cache_size:
+                cache.popitem(last=False)
         return value
 
     def count_messages(self, messages: Iterable[Message]) -> int:
@@ -227,6 +237,7 @@ class TiktokenCounter(_CachedCounter):
         self._encode = self.encoding.encode_ordinary
         # The framing of a role never changes, so it is tokenized once here, not per message.
         self._framing = {role: self.PER_MESSAGE + len(self._encode(role.value)) for role in Role}
+        self._names: dict[str, int] = {}
 
     def count_text(self, text: str) -> int:
         """Tokens of a bare text, special-token look-alikes counted as ordinary text."""
@@ -237,13 +248,23 @@ class TiktokenCounter(_CachedCounter):
         tokens = self._framing[message.role]
         if text:
             tokens += len(encode(text))
-        if message.name:
-            tokens += self.PER_NAME + len(encode(message.name))
-        for call in message.tool_calls:
-            tokens += self.PER_TOOL_CALL + len(encode(call.name)) + len(encode(call.arguments))
+        if message.tool_calls:
+            for call in message.tool_calls:
+                tokens += self.PER_TOOL_CALL + self._name_tokens(call.name) + len(encode(call.arguments))
         if message.tool_call_id:
             tokens += len(encode(message.tool_call_id))
+        if message.name:
+            tokens += self.PER_NAME + self._name_tokens(message.name)
         return tokens
+
+    def _name_tokens(self, name: str) -> int:
+        # Tool and participant names repeat across messages; tokenize each once.
+        found = self._names.get(name)
+        if found is None:
+            if len(self._names) >= _NAME_CACHE_SIZE:
+                self._names.clear()
+            found = self._names[name] = len(self._encode(name))
+        return found
 
     def __repr__(self) -> str:
         return f"TiktokenCounter({self.encoding.name!r})"
