@@ -518,3 +518,59 @@ async def test_anthropic_cache_tokens_count_as_input(
     async with provider.make(base_url) as summarizer:
         summary = await summarizer.summarize(CONVERSATION, previous_summary=None, max_summary_tokens=300)
     assert summary.usage == Usage(input_tokens=22 if provider is ANTHROPIC else 10, output_tokens=4)
+
+
+async def _fill(compactor: Any, steps: int) -> None:
+    for n in range(steps):
+        call_n = ToolCall(id=f"c{n}", name="read_file", arguments=f'{{"path": "/srv/f{n}.txt"}}')
+        await compactor.append("t", [Message.user(f"step {n}: read /srv/f{n}.txt " + "please " * 30)])
+        await compactor.append(
+            "t", [Message.assistant(None, tool_calls=[call_n]), Message.tool(f"c{n}", "x " * 80)]
+        )
+
+
+async def test_a_compactor_folds_through_the_http_summarizer(
+    provider: Provider, script: Script, summarizer: ChatSummarizer
+) -> None:
+    """Wired into a Compactor, the provider's summary becomes the working context's summary message."""
+    from contextfold import Compactor, RunOptions, SummarizeOptions
+    from contextfold.stores import MemoryStore
+
+    script.then(reply_json(provider.reply("## Facts and identifiers\n- /srv/f0.txt", 900, 20)))
+    options = RunOptions(
+        max_history_tokens=4000,
+        compaction=SummarizeOptions(trigger_token_budget=1000, max_summary_tokens=200),
+    )
+    async with MemoryStore() as store:
+        compactor = Compactor(store, options=options, summarizer=summarizer, counter=ApproximateCounter())
+        await _fill(compactor, 14)
+        result = await compactor.maybe_compact("t")
+        context = await compactor.context("t")
+    assert result is not None and result.compacted and not result.degraded
+    assert result.usage == Usage(input_tokens=900, output_tokens=20)
+    assert context[0].is_summary and context[0].text.endswith("## Facts and identifiers\n- /srv/f0.txt")
+    assert "step 0: read /srv/f0.txt" in provider.user_prompt(script.bodies[0])
+
+
+async def test_a_failing_provider_degrades_to_the_extractive_fallback(
+    provider: Provider, script: Script, summarizer: ChatSummarizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """When the provider keeps failing, compaction still happens, marked degraded, and no key is logged."""
+    from contextfold import Compactor, RunOptions, SummarizeOptions
+    from contextfold.stores import MemoryStore
+
+    script.then(*[reply_raw("down", status=503)] * 3)
+    options = RunOptions(
+        max_history_tokens=4000,
+        compaction=SummarizeOptions(trigger_token_budget=1000, max_summary_tokens=200),
+    )
+    async with MemoryStore() as store:
+        compactor = Compactor(store, options=options, summarizer=summarizer, counter=ApproximateCounter())
+        await _fill(compactor, 14)
+        with caplog.at_level(logging.DEBUG):
+            result = await compactor.maybe_compact("t")
+        context = await compactor.context("t")
+    assert result is not None and result.degraded and result.summarizer_model == "extractive"
+    assert context[0].is_summary and "/srv/f0.txt" in context[0].text
+    assert len(script.requests) == 3
+    assert all(API_KEY not in record.getMessage() for record in caplog.records)
