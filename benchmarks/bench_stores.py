@@ -48,8 +48,7 @@ WINDOW_TOKENS = 2_000
 BUILD_BATCH = 1_000
 RECORD_WORKERS = 8
 SINGLE_APPENDS = 100
-READ_REPEATS = 50
-THREAD = "bench-thread"
+READ_REPEATS = 100
 
 
 @dataclass(frozen=True)
@@ -61,6 +60,7 @@ class Result:
     single_per_s: float
     """Messages per second appended one per call."""
     record_per_s: float
+    """Episodes per second recorded by concurrent callers on the one thread."""
     window_ms: float
     stats_ms: float
     pressure_ms: float
@@ -79,17 +79,7 @@ def _episode(n: int) -> Episode:
     return UserMessageEpisode(message=Message.user(f"user message {n}"))
 
 
-async def _median_ms(call: Callable[[], Awaitable[object]], repeats: int = READ_REPEATS) -> float:
-    await call()  # warm caches and prepared statements before timing
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        await call()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1000
-
-
-async def _record_all(store: Any, count: int, workers: int) -> float:
+async def _record_all(store: Any, thread: str, count: int, workers: int) -> float:
     """Record ``count`` episodes with ``workers`` concurrent callers; episodes per second."""
     next_n = 0
 
@@ -97,7 +87,7 @@ async def _record_all(store: Any, count: int, workers: int) -> float:
         nonlocal next_n
         while next_n < count:
             n, next_n = next_n, next_n + 1
-            await store.record(THREAD, _episode(n))
+            await store.record(thread, _episode(n))
 
     start = time.perf_counter()
     async with anyio.create_task_group() as tg:
@@ -106,42 +96,72 @@ async def _record_all(store: Any, count: int, workers: int) -> float:
     return count / (time.perf_counter() - start)
 
 
-async def _bench(backend: str, size: int, store: Any, record_store: Any) -> Result:
+async def _build(backend: str, size: int, store: Any, record_store: Any) -> tuple[float, float, float]:
+    """Fill one thread with ``size`` messages and episodes; the three write throughputs."""
+    thread = f"thread-{size}"
     start = time.perf_counter()
     for offset in range(0, size, BUILD_BATCH):
         batch = [_message(n) for n in range(offset, min(size, offset + BUILD_BATCH))]
-        await store.append(THREAD, batch, [TOKENS_PER_MESSAGE] * len(batch))
+        await store.append(thread, batch, [TOKENS_PER_MESSAGE] * len(batch))
     build_per_s = size / (time.perf_counter() - start)
 
-    record_per_s = await _record_all(record_store, size, 1 if backend == "memory" else RECORD_WORKERS)
+    record_per_s = await _record_all(record_store, thread, size, 1 if backend == "memory" else RECORD_WORKERS)
 
     single = _message(size)
     start = time.perf_counter()
     for _ in range(SINGLE_APPENDS):
-        await store.append(THREAD, [single], [TOKENS_PER_MESSAGE])
+        await store.append(thread, [single], [TOKENS_PER_MESSAGE])
     single_per_s = SINGLE_APPENDS / (time.perf_counter() - start)
 
-    window = await store.load(THREAD, max_tokens=WINDOW_TOKENS)
+    window = await store.load(thread, max_tokens=WINDOW_TOKENS)
     expected = WINDOW_TOKENS // TOKENS_PER_MESSAGE
     if len(window.messages) != expected or window.complete:
         raise AssertionError(f"{backend}: window of {len(window.messages)} messages, expected {expected}")
-    stats = await store.stats(THREAD)
+    stats = await store.stats(thread)
     if stats.message_count != size + SINGLE_APPENDS:
         raise AssertionError(f"{backend}: {stats.message_count} messages, expected {size + SINGLE_APPENDS}")
-    pressure = await store.pressure(THREAD)
+    pressure = await store.pressure(thread)
     if pressure.total_user_messages != size - size // 10:
         raise AssertionError(f"{backend}: pressure counted {pressure.total_user_messages} user messages")
+    return build_per_s, single_per_s, record_per_s
 
-    return Result(
-        backend=backend,
-        size=size,
-        build_per_s=build_per_s,
-        single_per_s=single_per_s,
-        record_per_s=record_per_s,
-        window_ms=await _median_ms(lambda: store.load(THREAD, max_tokens=WINDOW_TOKENS)),
-        stats_ms=await _median_ms(lambda: store.stats(THREAD)),
-        pressure_ms=await _median_ms(lambda: store.pressure(THREAD)),
-    )
+
+async def _bench(backend: str, sizes: list[int], store: Any, record_store: Any) -> list[Result]:
+    writes = {}
+    for size in sizes:
+        writes[size] = await _build(backend, size, store, record_store)
+        print(f"{backend}: built {size:,} messages and episodes", file=sys.stderr, flush=True)
+    calls: dict[str, Callable[[str], Awaitable[object]]] = {
+        "window": lambda thread: store.load(thread, max_tokens=WINDOW_TOKENS),
+        "stats": store.stats,
+        "pressure": store.pressure,
+    }
+    samples: dict[tuple[str, int], list[float]] = {(name, size): [] for name in calls for size in sizes}
+    for call in calls.values():
+        for size in sizes:
+            await call(f"thread-{size}")  # warm caches and prepared statements
+    # Sizes take turns within every round, so a busy machine slows them all alike.
+    for _ in range(READ_REPEATS):
+        for name, call in calls.items():
+            for size in sizes:
+                start = time.perf_counter()
+                await call(f"thread-{size}")
+                samples[name, size].append(time.perf_counter() - start)
+
+    def median_ms(name: str, size: int) -> float:
+        return statistics.median(samples[name, size]) * 1000
+
+    return [
+        Result(
+            backend,
+            size,
+            *writes[size],
+            window_ms=median_ms("window", size),
+            stats_ms=median_ms("stats", size),
+            pressure_ms=median_ms("pressure", size),
+        )
+        for size in sizes
+    ]
 
 
 @asynccontextmanager
@@ -232,18 +252,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 async def _run(args: argparse.Namespace) -> list[Result]:
     results = []
     for backend in args.backends:
-        for size in args.sizes:
-            try:
-                async with _stores(backend, args.postgres_url) as (store, record_store):
-                    result = await _bench(backend, size, store, record_store)
-            except (ContextfoldError, OSError) as exc:
-                print(f"{backend}: skipped ({exc})", file=sys.stderr)
-                break
-            print(
-                f"{backend} {size:,}: window {result.window_ms:.3f} ms, pressure {result.pressure_ms:.3f} ms",
-                file=sys.stderr,
-            )
-            results.append(result)
+        try:
+            async with _stores(backend, args.postgres_url) as (store, record_store):
+                results += await _bench(backend, args.sizes, store, record_store)
+        except (ContextfoldError, OSError) as exc:
+            print(f"{backend}: skipped ({exc})", file=sys.stderr)
     return results
 
 
