@@ -98,7 +98,7 @@ def raw_sql(backend: str, database: dict[str, str]) -> RawSQL:
 
         async with await psycopg.AsyncConnection.connect(database["url"]) as conn:
             await conn.execute(f'SET search_path TO "{database["schema"]}"')
-            cur = await conn.execute(statement.replace("?", "%s"), tuple(params))  # type: ignore[arg-type]
+            cur = await conn.execute(statement.replace("?", "%s"), tuple(params))
             rows = await cur.fetchall() if cur.description else []
             await conn.commit()
             return rows

@@ -207,7 +207,9 @@ class SQLiteStore:
 
     ``busy_timeout`` is how long, in seconds, a write waits for another
     process's transaction before failing. ``lease_seconds`` bounds how long a
-    compaction lock outlives a holder that crashed. ``synchronous="FULL"``
+    compaction lock outlives a holder that crashed; a compaction that runs
+    longer may see a second one start, and then the version guard of
+    ``replace_prefix`` lets only one of them apply. ``synchronous="FULL"``
     survives power loss; ``"NORMAL"`` is faster and still survives a crashed
     process. ``clock`` gives the wall time leases are measured in.
     """
