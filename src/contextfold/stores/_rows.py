@@ -32,8 +32,6 @@ from .._policy import EpisodicCompactionPressure
 from ._base import StoredMessage
 
 __all__ = [
-    "BOUNDARY_KINDS",
-    "EPISODE_ADAPTER",
     "PressureCounters",
     "Window",
     "check_from_seq",
@@ -50,11 +48,8 @@ __all__ = [
     "whole_days",
 ]
 
-EPISODE_ADAPTER: TypeAdapter[Episode] = TypeAdapter(Episode)
+_EPISODE_ADAPTER: TypeAdapter[Episode] = TypeAdapter(Episode)
 _EPISODE_TYPES: tuple[type, ...] = get_args(get_args(Episode)[0])
-
-BOUNDARY_KINDS = frozenset({"summary_checkpoint", "manual_recovery"})
-"""Episode kinds that start a new pressure measurement."""
 
 
 def _whole_number(key: str, value: Any, *, minimum: int) -> int:
@@ -136,7 +131,7 @@ def encode_episode(episode: Episode) -> str:
         raise InvalidMessageError("episode", f"must be one of {names}, got {type(episode).__name__}")
     try:
         body = episode.model_dump_json(warnings="error")
-        EPISODE_ADAPTER.validate_json(body)
+        _EPISODE_ADAPTER.validate_json(body)
     except (ValidationError, PydanticSerializationError) as exc:
         raise InvalidMessageError("episode", _first_error(exc)) from None
     return body
@@ -154,7 +149,7 @@ def decode_message(thread: str, seq: int, body: str | bytes) -> Message:
 
 def decode_episode(thread: str, seq: int, body: str | bytes) -> Episode:
     try:
-        return EPISODE_ADAPTER.validate_json(body)
+        return _EPISODE_ADAPTER.validate_json(body)
     except ValidationError as exc:
         raise StoreError(
             f"thread {thread!r}: episode seq {seq} is corrupt and cannot be read ({_first_error(exc)}); "
