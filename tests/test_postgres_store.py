@@ -277,6 +277,25 @@ async def test_a_missing_cut_rolls_back_the_delete(store: PostgresStore) -> None
     assert await store.stats("t") == ThreadStats(message_count=5, total_tokens=15, version=0, last_seq=5)
 
 
+async def test_a_window_larger_than_the_average_guess_is_read_in_full(store: PostgresStore) -> None:
+    """When one huge old message skews the average, the window still holds every small message that fits."""
+    await store.append("t", [Message.system("huge")], [10_000])
+    await store.append("t", _users(300), [1] * 300)
+    window = await store.load("t", max_tokens=5_000)
+    assert [m.seq for m in window.messages] == list(range(2, 302))
+    assert not window.complete
+    assert (await store.load("t", max_tokens=10_300)).complete
+
+
+async def test_a_thread_emptied_by_a_replacement_loads_as_empty(store: PostgresStore) -> None:
+    """A thread whose whole context was dropped loads as an empty, complete window at its new version."""
+    await store.append("t", _users(3), [1, 1, 1])
+    await store.replace_prefix("t", through_seq=3, expected_version=0, replacement=[], tokens=[])
+    for limit in (None, 0, 10):
+        window = await store.load("t", max_tokens=limit)
+        assert (window.messages, window.complete, window.version, window.total_tokens) == ((), True, 1, 0)
+
+
 async def test_a_corrupt_message_row_names_thread_and_seq(
     postgres_url: str, schema: str, store: PostgresStore
 ) -> None:
