@@ -18,6 +18,7 @@ operation is one short transaction on a pooled connection:
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -175,7 +176,7 @@ class PostgresStore:
                 "dsn", "must be a PostgreSQL URL such as postgresql://user@host:5432/dbname", value=dsn
             )
         try:
-            conninfo_to_dict(dsn)
+            given = conninfo_to_dict(dsn)
         except psycopg.ProgrammingError as exc:
             raise ConfigError(
                 "dsn", f"is not a valid PostgreSQL connection string ({exc})", value="<hidden>"
@@ -198,6 +199,10 @@ class PostgresStore:
                 value=max_size,
             )
         self._dsn = dsn
+        # Defaults for what neither the DSN nor the PG* environment says.
+        self._connect_options: dict[str, Any] = {"fallback_application_name": "contextfold"}
+        if "connect_timeout" not in given and "PGCONNECT_TIMEOUT" not in os.environ:
+            self._connect_options["connect_timeout"] = _CONNECT_TIMEOUT_SECONDS
         self._schema = schema
         self._min_size = min_size
         self._max_size = max_size
@@ -221,9 +226,7 @@ class PostgresStore:
 
     async def _open(self) -> None:
         try:
-            conn = await psycopg.AsyncConnection.connect(
-                self._dsn, autocommit=True, connect_timeout=_CONNECT_TIMEOUT_SECONDS
-            )
+            conn = await psycopg.AsyncConnection.connect(self._dsn, autocommit=True, **self._connect_options)
         except psycopg.OperationalError as exc:
             raise StoreError(
                 f"cannot connect to PostgreSQL at {_where(self._dsn)}: {str(exc).strip()}; "
@@ -243,7 +246,7 @@ class PostgresStore:
             self._dsn,
             min_size=self._min_size,
             max_size=self._max_size,
-            kwargs={"autocommit": True, "connect_timeout": _CONNECT_TIMEOUT_SECONDS},
+            kwargs={"autocommit": True, **self._connect_options},
             open=False,
             name=f"contextfold-{self._schema}",
         )
