@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import anyio
 
-from contextfold import Compactor, Compacted, Message, RunOptions, StepLoop, SummarizeOptions, TextDelta
+from contextfold import Compacted, Compactor, Message, RunOptions, StepLoop, SummarizeOptions, TextDelta
 from contextfold.stores import MemoryStore
 from contextfold.testing import ScriptedModel, tool_step
 

@@ -23,7 +23,9 @@ async def my_model(messages: list[Message]) -> Message:
     """Stands in for your own LLM call; it asks for a tool once per user request."""
     last = messages[-1]
     if last.role.value == "user" and not last.is_summary:
-        call = ToolCall(id=f"call-{len(messages)}", name="grep", arguments='{"pattern": "TODO", "path": "src/"}')
+        call = ToolCall(
+            id=f"call-{len(messages)}", name="grep", arguments='{"pattern": "TODO", "path": "src/"}'
+        )
         return Message.assistant(None, tool_calls=[call])
     return Message.assistant("Found them; the TODOs are listed above.")
 

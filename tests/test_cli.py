@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -97,3 +99,41 @@ def test_missing_provider_key_is_an_error(runner: CliRunner, monkeypatch: pytest
     result = runner.invoke(main, ["demo", "--summarizer", "anthropic", "--model", "claude-x"])
     assert result.exit_code == 1
     assert "ANTHROPIC_API_KEY" in result.output
+
+
+def test_demo_with_an_openai_compatible_server(runner: CliRunner, tmp_path: Path, httpserver: Any) -> None:
+    """demo --summarizer openai --base-url sends its summaries to that server and uses its replies."""
+    requests: list[dict[str, Any]] = []
+
+    def reply(request: Any) -> Any:
+        from werkzeug import Response
+
+        requests.append(json.loads(request.get_data(as_text=True)))
+        body = {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "local-model",
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "stop",
+                    "message": {"role": "assistant", "content": "SUMMARY-OK"},
+                }
+            ],
+            "usage": {"prompt_tokens": 1000, "completion_tokens": 50, "total_tokens": 1050},
+        }
+        return Response(json.dumps(body), content_type="application/json")
+
+    httpserver.expect_request("/v1/chat/completions", method="POST").respond_with_handler(reply)
+    db = tmp_path / "demo.db"
+    args = ["demo", "--db", str(db), "--steps", "40", "--budget", "3000", "--summarizer", "openai"]
+    args += ["--model", "local-model", "--base-url", httpserver.url_for("/v1")]
+    result = runner.invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert requests and all(r["model"] == "local-model" for r in requests)
+    row = re.search(r"summarizer tokens\s*│\s*([\d,]+)", result.output)
+    assert row and int(row.group(1).replace(",", "")) == 1050 * len(requests)
+    thread = demo_thread(result.output)
+    shown = runner.invoke(main, ["inspect", str(db), thread, "--no-replay"])
+    assert "SUMMARY-OK" in shown.output

@@ -8,6 +8,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -117,7 +118,11 @@ def demo(
 
     async def session() -> DemoStats:
         counter = TiktokenCounter()
-        async with SQLiteStore(db) as store:
+        async with AsyncExitStack() as stack:
+            close = getattr(chosen, "aclose", None)
+            if close is not None:  # the HTTP summarizers own a connection pool
+                stack.push_async_callback(close)
+            store = await stack.enter_async_context(SQLiteStore(db))
             compactor = Compactor(store, options=options, summarizer=chosen, counter=counter)
             loop = StepLoop(compactor)
             with Progress(
