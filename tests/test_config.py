@@ -99,6 +99,11 @@ def test_a_window_equal_to_max_history_tokens_is_accepted() -> None:
     assert options.compaction is not None
 
 
+def test_summarize_options_alone_do_not_check_a_window() -> None:
+    """Options built without RunOptions choose their own coverage: no max_history_tokens, no window check."""
+    assert SummarizeOptions(trigger_token_budget=100).window_tokens == 100 * WINDOW_MULTIPLE_OF_TRIGGER
+
+
 def test_without_compaction_skips_the_window_check() -> None:
     """A huge history limit needs no budget when compaction is off."""
     assert RunOptions.without_compaction(max_history_tokens=10**9).max_history_tokens == 10**9

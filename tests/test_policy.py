@@ -305,15 +305,37 @@ def test_fraction_of_a_window_rejects_nonsense(window: int, fraction: float, key
         (lambda: EpisodicCompactionConfig(trigger_age_days=-1), "trigger_age_days"),
         (lambda: EpisodicCompactionConfig(trigger_age_turn_count=-3), "trigger_age_turn_count"),
         (lambda: EpisodicCompactionConfig(trigger_context_tokens=0), "trigger_context_tokens"),
+        (lambda: EpisodicCompactionConfig(trigger_unfinished_turns=0), "trigger_unfinished_turns"),
+        (
+            lambda: EpisodicCompactionConfig(trigger_age_days=0, trigger_age_turn_count=0),
+            "trigger_age_turn_count",
+        ),
         (lambda: AnyOf(TurnCount(1)), "AnyOf"),
         (lambda: AllOf(TurnCount(1), "tokens"), "AllOf"),  # type: ignore[arg-type]
     ],
 )
 def test_bad_trigger_settings_are_config_errors(build: object, key: str) -> None:
-    """A negative limit, a zero context threshold or a non-trigger operand names its key."""
+    """A negative limit, a rule that would fire on every request or a non-trigger operand names its key."""
     with pytest.raises(ConfigError) as info:
         build()  # type: ignore[operator]
     assert info.value.key == key
+
+
+def test_one_of_the_age_thresholds_may_be_zero() -> None:
+    """A zero age or a zero turn count alone still leaves the age rule a real condition."""
+    any_age = EpisodicCompactionConfig(trigger_age_days=0)
+    assert episodic_compaction_trigger(EpisodicCompactionPressure(total_user_messages=49), any_age) is None
+    assert (
+        episodic_compaction_trigger(EpisodicCompactionPressure(total_user_messages=50), any_age) is not None
+    )
+    any_count = EpisodicCompactionConfig(trigger_age_turn_count=0)
+    assert (
+        episodic_compaction_trigger(EpisodicCompactionPressure(conversation_age_days=29), any_count) is None
+    )
+    assert (
+        episodic_compaction_trigger(EpisodicCompactionPressure(conversation_age_days=30), any_count)
+        is not None
+    )
 
 
 def test_episodic_policy_as_a_trigger_uses_the_runtime_token_count() -> None:

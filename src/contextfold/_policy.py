@@ -84,6 +84,19 @@ class EpisodicCompactionConfig:
                 "0 would fire on every request; use None to disable the context-pressure trigger",
                 value=0,
             )
+        if self.trigger_unfinished_turns == 0:
+            raise ConfigError(
+                "trigger_unfinished_turns",
+                "0 would fire on every request, finished or not; use a positive count such as 8",
+                value=0,
+            )
+        if self.trigger_age_days == 0 and self.trigger_age_turn_count == 0:
+            raise ConfigError(
+                "trigger_age_turn_count",
+                "with trigger_age_days=0 as well, the age rule would fire on every request; "
+                "keep one of them positive, for example trigger_age_turn_count=50",
+                value=0,
+            )
 
     @classmethod
     def for_context_window(
