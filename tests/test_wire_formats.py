@@ -252,6 +252,7 @@ OPENAI_MALFORMED: list[tuple[str, list[Any], str]] = [
         "messages[1].role",
     ),
     ("missing role", [{"content": "a"}], "messages[0].role"),
+    ("role of the wrong type", [{"role": ["user"], "content": "a"}], "messages[0].role"),
     (
         "tool without tool_call_id",
         [
@@ -319,6 +320,21 @@ def test_malformed_openai_input_names_the_field(payload: list[Any], field: str) 
 
 
 ANTHROPIC_MALFORMED: list[tuple[str, list[Any], str]] = [
+    (
+        "tool_result content of the wrong type",
+        [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": {"a": 1}}]}],
+        "messages[0].content[0].content",
+    ),
+    (
+        "is_error not a boolean",
+        [
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "t", "content": "", "is_error": "yes"}],
+            }
+        ],
+        "messages[0].content[0].is_error",
+    ),
     (
         "unknown role",
         [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}],

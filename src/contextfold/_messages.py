@@ -267,7 +267,7 @@ def from_openai(payload: Iterable[Mapping[str, Any]]) -> list[Message]:
         field = f"messages[{index}]"
         item = _mapping(raw_item, field)
         role = _require(item, "role", field)
-        if role not in Role._value2member_map_ and role != "developer":
+        if not isinstance(role, str) or (role not in Role._value2member_map_ and role != "developer"):
             raise InvalidMessageError(
                 f"{field}.role",
                 f"unknown role {role!r}; use one of {[r.value for r in Role]} (or 'developer')",
@@ -437,8 +437,16 @@ def _anthropic_user(content: list[Any], field: str) -> list[Message]:
             raise InvalidMessageError(
                 f"{block_field}.tool_use_id", "a tool_result block must name its tool_use"
             )
+        if "is_error" in block and not isinstance(block["is_error"], bool):
+            raise InvalidMessageError(
+                f"{block_field}.is_error", f"must be true or false, got {block['is_error']!r}"
+            )
         metadata = {_ANTHROPIC_ERROR_KEY: block["is_error"]} if "is_error" in block else {}
         result = block.get("content", "")
+        if not isinstance(result, str | list) and result is not None:
+            raise InvalidMessageError(
+                f"{block_field}.content", f"must be a string or a list of blocks, got {type(result).__name__}"
+            )
         messages.append(
             _build(
                 block_field,
