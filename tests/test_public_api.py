@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 
 import pytest
 
@@ -112,7 +114,23 @@ def test_top_level_all_is_the_curated_list() -> None:
     """contextfold.__all__ is exactly the documented names plus what the subpackages export."""
     from contextfold import stores, summarizers
 
-    expected = EXPECTED_TOP_LEVEL | set(stores.__all__) | set(summarizers.__all__)
+    backends = {
+        "MemoryStore",
+        "SQLiteStore",
+        "PostgresStore",
+        "ShortTermStore",
+        "EpisodicStore",
+        "ContextWindow",
+    }
+    backends |= {"StoredMessage", "ThreadStats", "Summarizer", "Summary", "FunctionSummarizer"}
+    backends |= {
+        "ExtractiveSummarizer",
+        "OpenAICompatibleSummarizer",
+        "AnthropicSummarizer",
+        "SummarizerRetry",
+    }
+    expected = EXPECTED_TOP_LEVEL | backends
+    assert backends <= set(stores.__all__) | set(summarizers.__all__)
     assert set(contextfold.__all__) == expected
     assert len(contextfold.__all__) == len(set(contextfold.__all__))
 
@@ -140,6 +158,12 @@ def test_stores_and_summarizers_export_the_backends() -> None:
         "OpenAICompatibleSummarizer",
         "AnthropicSummarizer",
     } <= set(summarizers.__all__)
+
+
+def test_importing_contextfold_does_not_import_psycopg() -> None:
+    """psycopg is an optional extra: importing contextfold leaves it unimported."""
+    code = "import sys, contextfold; assert 'psycopg' not in sys.modules; contextfold.PostgresStore"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_every_error_derives_from_the_root() -> None:

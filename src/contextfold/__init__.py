@@ -3,6 +3,8 @@
 The public names are re-exported here; the modules behind them are private.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from . import stores, summarizers
 from ._compactor import SUMMARY_PREFIX, TRUNCATED_METADATA_KEY, CompactionResult, Compactor, maybe_compact
 from ._config import (
@@ -98,31 +100,52 @@ from ._tokens import (
     TokenCounter,
     load_encoding,
 )
-from .stores import *  # noqa: F403  (each subpackage curates its own __all__)
-from .summarizers import *  # noqa: F403
+from .stores import (
+    ContextWindow,
+    EpisodicStore,
+    MemoryStore,
+    ShortTermStore,
+    SQLiteStore,
+    StoredMessage,
+    ThreadStats,
+)
+from .summarizers import (
+    AnthropicSummarizer,
+    ExtractiveSummarizer,
+    FunctionSummarizer,
+    OpenAICompatibleSummarizer,
+    Summarizer,
+    SummarizerRetry,
+    Summary,
+)
+
+if TYPE_CHECKING:
+    from .stores import PostgresStore
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "LLM",
     "MASKED_METADATA_KEY",
     "PINNED_SHA256",
-    "LLM",
     "SUMMARY_METADATA_KEY",
     "SUMMARY_PREFIX",
     "TRUNCATED_METADATA_KEY",
     "WINDOW_MULTIPLE_OF_TRIGGER",
     "AllOf",
+    "AnthropicSummarizer",
     "AnyOf",
     "ApproximateCounter",
+    "Compacted",
     "CompactionConfig",
     "CompactionHook",
-    "CompactionResult",
-    "Compacted",
-    "Compactor",
     "CompactionMode",
     "CompactionPlan",
+    "CompactionResult",
+    "Compactor",
     "ConfigError",
     "ConflictError",
+    "ContextWindow",
     "ContextfoldError",
     "EncodingName",
     "Episode",
@@ -132,20 +155,28 @@ __all__ = [
     "EpisodicCompactionPressure",
     "EpisodicCompactionTrigger",
     "EpisodicPolicy",
+    "EpisodicStore",
+    "ExtractiveSummarizer",
+    "FunctionSummarizer",
     "Hook",
     "InvalidMessageError",
     "LlmCallEpisode",
     "ManualRecoveryBoundary",
+    "MemoryStore",
     "Message",
     "ObservationMasking",
     "OnSummarizerError",
+    "OpenAICompatibleSummarizer",
     "Orphan",
+    "PostgresStore",
     "Pressure",
     "Role",
     "RunCompletedEpisode",
     "RunFinished",
-    "RunResult",
     "RunOptions",
+    "RunResult",
+    "SQLiteStore",
+    "ShortTermStore",
     "SlidingWindow",
     "Step",
     "StepEvent",
@@ -153,19 +184,24 @@ __all__ = [
     "StepLoop",
     "StoreClosedError",
     "StoreError",
+    "StoredMessage",
     "Strategy",
     "StreamingLLM",
     "SummarizeOptions",
+    "Summarizer",
     "SummarizerError",
+    "SummarizerRetry",
+    "Summary",
     "SummaryCheckpoint",
     "SystemMessageEpisode",
     "TextDelta",
+    "ThreadStats",
     "TiktokenCounter",
     "TokenBudget",
     "TokenCount",
     "TokenCounter",
-    "ToolCall",
     "Tool",
+    "ToolCall",
     "ToolCallEpisode",
     "ToolFinished",
     "ToolResultEpisode",
@@ -189,6 +225,11 @@ __all__ = [
     "summarizers",
     "to_anthropic",
     "to_openai",
-    *stores.__all__,
-    *summarizers.__all__,
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # PostgresStore needs the optional psycopg extra: import it only when asked for.
+    if name == "PostgresStore":
+        return stores.PostgresStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
