@@ -141,15 +141,18 @@ def exact_versus_raw(
         theirs: list[float] = []
         lengths: list[int] = []
         for rep in range(repeat):
-            batch = history(messages, start=(rep + 1) * 10**6 + sentences * 10**5, sentences=sentences)
-            lengths += [sum(len(t) for t in texts_of(m)) for m in batch]
+            first = (rep + 1) * 10**6 + sentences * 10**5
+            batch = history(messages, start=first, sentences=sentences)
+            # An identical twin built separately: raw tiktoken gets fresh string objects too, so
+            # neither side finds a hash or a UTF-8 form the other side already computed.
+            twin = [texts_of(m) for m in history(messages, start=first, sentences=sentences)]
+            lengths += [sum(len(t) for t in texts) for texts in twin]
             counter = TiktokenCounter(encoding)
             raw(Message.user("warm up"))
             counter.count(Message.user("warm up"))
             for start in range(0, messages - BATCH + 1, BATCH):
                 group = batch[start : start + BATCH]
-                # Text lists are built outside the timed region: raw tiktoken gets its input ready-made.
-                group_texts = [texts_of(m) for m in group]
+                group_texts = twin[start : start + BATCH]
                 sides = (
                     (ours, partial(count_all, counter, group)),
                     (theirs, partial(encode_all, encode, group_texts)),
