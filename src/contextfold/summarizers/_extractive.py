@@ -42,6 +42,8 @@ _IDENTIFIER = re.compile(
     "|".join(f"(?:{p})" for p in (_URL, _EMAIL, _ABS_PATH, _REL_PATH, _VERSION, _ID, _NUMBER))
 )
 _FILENAME = re.compile(_FILE)
+# Every identifier pattern needs a digit, a slash, a dot or an at sign: words without one are skipped.
+_MAY_IDENTIFY = re.compile(r"[\d/.@]").search
 _FILE_SUFFIXES = frozenset(
     "py js ts tsx jsx json yaml yml toml md txt csv tsv log sql rs go java kt c h cc cpp hpp sh cfg "
     "ini conf xml html css parquet lock env pdf png jpg zip gz tar db sqlite ipynb rb php swift".split()
@@ -89,7 +91,7 @@ def find_identifiers(text: str) -> list[str]:
     """
     found: dict[str, None] = {}
     for word in text.split():
-        if len(word) > _MAX_IDENTIFIER_CHARS:
+        if len(word) > _MAX_IDENTIFIER_CHARS or not _MAY_IDENTIFY(word):
             continue
         for match in _IDENTIFIER.finditer(word):
             value = match.group(0).rstrip(".:")
@@ -100,8 +102,13 @@ def find_identifiers(text: str) -> list[str]:
                 found.setdefault(match.group(0))
         if len(found) >= _MAX_IDENTIFIERS_SCANNED:
             break
-    longest_first = sorted(found, key=len, reverse=True)
-    kept = {v for i, v in enumerate(longest_first) if not any(v in longer for longer in longest_first[:i])}
+    # One substring search over the longer identifiers seen so far, instead of one per pair.
+    kept: set[str] = set()
+    longer = ""
+    for value in sorted(found, key=len, reverse=True):
+        if value not in longer:
+            kept.add(value)
+        longer += "\0" + value
     return [value for value in found if value in kept]
 
 
