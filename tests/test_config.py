@@ -255,6 +255,26 @@ REJECTED: list[tuple[str, Build, str, object]] = [
         -1,
     ),
     ("compaction of the wrong type", run(compaction=5), "compaction", 5),
+    (
+        "zero budget through model_validate",
+        lambda: RunOptions.model_validate({"compaction": {"trigger_token_budget": 0}}),
+        "compaction.trigger_token_budget",
+        0,
+    ),
+    (
+        "small window through model_validate_json",
+        lambda: RunOptions.model_validate_json(
+            '{"max_history_tokens": 1000, "compaction": {"trigger_token_budget": 10}}'
+        ),
+        "compaction.trigger_token_budget",
+        10,
+    ),
+    (
+        "string budget through model_validate_json",
+        lambda: SummarizeOptions.model_validate_json('{"trigger_token_budget": "lots"}'),
+        "compaction.trigger_token_budget",
+        "lots",
+    ),
     ("unknown run option", run(compactoin=None), "compactoin", None),
 ]
 

@@ -45,6 +45,11 @@ def test_the_module_docstring_draws_the_whole_tree() -> None:
         assert name in doc, name
 
 
+def test_config_error_is_not_a_value_error_so_pydantic_never_wraps_it() -> None:
+    """ConfigError is no ValueError: raised inside a pydantic validator it reaches the caller as it is."""
+    assert not issubclass(ConfigError, ValueError)
+
+
 def test_config_error_carries_key_reason_and_value() -> None:
     """ConfigError keeps key, reason and value, and its message reads key=value: reason."""
     error = ConfigError("compaction.trigger_token_budget", "must be positive, for example 8000", value=-3)

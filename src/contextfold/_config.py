@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from ._errors import ConfigError
 from ._messages import Role
@@ -34,23 +43,27 @@ OnSummarizerError = Literal["raise", "skip", "fallback"]
 
 
 class _Options(BaseModel):
-    """Frozen options whose validation failures surface as ``ConfigError``."""
+    """Frozen options whose validation failures surface as ``ConfigError``.
+
+    ``ConfigError`` is not a ``ValueError``, so pydantic lets it through
+    unwrapped; pydantic's own field errors are turned into one here. This
+    holds for the constructor, ``model_validate``, ``model_validate_json`` and
+    options nested in other options alike.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
     _key_prefix: ClassVar[str] = ""
 
-    def __init__(self, **data: Any) -> None:
+    @model_validator(mode="wrap")
+    @classmethod
+    def _validate(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
         try:
-            super().__init__(**data)
+            options = handler(data)
         except ValidationError as exc:
-            raise _config_error(exc, self._key_prefix) from None
-
-    @model_validator(mode="after")
-    def _check_together(self) -> Self:
-        # An after-validator also runs when the options are nested in other options.
-        self._check()
-        return self
+            raise _config_error(exc, cls._key_prefix) from None
+        options._check()
+        return options
 
     def _check(self) -> None:
         """Cross-field rules; raise ``ConfigError``."""
@@ -59,9 +72,6 @@ class _Options(BaseModel):
 def _config_error(exc: ValidationError, prefix: str) -> ConfigError:
     first = exc.errors()[0]
     path = ".".join([prefix, *(str(part) for part in first["loc"])] if prefix else map(str, first["loc"]))
-    inner = first.get("ctx", {}).get("error")
-    if isinstance(inner, ConfigError):  # raised by our own rules, already precise
-        return inner.under(path)
     return ConfigError(
         path or "options", first["msg"].removeprefix("Value error, "), value=first.get("input")
     )
@@ -90,6 +100,14 @@ class SummarizeOptions(_Options):
     summary_role: Role = Role.USER
     on_summarizer_error: OnSummarizerError = "fallback"
     max_tool_output_tokens: int | None = Field(default=None, gt=0, strict=True)
+
+    @field_validator("episodic", mode="wrap")
+    @classmethod
+    def _episodic_key(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ConfigError as exc:  # the episodic config's own rule, keyed relative to it
+            raise exc.under("compaction.episodic") from None
 
     @model_validator(mode="before")
     @classmethod

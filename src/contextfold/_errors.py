@@ -35,7 +35,7 @@ class ContextfoldError(Exception):
     """Root of every exception contextfold raises."""
 
 
-class ConfigError(ContextfoldError, ValueError):
+class ConfigError(ContextfoldError):
     """An option was rejected; ``key`` names it, ``reason`` says why and how to fix it."""
 
     def __init__(self, key: str, reason: str, *, value: Any = _MISSING) -> None:
