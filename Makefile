@@ -22,7 +22,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy --strict src
 
 test: lint typecheck
-	$(BIN)/pytest
+	$(BIN)/pytest --cov=contextfold --cov-branch --cov-report=term:skip-covered
 
 demo: $(STAMP)
 	$(BIN)/contextfold demo
