@@ -140,10 +140,12 @@ async def _bench(backend: str, sizes: list[int], store: Any, record_store: Any) 
     for call in calls.values():
         for size in sizes:
             await call(f"thread-{size}")  # warm caches and prepared statements
-    # Sizes take turns within every round, so a busy machine slows them all alike.
-    for _ in range(READ_REPEATS):
+    # Sizes take turns within every round, and the first turn rotates, so neither a
+    # busy machine nor the position in the round favours one size.
+    for round_ in range(READ_REPEATS):
+        turn = round_ % len(sizes)
         for name, call in calls.items():
-            for size in sizes:
+            for size in sizes[turn:] + sizes[:turn]:
                 start = time.perf_counter()
                 await call(f"thread-{size}")
                 samples[name, size].append(time.perf_counter() - start)
