@@ -68,13 +68,17 @@ def history(size: int, start: int = 0, sentences: int = 4) -> list[Message]:
     return messages
 
 
-def per_message_ns(messages: Sequence[Message], count: Callable[[Message], int]) -> list[float]:
-    """Per-message cost of appending ``messages`` one at a time with a running total, batch by batch."""
+def growing_history_ns(size: int, first: int, count: Callable[[Message], int]) -> list[float]:
+    """Per-message cost of appending ``size`` new messages one at a time with a running total.
+
+    Like a step loop, each message is built just before it is counted (the
+    building is not timed); the counter's state is all that grows.
+    """
     costs: list[float] = []
     total = 0
     clock = time.perf_counter_ns
-    for start in range(0, len(messages) - BATCH + 1, BATCH):
-        batch = messages[start : start + BATCH]
+    for start in range(first, first + size - BATCH + 1, BATCH):
+        batch = history(BATCH, start=start)
         began = clock()
         for message in batch:
             total += count(message)
@@ -84,19 +88,21 @@ def per_message_ns(messages: Sequence[Message], count: Callable[[Message], int])
     return costs
 
 
+def count_all(counter: TiktokenCounter, messages: Sequence[Message]) -> list[int]:
+    return [counter.count(m) for m in messages]
+
+
 def growth(sizes: Sequence[int], repeat: int, encoding: EncodingName) -> dict[str, dict[int, float]]:
     """Median per-message cost of a growing history, per counter and size."""
-    prepared = {size: history(size, start=size * 7) for size in sizes}
     results: dict[str, dict[int, list[float]]] = {"tiktoken": {}, "approximate": {}}
-    history(200, start=10**9)  # warm up message construction
-    for _ in range(repeat):
+    for rep in range(repeat):
         for size in sizes:
             for name, counter in (
                 ("tiktoken", TiktokenCounter(encoding)),
                 ("approximate", ApproximateCounter()),
             ):
-                counter.count_messages(history(50, start=2 * 10**9))  # warm up, then measure fresh messages
-                costs = per_message_ns(prepared[size], counter.count)
+                counter.count_messages(history(50, start=2 * 10**9))  # warm up, then measure new messages
+                costs = growing_history_ns(size, (rep + 1) * 10**7, counter.count)
                 results[name].setdefault(size, []).append(statistics.median(costs))
     return {
         name: {size: statistics.median(v) for size, v in by_size.items()} for name, by_size in results.items()
@@ -110,10 +116,6 @@ def texts_of(message: Message) -> list[str]:
         texts += [call.name, call.arguments]
     texts += [t for t in (message.tool_call_id, message.name) if t]
     return texts
-
-
-def count_all(counter: TiktokenCounter, messages: Sequence[Message]) -> list[int]:
-    return [counter.count(m) for m in messages]
 
 
 def encode_all(encode: Callable[[str], list[int]], texts: Sequence[list[str]]) -> list[int]:

@@ -149,6 +149,11 @@ def _content_text(message: Message) -> str:
     return json.dumps(message.content, ensure_ascii=False)
 
 
+def _utf8_len(text: str) -> int:
+    # An ASCII string's length is its UTF-8 size, and isascii() is O(1): no copy of long content.
+    return len(text) if text.isascii() else len(text.encode())
+
+
 class _CachedCounter:
     """A bounded LRU of per-message counts, shared by both counters.
 
@@ -285,12 +290,12 @@ class ApproximateCounter(_CachedCounter):
 
     def count_text(self, text: str) -> int:
         """About a quarter of the text's UTF-8 length."""
-        return len(text.encode()) // self.BYTES_PER_TOKEN
+        return _utf8_len(text) // self.BYTES_PER_TOKEN
 
     def _measure(self, message: Message, text: str) -> int:
-        size = len(text.encode())
+        size = _utf8_len(text)
         for call in message.tool_calls:
-            size += len(call.name.encode()) + len(call.arguments.encode())
+            size += _utf8_len(call.name) + _utf8_len(call.arguments)
         return size // self.BYTES_PER_TOKEN
 
     def __repr__(self) -> str:
