@@ -227,6 +227,17 @@ def test_a_pending_tail_is_kept_without_blocking_older_cuts() -> None:
     assert plan.dropped == tuple(body[:-1])
 
 
+def test_keeping_no_turns_drops_the_whole_body_but_not_the_head() -> None:
+    """SlidingWindow(0) with no floor drops every unit of the body and keeps the pinned head."""
+    head = Message.system("rules")
+    body = conversation(2)
+    plan = CompactionConfig(TurnCount(0), SlidingWindow(0), min_recent_turns=0).plan([head, *body])
+    assert plan.kept == ()
+    assert plan.dropped == tuple(body)
+    assert plan.pinned == (head,)
+    assert (plan.kept_turns, plan.dropped_turns) == (0, 6)
+
+
 def test_min_recent_messages_keeps_whole_units_covering_that_many_messages() -> None:
     """A floor of three messages keeps the two newest units when they hold one and two messages."""
     body = conversation(3)

@@ -328,7 +328,7 @@ class CompactionConfig:
         cut_unit = len(units) - keep
         if cut_unit == 0:
             return unchanged(reason)
-        cut = units[cut_unit].start
+        cut = units[cut_unit].start if cut_unit < len(units) else len(body)
 
         if isinstance(self.strategy, ObservationMasking):
             kept = list(body)
