@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
-from types import TracebackType
 from typing import Self
 
 from anyio.lowlevel import checkpoint
@@ -22,6 +21,7 @@ from .._episodes import Episode, EpisodeRecord
 from .._errors import StoreClosedError
 from .._messages import Message
 from .._policy import EpisodicCompactionPressure
+from .._resource import AsyncResource
 from ._base import ContextWindow, StoredMessage, ThreadStats
 from ._rows import (
     PressureCounters,
@@ -53,7 +53,7 @@ class _Log:
     counters: PressureCounters = field(default_factory=PressureCounters)
 
 
-class MemoryStore:
+class MemoryStore(AsyncResource):
     """A ``ShortTermStore`` and ``EpisodicStore`` in memory; the data lives as long as the object."""
 
     def __init__(self) -> None:
@@ -68,13 +68,6 @@ class MemoryStore:
         self._check_open()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     def _check_open(self) -> None:
         if self._closed:

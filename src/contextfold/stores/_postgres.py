@@ -22,7 +22,6 @@ import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
-from types import TracebackType
 from typing import Any, Self
 
 import anyio
@@ -42,6 +41,7 @@ from .._episodes import (
 from .._errors import ConfigError, ConflictError, StoreClosedError, StoreError
 from .._messages import Message
 from .._policy import EpisodicCompactionPressure
+from .._resource import AsyncResource
 from ._base import ContextWindow, StoredMessage, ThreadStats
 from ._rows import (
     PressureCounters,
@@ -159,7 +159,7 @@ def _as_utc(moment: datetime) -> datetime:
     return moment.astimezone(UTC)
 
 
-class PostgresStore:
+class PostgresStore(AsyncResource):
     """Both stores on PostgreSQL, for many workers on many hosts.
 
     ``schema`` is created (with its tables) on open if missing, and migrated;
@@ -271,13 +271,6 @@ class PostgresStore:
         await self.open()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def _migrate(self, conn: psycopg.AsyncConnection[Any]) -> None:
         found = await self._schema_version(conn)

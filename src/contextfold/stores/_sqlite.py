@@ -22,7 +22,6 @@ from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime
 from functools import partial
 from pathlib import Path
-from types import TracebackType
 from typing import Literal, Self, TypeVar
 
 import anyio
@@ -32,6 +31,7 @@ from .._episodes import Episode, EpisodeRecord
 from .._errors import ConfigError, StoreClosedError, StoreError
 from .._messages import Message
 from .._policy import EpisodicCompactionPressure
+from .._resource import AsyncResource
 from ._base import ContextWindow, StoredMessage, ThreadStats
 from ._rows import (
     PressureCounters,
@@ -202,7 +202,7 @@ def _episode_record(thread: str, seq: int, at: str, body: str) -> EpisodeRecord:
     )
 
 
-class SQLiteStore:
+class SQLiteStore(AsyncResource):
     """A ``ShortTermStore`` and ``EpisodicStore`` in one SQLite file.
 
     ``busy_timeout`` is how long, in seconds, a write waits for another
@@ -252,13 +252,6 @@ class SQLiteStore:
         await self._call(lambda conn: None)
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         if self._closed:

@@ -19,13 +19,12 @@ import logging
 import math
 import os
 import random
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from types import TracebackType
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar
 from urllib.parse import urlparse
 
 import anyio
@@ -36,6 +35,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, sto
 from .._episodes import Usage
 from .._errors import ConfigError, SummarizerError
 from .._messages import Message
+from .._resource import AsyncResource
 from .._tokens import TiktokenCounter, TokenCounter
 from ._base import Summary
 from ._prompt import (
@@ -151,7 +151,7 @@ class _Retryable(Exception):
         self.retry_after = retry_after
 
 
-class ChatSummarizer(ABC):
+class ChatSummarizer(AsyncResource):
     """Base of the HTTP summarizers: one system prompt, one user turn, one text reply.
 
     Options shared by every provider: ``base_url`` (the provider's own by
@@ -261,16 +261,6 @@ class ChatSummarizer(ABC):
             await self._client.aclose()
             self._client = None
 
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     def __repr__(self) -> str:
         shown = "None" if self._api_key is None else repr(str(self._api_key))
