@@ -65,9 +65,9 @@ def turn(n: int, size: int = 60) -> list[Message]:
     """One user turn and one tool step with its result, each message tagged with an id."""
     call = ToolCall(id=f"c{n}", name="read_file", arguments=json.dumps({"path": f"src/f{n}.py"}))
     return [
-        Message.user(f"task {n}: " + "word " * size, n=f"u{n}"),
-        Message.assistant(None, tool_calls=[call], n=f"a{n}"),
-        Message.tool(f"c{n}", "line\n" * size, n=f"r{n}"),
+        Message.user(f"task {n}: " + "word " * size, metadata={"n": f"u{n}"}),
+        Message.assistant(None, tool_calls=[call], metadata={"n": f"a{n}"}),
+        Message.tool(f"c{n}", "line\n" * size, metadata={"n": f"r{n}"}),
     ]
 
 
@@ -104,7 +104,7 @@ async def test_compaction_rewrites_to_pinned_head_summary_and_verbatim_tail(stor
     """A firing trigger leaves [system prompt, summary, ...recent turns verbatim] and records a checkpoint."""
     summarizer = recorder()
     compactor = Compactor(store, options=options(), summarizer=summarizer, counter=ApproximateCounter())
-    await compactor.append(THREAD, [Message.system("be careful", n="sys")])
+    await compactor.append(THREAD, [Message.system("be careful", metadata={"n": "sys"})])
     await grow(compactor, range(6), compact=False)
     before = await compactor.context(THREAD)
     result = await compactor.maybe_compact(THREAD)
@@ -133,7 +133,8 @@ async def test_tool_calls_stay_with_their_results(store: Any) -> None:
     for n in range(12):
         calls = [ToolCall(id=f"p{n}-{k}", name="search", arguments="{}") for k in range(3)]
         await compactor.append(
-            THREAD, [Message.user(f"q{n} " * 40, n=f"u{n}"), Message.assistant(None, tool_calls=calls)]
+            THREAD,
+            [Message.user(f"q{n} " * 40, metadata={"n": f"u{n}"}), Message.assistant(None, tool_calls=calls)],
         )
         await compactor.append(THREAD, [Message.tool(c.id, "hit " * 30) for c in reversed(calls)])
         await compactor.maybe_compact(THREAD)
@@ -290,7 +291,7 @@ async def test_concurrent_compaction_is_re_read_and_nothing_is_lost(store: Any) 
                 replacement=[first.message],
                 tokens=[first.tokens],
             )
-            await store.append(thread, [Message.user("late arrival", n="late")], [3])
+            await store.append(thread, [Message.user("late arrival", metadata={"n": "late"})], [3])
         return window
 
     store.load = load_then_interfere

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from contextfold import (
+    TOOL_ERROR_METADATA_KEY,
     ApproximateCounter,
     Compacted,
     Compactor,
@@ -26,6 +27,7 @@ from contextfold import (
     ToolCallEpisode,
     ToolFinished,
     conversation,
+    to_anthropic,
 )
 from contextfold.stores import MemoryStore, SQLiteStore
 from contextfold.testing import ScriptedModel, tool_step
@@ -236,7 +238,9 @@ async def test_tool_failures_become_error_results_for_the_model() -> None:
     results = [e.result for e in events if isinstance(e, ToolFinished)]
     assert "no tool named 'missing'" in results[0].text
     assert "ValueError: disk on fire" in results[1].text
-    assert all(r.metadata.get("is_error") for r in results)
+    assert all(r.metadata.get(TOOL_ERROR_METADATA_KEY) for r in results)
+    _, wire = to_anthropic([Message.assistant(None, tool_calls=calls), *results])
+    assert all(block["is_error"] for block in wire[1]["content"])
 
 
 async def test_max_steps_must_be_positive() -> None:

@@ -18,7 +18,7 @@ def test_constructors_build_each_role() -> None:
     """The role constructors fill role, content, calls, call id and metadata."""
     lookup = ToolCall(id="call_1", name="lookup", arguments='{"q": "paris"}')
     assert Message.system("be brief").role is Role.SYSTEM
-    user = Message.user("hi", source="cli")
+    user = Message.user("hi", metadata={"source": "cli"})
     assert (user.role, user.content, user.metadata) == (Role.USER, "hi", {"source": "cli"})
     assistant = Message.assistant(None, tool_calls=[lookup])
     assert (assistant.role, assistant.content, assistant.tool_calls) == (Role.ASSISTANT, None, (lookup,))
@@ -55,7 +55,7 @@ def test_text_joins_text_parts_and_skips_others() -> None:
 
 def test_is_summary_reads_the_summary_metadata_flag() -> None:
     """A message is a summary exactly when its metadata carries the summary flag."""
-    assert Message.user("earlier", **{SUMMARY_METADATA_KEY: True}).is_summary
+    assert Message.user("earlier", metadata={SUMMARY_METADATA_KEY: True}).is_summary
     assert not Message.user("earlier").is_summary
 
 

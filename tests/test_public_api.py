@@ -18,6 +18,7 @@ EXPECTED_TOP_LEVEL = {
     "Role",
     "ToolCall",
     "SUMMARY_METADATA_KEY",
+    "TOOL_ERROR_METADATA_KEY",
     "from_openai",
     "to_openai",
     "from_anthropic",

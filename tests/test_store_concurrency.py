@@ -73,7 +73,7 @@ async def write(store: Any, writer: int) -> dict[str, int]:
     """Append this writer's messages one by one; the seq each one got, by id."""
     seqs: dict[str, int] = {}
     for n in range(PER_WRITER):
-        message = Message.user(f"writer {writer} says {n}", id=f"{writer}:{n}")
+        message = Message.user(f"writer {writer} says {n}", metadata={"id": f"{writer}:{n}"})
         await store.record(THREAD, UserMessageEpisode(message=message))
         (stored,) = await store.append(THREAD, [message], [1 + n % 7])
         seqs[message_id(message)] = stored.seq
@@ -102,7 +102,7 @@ async def fold_once(store: Any, thread: str = THREAD) -> bool:
             message = stored.message
             covered += message.metadata[COVERS] if message.is_summary else [message_id(message)]
         summary = Message.system(
-            f"{len(covered)} messages so far", **{SUMMARY_METADATA_KEY: True, COVERS: covered}
+            f"{len(covered)} messages so far", metadata={SUMMARY_METADATA_KEY: True, COVERS: covered}
         )
         await store.record(
             thread,

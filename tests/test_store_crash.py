@@ -53,7 +53,7 @@ target = concurrency.target  # the same fresh SQLite file or PostgreSQL schema p
 async def churn(target: Target, started: Any) -> None:
     async with open_target(target) as store:
         while True:
-            batch = [Message.user("hello", id=uuid.uuid4().hex) for _ in range(BATCH)]
+            batch = [Message.user("hello", metadata={"id": uuid.uuid4().hex}) for _ in range(BATCH)]
             for message in batch:
                 await store.record(THREAD, UserMessageEpisode(message=message))
             await store.append(THREAD, batch, [2] * BATCH)

@@ -185,7 +185,7 @@ def test_results_without_calls_and_abandoned_calls_are_reported() -> None:
 
 def test_split_head_pins_leading_system_messages_and_finds_the_previous_summary() -> None:
     """Leading system messages are pinned; a summary right after them is the previous summary."""
-    summary = Message.user("earlier", **{SUMMARY_METADATA_KEY: True})
+    summary = Message.user("earlier", metadata={SUMMARY_METADATA_KEY: True})
     messages = [Message.system("a"), Message.system("b"), summary, Message.user("hi")]
     assert split_head(messages) == (2, summary)
     assert split_head([Message.user("hi")]) == (0, None)
@@ -206,7 +206,7 @@ def conversation(turns: int) -> list[Message]:
 
 def test_plan_keeps_the_pinned_head_and_previous_summary_out_of_the_cut() -> None:
     """The system prompt and previous summary are neither dropped nor counted as turns."""
-    summary = Message.system("so far", **{SUMMARY_METADATA_KEY: True})
+    summary = Message.system("so far", metadata={SUMMARY_METADATA_KEY: True})
     head = [Message.system("you are helpful"), summary]
     body = conversation(4)
     plan = CompactionConfig(TurnCount(3), SlidingWindow(2), min_recent_turns=0).plan(head + body)

@@ -208,7 +208,10 @@ def test_each_message_is_measured_once(make: type[TiktokenCounter] | type[Approx
     assert counter.misses == 1
     assert counter.count(message) == first
     assert counter.count(Message.assistant("the answer is 42", tool_calls=[WEATHER])) == first
-    assert counter.count(Message.assistant("the answer is 42", tool_calls=[WEATHER], seen=True)) == first
+    assert (
+        counter.count(Message.assistant("the answer is 42", tool_calls=[WEATHER], metadata={"seen": True}))
+        == first
+    )
     assert counter.misses == 1
     counter.count(Message.assistant("the answer is 43", tool_calls=[WEATHER]))
     counter.count(Message.assistant("the answer is 42"))

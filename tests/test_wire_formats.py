@@ -198,7 +198,7 @@ def test_messages_round_trip_through_anthropic() -> None:
         Message.user("weather?"),
         Message.assistant("checking", tool_calls=[call("a", "weather"), call("b", "time")]),
         Message.tool("a", "sunny"),
-        Message(role=Role.TOOL, tool_call_id="b", content="broken", metadata={"anthropic.is_error": True}),
+        Message(role=Role.TOOL, tool_call_id="b", content="broken", metadata={"is_error": True}),
         Message.user("and tomorrow?"),
         Message.assistant(None, tool_calls=[call("c", "forecast", {"day": "tomorrow"})]),
         Message.tool("c", [{"type": "text", "text": "rain"}]),  # type: ignore[arg-type]

@@ -58,6 +58,7 @@ from ._loop import (
 )
 from ._messages import (
     SUMMARY_METADATA_KEY,
+    TOOL_ERROR_METADATA_KEY,
     Message,
     Role,
     ToolCall,
@@ -130,6 +131,7 @@ __all__ = [
     "PINNED_SHA256",
     "SUMMARY_METADATA_KEY",
     "SUMMARY_PREFIX",
+    "TOOL_ERROR_METADATA_KEY",
     "TRUNCATED_METADATA_KEY",
     "WINDOW_MULTIPLE_OF_TRIGGER",
     "AllOf",

@@ -20,6 +20,7 @@ from ._errors import InvalidMessageError
 
 __all__ = [
     "SUMMARY_METADATA_KEY",
+    "TOOL_ERROR_METADATA_KEY",
     "Message",
     "Role",
     "ToolCall",
@@ -32,7 +33,8 @@ __all__ = [
 SUMMARY_METADATA_KEY = "contextfold.summary"
 """Metadata key that marks a message as a compaction summary."""
 
-_ANTHROPIC_ERROR_KEY = "anthropic.is_error"
+TOOL_ERROR_METADATA_KEY = "is_error"
+"""Metadata key on a tool result that reports a failure (Anthropic's ``is_error``)."""
 
 JsonDict = dict[str, Any]
 
@@ -142,22 +144,39 @@ class Message(_Validated):
         return self
 
     @classmethod
-    def system(cls, text: str, **metadata: Any) -> Message:
-        return cls(role=Role.SYSTEM, content=text, metadata=metadata)
+    def system(cls, text: str, *, metadata: Mapping[str, Any] | None = None) -> Message:
+        return cls(role=Role.SYSTEM, content=text, metadata=dict(metadata or {}))
 
     @classmethod
-    def user(cls, text: str, **metadata: Any) -> Message:
-        return cls(role=Role.USER, content=text, metadata=metadata)
+    def user(cls, text: str, *, metadata: Mapping[str, Any] | None = None) -> Message:
+        return cls(role=Role.USER, content=text, metadata=dict(metadata or {}))
 
     @classmethod
     def assistant(
-        cls, text: str | None = "", *, tool_calls: Sequence[ToolCall] = (), **metadata: Any
+        cls,
+        text: str | None = "",
+        *,
+        tool_calls: Sequence[ToolCall] = (),
+        metadata: Mapping[str, Any] | None = None,
     ) -> Message:
-        return cls(role=Role.ASSISTANT, content=text, tool_calls=tuple(tool_calls), metadata=metadata)
+        return cls(
+            role=Role.ASSISTANT, content=text, tool_calls=tuple(tool_calls), metadata=dict(metadata or {})
+        )
 
     @classmethod
-    def tool(cls, tool_call_id: str, text: str, **metadata: Any) -> Message:
-        return cls(role=Role.TOOL, content=text, tool_call_id=tool_call_id, metadata=metadata)
+    def tool(
+        cls,
+        tool_call_id: str,
+        text: str,
+        *,
+        is_error: bool = False,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Message:
+        """A tool's result; ``is_error`` marks a failed call (Anthropic's ``is_error``)."""
+        data = dict(metadata or {})
+        if is_error:
+            data[TOOL_ERROR_METADATA_KEY] = True
+        return cls(role=Role.TOOL, content=text, tool_call_id=tool_call_id, metadata=data)
 
     @property
     def text(self) -> str:
@@ -361,8 +380,8 @@ def to_anthropic(messages: Iterable[Message]) -> tuple[str | list[JsonDict] | No
                 "tool_use_id": message.tool_call_id,
                 "content": message.content if message.content is not None else "",
             }
-            if _ANTHROPIC_ERROR_KEY in message.metadata:
-                block["is_error"] = bool(message.metadata[_ANTHROPIC_ERROR_KEY])
+            if TOOL_ERROR_METADATA_KEY in message.metadata:
+                block["is_error"] = bool(message.metadata[TOOL_ERROR_METADATA_KEY])
             push("user", [block])
         elif message.role is Role.ASSISTANT:
             blocks = _anthropic_text(message.content)
@@ -441,7 +460,7 @@ def _anthropic_user(content: list[Any], field: str) -> list[Message]:
             raise InvalidMessageError(
                 f"{block_field}.is_error", f"must be true or false, got {block['is_error']!r}"
             )
-        metadata = {_ANTHROPIC_ERROR_KEY: block["is_error"]} if "is_error" in block else {}
+        metadata = {TOOL_ERROR_METADATA_KEY: block["is_error"]} if "is_error" in block else {}
         result = block.get("content", "")
         if not isinstance(result, str | list) and result is not None:
             raise InvalidMessageError(

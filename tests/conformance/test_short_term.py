@@ -22,11 +22,11 @@ from .conftest import SQL_BACKENDS, OpenStore, RawSQL
 
 
 def users(count: int, start: int = 0) -> list[Message]:
-    return [Message.user(f"message {n}", n=n) for n in range(start, start + count)]
+    return [Message.user(f"message {n}", metadata={"n": n}) for n in range(start, start + count)]
 
 
 def summary(text: str = "the story so far") -> Message:
-    return Message.system(text, **{SUMMARY_METADATA_KEY: True})
+    return Message.system(text, metadata={SUMMARY_METADATA_KEY: True})
 
 
 async def snapshot(store: Any, thread: str) -> tuple[Any, ...]:
@@ -40,7 +40,7 @@ async def test_round_trip_keeps_every_field(store: Any) -> None:
         Message.system("be brief"),
         Message.user([{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "x"}}]),
         Message.assistant(None, tool_calls=[ToolCall(id="c1", name="grep", arguments='{"q": "é"}')]),
-        Message.tool("c1", "found 3", **{"anthropic.is_error": False}),
+        Message.tool("c1", "found 3", metadata={"is_error": False}),
         Message(role=Role.ASSISTANT, content="done", name="bot", metadata={"nested": {"k": [1, None]}}),
     ]
     stored = await store.append("t", messages, [3, 5, 7, 2, 1])

@@ -131,7 +131,7 @@ async def test_facts_from_the_previous_summary_outrank_new_low_value_lines() -> 
 async def test_a_summary_message_among_the_input_is_merged_like_a_previous_summary() -> None:
     """A summary passed as a message is read back by its sections rather than quoted whole."""
     earlier = await summarize(SESSION[:3])
-    summary_message = Message.user(earlier, **{"contextfold.summary": True})
+    summary_message = Message.user(earlier, metadata={"contextfold.summary": True})
     text = await summarize([summary_message, Message.user("also ord_1234")])
     assert text.count("## Goal and constraints") == 1
     assert "/srv/billing/config/db.toml" in text and "ord_1234" in text
