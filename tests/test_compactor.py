@@ -345,8 +345,11 @@ async def test_manual_recovery_writes_a_clean_slate_boundary(store: Any) -> None
     context = await compactor.context(THREAD)
     assert [m.text for m in context[:1]] == ["prompt"]
     assert len(context) == 2 and context[1].is_summary
-    last = [r async for r in store.replay(THREAD)][-1]
+    log = [r async for r in store.replay(THREAD)]
+    checkpoint, last = log[-2], log[-1]
     assert isinstance(last.episode, ManualRecoveryBoundary)
+    assert isinstance(checkpoint.episode, SummaryCheckpoint)
+    assert last.episode.through_seq == checkpoint.episode.through_seq == result.through_seq
     pressure = await store.pressure(THREAD)
     assert pressure.user_messages_since_boundary == 0
     assert pressure.user_messages_after_latest_run_completed == 0

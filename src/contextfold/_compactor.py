@@ -27,7 +27,7 @@ from ._episodes import (
 )
 from ._errors import ConfigError, ConflictError, SummarizerError
 from ._messages import SUMMARY_METADATA_KEY, Message, Role
-from ._policy import EpisodicCompactionTrigger, Pressure
+from ._policy import EpisodicCompactionPressure, EpisodicCompactionTrigger, Pressure
 from ._strategies import CompactionConfig, CompactionPlan, SlidingWindow
 from ._tokens import TiktokenCounter, TokenCounter
 from .stores._base import ContextWindow, EpisodicStore, ShortTermStore, StoredMessage
@@ -70,6 +70,9 @@ class CompactionResult:
     summarizer_model: str | None = None
     degraded: bool = False
     checkpoint_seq: int | None = None
+    """Episodic seq of the recorded ``SummaryCheckpoint``."""
+    through_seq: int | None = None
+    """Last short-term seq the fold replaced."""
     stalled: bool = False
     """True when the trigger fired but nothing could be folded (the kept tail alone is too big)."""
     detail: str = ""
@@ -217,9 +220,8 @@ class Compactor:
         summary (or dropped, with ``summarize=False``), and a
         ``ManualRecoveryBoundary`` is recorded after the checkpoint.
         """
-        budget = self.options.max_history_tokens
         opts = self.options.compaction or SummarizeOptions(
-            trigger_token_budget=budget, max_summary_tokens=max(1, min(1024, budget // 4))
+            trigger_token_budget=self.options.max_history_tokens
         )
         if not summarize:
             opts = opts.model_copy(update={"mode": "drop"})
@@ -229,11 +231,8 @@ class Compactor:
             config = CompactionConfig(config.trigger, SlidingWindow(0), min_recent_turns=0)
         result = await self._compact(thread, opts, config, reason=reason, episodic=None)
         if manual and result is not None and not result.stalled:
-            last = await self.episodic.latest_checkpoint(thread)
-            through = None
-            if last is not None and isinstance(last.episode, SummaryCheckpoint):
-                through = last.episode.through_seq
-            await self.episodic.record(thread, ManualRecoveryBoundary(reason=reason, through_seq=through))
+            boundary = ManualRecoveryBoundary(reason=reason, through_seq=result.through_seq)
+            await self.episodic.record(thread, boundary)
         return result
 
     # The fold itself ---------------------------------------------------------------
@@ -245,7 +244,7 @@ class Compactor:
         config: CompactionConfig,
         *,
         reason: str | None,
-        episodic: Any,
+        episodic: EpisodicCompactionPressure | None,
     ) -> CompactionResult | None:
         async with self.short_term.compaction_lock(thread) as acquired:
             if not acquired:
@@ -278,7 +277,7 @@ class Compactor:
         opts: SummarizeOptions,
         config: CompactionConfig,
         forced: str | None,
-        episodic: Any,
+        episodic: EpisodicCompactionPressure | None,
     ) -> CompactionResult | None:
         started = time.perf_counter()
         window = await self._load(thread, opts)
@@ -376,6 +375,7 @@ class Compactor:
             summarizer_model=summary.model if summary is not None else None,
             degraded=summary.degraded if summary is not None else False,
             checkpoint_seq=checkpoint.seq,
+            through_seq=through_seq,
         )
         logger.info(
             "thread %r compacted (%s): %d messages dropped, %d -> %d tokens",
