@@ -21,6 +21,7 @@ from contextfold import (
     ManualRecoveryBoundary,
     Message,
     RunOptions,
+    StoreError,
     SummarizeOptions,
     SummarizerError,
     SummaryCheckpoint,
@@ -443,3 +444,46 @@ async def test_wrong_store_is_a_config_error() -> None:
     """Passing something that is not a store names the argument and the fix."""
     with pytest.raises(ConfigError, match="short_term"):
         Compactor(object(), options=options())
+
+
+async def test_a_store_failure_while_rewriting_leaves_the_context_as_it_was(store: Any) -> None:
+    """If the prefix swap fails, maybe_compact raises, the working context is untouched and a retry works."""
+    compactor = Compactor(store, options=options(), summarizer=recorder(), counter=ApproximateCounter())
+    await grow(compactor, range(6), compact=False)
+    before = await store.load(THREAD)
+    real = store.replace_prefix
+
+    async def failing(*args: Any, **kwargs: Any) -> Any:
+        raise StoreError("disk full")
+
+    store.replace_prefix = failing
+    with pytest.raises(StoreError, match="disk full"):
+        await compactor.maybe_compact(THREAD)
+    store.replace_prefix = real
+    assert await store.load(THREAD) == before
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.compacted
+    replayed = conversation([r async for r in store.replay(THREAD)])
+    assert len(replayed) == len(before.messages)
+
+
+async def test_a_cancelled_compaction_writes_nothing_and_releases_the_thread(store: Any) -> None:
+    """A step cancelled mid-summary leaves the context as it was and frees the thread for the next one."""
+
+    async def slow(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        await anyio.sleep(30)
+        return "never"
+
+    stuck = Compactor(
+        store, options=options(), summarizer=FunctionSummarizer(slow), counter=ApproximateCounter()
+    )
+    await grow(stuck, range(6), compact=False)
+    before = await store.load(THREAD)
+    with anyio.move_on_after(0.05) as scope:
+        await stuck.maybe_compact(THREAD)
+    assert scope.cancelled_caught
+    assert await store.load(THREAD) == before
+    assert await store.latest_checkpoint(THREAD) is None
+    healthy = Compactor(store, options=options(), summarizer=recorder(), counter=ApproximateCounter())
+    result = await healthy.maybe_compact(THREAD)
+    assert result is not None and result.compacted
