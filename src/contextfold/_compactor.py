@@ -336,6 +336,10 @@ class Compactor:
 
         dropped_from = stored[body_start].seq
         through_seq = stored[through_index].seq
+        # The audit record comes first: a fold must never reach the working context
+        # unrecorded. If the swap below then fails, the context stays as it was and the
+        # checkpoint remains in the log as the record of an attempt that was not applied;
+        # the version check here keeps that window as small as the store allows.
         if (await self.short_term.stats(thread)).version != window.version:
             raise ConflictError(f"thread {thread!r} was compacted by another worker")
         checkpoint = await self.episodic.record(
