@@ -20,6 +20,7 @@ from contextfold import (
     EpisodicCompactionConfig,
     ManualRecoveryBoundary,
     Message,
+    Role,
     RunOptions,
     StoreError,
     SummarizeOptions,
@@ -487,3 +488,19 @@ async def test_a_cancelled_compaction_writes_nothing_and_releases_the_thread(sto
     healthy = Compactor(store, options=options(), summarizer=recorder(), counter=ApproximateCounter())
     result = await healthy.maybe_compact(THREAD)
     assert result is not None and result.compacted
+
+
+async def test_the_summary_role_is_configurable_and_never_pinned(store: Any) -> None:
+    """With summary_role=system the summary is a system message, yet the next fold still replaces it."""
+    summarizer = recorder()
+    compactor = Compactor(
+        store, options=options(summary_role=Role.SYSTEM), summarizer=summarizer, counter=ApproximateCounter()
+    )
+    await compactor.append(THREAD, [Message.system("prompt")])
+    results = await grow(compactor, range(12))
+    assert sum(1 for r in results if r is not None and r.compacted) >= 2
+    context = await compactor.context(THREAD)
+    assert [m.role for m in context[:2]] == [Role.SYSTEM, Role.SYSTEM]
+    assert context[0].text == "prompt" and context[1].is_summary
+    assert sum(m.is_summary for m in context) == 1
+    assert summarizer.calls[-1][1] is not None
