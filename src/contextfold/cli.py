@@ -21,7 +21,14 @@ from rich.table import Table
 from ._compactor import Compactor
 from ._config import RunOptions, SummarizeOptions
 from ._demo import DemoStats, run_session
-from ._episodes import conversation
+from ._episodes import (
+    EpisodeRecord,
+    ManualRecoveryBoundary,
+    RunCompletedEpisode,
+    SummaryCheckpoint,
+    ToolCallEpisode,
+    conversation,
+)
 from ._errors import ContextfoldError
 from ._loop import StepLoop
 from ._tokens import TiktokenCounter
@@ -214,6 +221,29 @@ async def _require_thread(store: Any, thread: str) -> None:
         raise click.ClickException(f"no thread {thread!r} in the database")
 
 
+def _episode_detail(record: EpisodeRecord) -> str:
+    """One line on what an episode holds."""
+    episode = record.episode
+    if isinstance(episode, SummaryCheckpoint):
+        return (
+            f"{episode.trigger}: seq {episode.from_seq}..{episode.through_seq}, "
+            f"{episode.dropped_messages} messages, {episode.tokens_before}->{episode.tokens_after} tokens"
+            + (" (degraded)" if episode.degraded else "")
+        )
+    if isinstance(episode, ToolCallEpisode):
+        return f"{episode.call.name}({episode.call.arguments})"[:100]
+    if isinstance(episode, ManualRecoveryBoundary):
+        return f"{episode.reason} through seq {episode.through_seq}"
+    if isinstance(episode, RunCompletedEpisode):
+        return "clean" if episode.clean else "unclean"
+    messages = conversation([record])
+    if not messages:
+        return ""
+    message = messages[0]
+    text = message.text or ", ".join(f"{c.name}({c.arguments})" for c in message.tool_calls)
+    return text.replace("\n", " ")[:100]
+
+
 @main.command()
 @click.argument("db", type=click.Path(path_type=Path))
 @click.argument("thread")
@@ -245,20 +275,12 @@ def inspect(db: Path, thread: str, replay: bool) -> None:
             for column in ("seq", "at", "kind", "detail"):
                 log.add_column(column)
             for record in records:
-                episode = record.episode
-                detail = ""
-                if episode.kind == "summary_checkpoint":
-                    detail = (
-                        f"{episode.trigger}: seq {episode.from_seq}..{episode.through_seq}, "
-                        f"{episode.dropped_messages} messages, "
-                        f"{episode.tokens_before}->{episode.tokens_after} tokens"
-                        + (" (degraded)" if episode.degraded else "")
-                    )
-                else:
-                    messages = conversation([record])
-                    if messages:
-                        detail = messages[0].text.replace("\n", " ")[:100]
-                log.add_row(str(record.seq), record.at.isoformat(timespec="seconds"), episode.kind, detail)
+                log.add_row(
+                    str(record.seq),
+                    record.at.strftime("%Y-%m-%d %H:%M:%S"),
+                    record.episode.kind,
+                    _episode_detail(record),
+                )
             console.print(log)
 
     _run(show)
