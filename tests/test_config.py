@@ -167,6 +167,7 @@ def test_options_are_frozen() -> None:
 # every rejected option --------------------------------------------------------------
 
 Build = Callable[[], Any]
+NAN = float("nan")
 
 
 def summarize(**fields: Any) -> Build:
@@ -181,7 +182,15 @@ REJECTED: list[tuple[str, Build, str, object]] = [
     ("negative budget", summarize(trigger_token_budget=-5), "compaction.trigger_token_budget", -5),
     ("string budget", summarize(trigger_token_budget="8000"), "compaction.trigger_token_budget", "8000"),
     ("bool budget", summarize(trigger_token_budget=True), "compaction.trigger_token_budget", True),
-    ("missing budget", summarize(), "compaction.trigger_token_budget", {}),
+    ("float budget", summarize(trigger_token_budget=8000.0), "compaction.trigger_token_budget", 8000.0),
+    ("NaN budget", summarize(trigger_token_budget=NAN), "compaction.trigger_token_budget", NAN),
+    ("None budget", summarize(trigger_token_budget=None), "compaction.trigger_token_budget", None),
+    (
+        "infinite summary cap",
+        summarize(trigger_token_budget=8000, max_summary_tokens=float("inf")),
+        "compaction.max_summary_tokens",
+        float("inf"),
+    ),
     ("tiny budget", summarize(trigger_token_budget=1), "compaction.trigger_token_budget", 1),
     (
         "negative keep",
@@ -226,6 +235,12 @@ REJECTED: list[tuple[str, Build, str, object]] = [
         summarize(trigger_token_budget=8000, summary_role="robot"),
         "compaction.summary_role",
         "robot",
+    ),
+    (
+        "tool summary role",
+        summarize(trigger_token_budget=8000, summary_role="tool"),
+        "compaction.summary_role",
+        "tool",
     ),
     (
         "zero tool output cap",
@@ -276,6 +291,32 @@ REJECTED: list[tuple[str, Build, str, object]] = [
         "lots",
     ),
     ("unknown run option", run(compactoin=None), "compactoin", None),
+    (
+        "text that is not JSON",
+        lambda: RunOptions.model_validate_json("{compaction: 1"),
+        "options",
+        "{compaction: 1",
+    ),
+    (
+        "a JSON array",
+        lambda: SummarizeOptions.model_validate_json("[8000]"),
+        "compaction",
+        [8000],
+    ),
+    (
+        "zero budget through model_copy",
+        lambda: SummarizeOptions(trigger_token_budget=8000).model_copy(update={"trigger_token_budget": 0}),
+        "compaction.trigger_token_budget",
+        0,
+    ),
+    (
+        "small window through model_copy",
+        lambda: RunOptions(compaction=SummarizeOptions(trigger_token_budget=40_000)).model_copy(
+            update={"max_history_tokens": 1_000_000}
+        ),
+        "compaction.trigger_token_budget",
+        40_000,
+    ),
 ]
 
 
@@ -289,9 +330,43 @@ def test_every_rejected_option_is_a_config_error_naming_key_value_and_fix(
     error = info.value
     assert not isinstance(error, ValidationError)
     assert error.key == key
-    assert error.value == value
+    assert error.value == value or (value is NAN and error.value is NAN)
     assert str(error).startswith(f"{key}={value!r}: ")
-    assert error.reason and "Value error" not in error.reason
+    assert error.reason and "Value error" not in error.reason and "Input should" not in error.reason
+
+
+def test_a_missing_budget_names_the_key_and_an_example() -> None:
+    """Leaving out trigger_token_budget is a ConfigError naming it and a value to use, showing no value."""
+    with pytest.raises(ConfigError) as info:
+        SummarizeOptions()  # type: ignore[call-arg]
+    assert (info.value.key, info.value.value) == ("compaction.trigger_token_budget", None)
+    assert str(info.value) == (
+        "compaction.trigger_token_budget: is required, for example trigger_token_budget=8000"
+    )
+
+
+def test_a_value_of_the_wrong_type_says_what_type_it_must_be() -> None:
+    """A float where a whole number belongs is rejected saying an int is needed and what was given."""
+    with pytest.raises(ConfigError) as info:
+        RunOptions(max_history_tokens=1.5)  # type: ignore[arg-type]
+    assert info.value.reason == "must be a whole number (int), not float"
+
+
+def test_an_unknown_option_lists_the_options_of_its_own_model() -> None:
+    """A misspelt nested option is rejected with the options that model does take."""
+    with pytest.raises(ConfigError) as info:
+        RunOptions(compaction={"trigger_token_budget": 40_000, "keep_recent": 4})
+    assert info.value.key == "compaction.keep_recent"
+    assert "keep_recent_messages" in info.value.reason
+    assert "max_history_tokens" not in info.value.reason
+
+
+def test_model_copy_validates_the_update_and_keeps_the_rest() -> None:
+    """model_copy(update=...) returns options built from the old ones and the valid update."""
+    options = SummarizeOptions(trigger_token_budget=8000, keep_recent_messages=3)
+    dropping = options.model_copy(update={"mode": "drop"})
+    assert (dropping.mode, dropping.keep_recent_messages, dropping.trigger_token_budget) == ("drop", 3, 8000)
+    assert options.model_copy() == options
 
 
 def test_own_rules_say_which_value_would_work() -> None:

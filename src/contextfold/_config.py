@@ -7,7 +7,8 @@ bad value and a value that would work.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, Self
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -24,6 +25,9 @@ from ._errors import ConfigError
 from ._messages import Role
 from ._policy import EpisodicCompactionConfig, EpisodicPolicy, TokenCount, Trigger
 from ._strategies import CompactionConfig, ObservationMasking, Strategy, TokenBudget
+
+if TYPE_CHECKING:
+    from pydantic.config import ExtraValues
 
 __all__ = [
     "WINDOW_MULTIPLE_OF_TRIGGER",
@@ -47,8 +51,9 @@ class _Options(BaseModel):
 
     ``ConfigError`` is not a ``ValueError``, so pydantic lets it through
     unwrapped; pydantic's own field errors are turned into one here. This
-    holds for the constructor, ``model_validate``, ``model_validate_json`` and
-    options nested in other options alike.
+    holds for the constructor, ``model_validate``, ``model_validate_json``
+    (malformed JSON included), ``model_copy(update=...)`` and options nested
+    in other options alike.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
@@ -61,20 +66,89 @@ class _Options(BaseModel):
         try:
             options = handler(data)
         except ValidationError as exc:
-            raise _config_error(exc, cls._key_prefix) from None
+            raise _config_error(exc, cls) from None
         options._check()
         return options
+
+    @classmethod
+    def model_validate_json(
+        cls,
+        json_data: str | bytes | bytearray,
+        *,
+        strict: bool | None = None,
+        extra: ExtraValues | None = None,
+        context: Any | None = None,
+        by_alias: bool | None = None,
+        by_name: bool | None = None,
+    ) -> Self:
+        # Text that is not JSON fails before any validator runs.
+        given: dict[str, Any] = {
+            "strict": strict,
+            "extra": extra,
+            "context": context,
+            "by_alias": by_alias,
+            "by_name": by_name,
+        }
+        try:  # only the options given, so older pydantic releases without some of them still work
+            return super().model_validate_json(json_data, **{k: v for k, v in given.items() if v is not None})
+        except ValidationError as exc:
+            raise _config_error(exc, cls) from None
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy; with ``update`` the changed options are validated like new ones."""
+        if not update:
+            return super().model_copy(deep=deep)
+        given = {name: getattr(self, name) for name in self.model_fields_set}
+        return self.model_validate({**given, **update})
 
     def _check(self) -> None:
         """Cross-field rules; raise ``ConfigError``."""
 
 
-def _config_error(exc: ValidationError, prefix: str) -> ConfigError:
+_TYPE_ERRORS = {
+    "int_type": "a whole number (int)",
+    "int_parsing": "a whole number (int)",
+    "int_from_float": "a whole number (int)",
+    "dict_type": "a mapping of options",
+    "model_type": "a mapping of options",
+    "model_attributes_type": "a mapping of options",
+    "dataclass_type": "a mapping of options",
+}
+
+
+def _model_at(cls: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel]:
+    """The options model that holds the field at ``loc`` (the last part of it)."""
+    for part in loc[:-1]:
+        field = cls.model_fields.get(str(part))
+        inner = getattr(field, "annotation", None)
+        options = [t for t in getattr(inner, "__args__", (inner,)) if isinstance(t, type)]
+        nested = next((t for t in options if issubclass(t, BaseModel)), None)
+        if nested is None:
+            break
+        cls = nested
+    return cls
+
+
+def _config_error(exc: ValidationError, cls: type[_Options]) -> ConfigError:
     first = exc.errors()[0]
-    path = ".".join([prefix, *(str(part) for part in first["loc"])] if prefix else map(str, first["loc"]))
-    return ConfigError(
-        path or "options", first["msg"].removeprefix("Value error, "), value=first.get("input")
-    )
+    loc = tuple(first["loc"])
+    prefix = cls._key_prefix
+    path = ".".join([prefix, *map(str, loc)] if prefix else map(str, loc)) or prefix or "options"
+    kind, given = first["type"], first.get("input")
+    reason = first["msg"].removeprefix("Value error, ").replace("Input should be", "must be", 1)
+    if kind == "missing":
+        field = _model_at(cls, loc).model_fields.get(str(loc[-1]))
+        examples = (field.examples if field else None) or []
+        hint = f", for example {loc[-1]}={examples[0]!r}" if examples else ""
+        return ConfigError(path, f"is required{hint}")
+    if kind == "extra_forbidden":
+        known = sorted(_model_at(cls, loc).model_fields)
+        return ConfigError(path, f"is not an option; the options are {', '.join(known)}", value=given)
+    if kind == "json_invalid":
+        return ConfigError(path, f"{reason}; pass a JSON object of options", value=given)
+    if kind in _TYPE_ERRORS:
+        reason = f"must be {_TYPE_ERRORS[kind]}, not {type(given).__name__}"
+    return ConfigError(path, reason, value=given)
 
 
 class SummarizeOptions(_Options):
@@ -90,7 +164,7 @@ class SummarizeOptions(_Options):
 
     _key_prefix: ClassVar[str] = "compaction"
 
-    trigger_token_budget: int = Field(strict=True)
+    trigger_token_budget: int = Field(strict=True, examples=[8000])
     keep_recent_messages: int = Field(default=8, ge=0, strict=True)
     target_tokens: int | None = Field(default=None, gt=0, strict=True)
     min_recent_turns: int = Field(default=2, ge=0, strict=True)
@@ -108,6 +182,17 @@ class SummarizeOptions(_Options):
             return handler(value)
         except ConfigError as exc:  # the episodic config's own rule, keyed relative to it
             raise exc.under("compaction.episodic") from None
+
+    @field_validator("summary_role")
+    @classmethod
+    def _summary_role(cls, value: Role) -> Role:
+        if value is Role.TOOL:
+            raise ConfigError(
+                "compaction.summary_role",
+                "a summary answers no tool call; use 'user' (the default), 'system' or 'assistant'",
+                value=value.value,
+            )
+        return value
 
     @model_validator(mode="before")
     @classmethod
