@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -89,6 +89,29 @@ def hang_then(data: Any) -> Action:
     def action(request: Request, script: Script) -> Response:
         script.release.wait(10)
         return Response(json.dumps(data), status=200, content_type="application/json")
+
+    return action
+
+
+def trickle_then(data: Any) -> Action:
+    """Send a space every 50 ms (valid JSON padding) until the test releases it, then the reply."""
+
+    def action(request: Request, script: Script) -> Response:
+        def body() -> Iterator[str]:
+            for _ in range(200):
+                if script.release.wait(0.05):
+                    break
+                yield " "
+            yield json.dumps(data)
+
+        return Response(body(), status=200, content_type="application/json")
+
+    return action
+
+
+def redirect_to(path: str) -> Action:
+    def action(request: Request, script: Script) -> Response:
+        return Response("", status=307, headers={"Location": path})
 
     return action
 

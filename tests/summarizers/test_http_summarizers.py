@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from email.utils import format_datetime
 from typing import Any
 
@@ -13,11 +14,14 @@ from http_fakes import (
     API_KEY,
     FIXED_NOW,
     OPENAI,
+    Action,
     Provider,
     Script,
     hang_then,
+    redirect_to,
     reply_json,
     reply_raw,
+    trickle_then,
     validate_anthropic_body,
     validate_openai_body,
 )
@@ -173,12 +177,18 @@ async def test_server_errors_until_the_last_attempt_raise_with_status_and_body(
     assert len(sleeps) == 2
 
 
-async def test_read_timeout_is_retried_then_succeeds(
-    provider: Provider, script: Script, base_url: str, retry: SummarizerRetry, sleeps: list[float]
+@pytest.mark.parametrize("slow", [hang_then, trickle_then], ids=["silent", "trickling"])
+async def test_a_reply_slower_than_the_timeout_is_retried_then_succeeds(
+    provider: Provider,
+    script: Script,
+    base_url: str,
+    retry: SummarizerRetry,
+    sleeps: list[float],
+    slow: Callable[[Any], Action],
 ) -> None:
-    """A reply slower than ``timeout`` counts as a failed attempt and is retried."""
-    script.then(hang_then(provider.reply("too late", 1, 1)), reply_json(provider.reply("in time", 1, 1)))
-    async with provider.make(base_url, retry=retry, timeout=0.2) as summarizer:
+    """A silent reply, or one trickling in a byte every 50 ms, outlasting ``timeout`` is retried."""
+    script.then(slow(provider.reply("too late", 1, 1)), reply_json(provider.reply("in time", 1, 1)))
+    async with provider.make(base_url, retry=retry, timeout=0.3) as summarizer:
         summary = await summarizer.summarize(CONVERSATION, previous_summary=None, max_summary_tokens=300)
     assert summary.text == "in time"
     assert len(script.requests) == 2
@@ -194,7 +204,7 @@ async def test_read_timeouts_on_every_attempt_raise(
         with pytest.raises(SummarizerError) as caught:
             await summarizer.summarize(CONVERSATION, previous_summary=None, max_summary_tokens=300)
     assert caught.value.status is None
-    assert "ReadTimeout after 0.2 s" in str(caught.value)
+    assert "after 0.2 s" in str(caught.value)
     assert len(script.requests) == 2
 
 
@@ -289,6 +299,42 @@ async def test_the_key_never_appears_in_reprs_errors_or_logs(
     for text in texts:
         assert API_KEY not in text
     assert "api_key='**********'" in repr(summarizer)
+
+
+async def test_a_key_echoed_across_the_excerpt_cut_is_still_redacted(
+    provider: Provider, script: Script, summarizer: ChatSummarizer
+) -> None:
+    """A key straddling the end of the body excerpt leaves none of its characters behind."""
+    echo = "x" * (300 - len(API_KEY) // 2) + API_KEY + "y" * 50
+    script.then(reply_raw(echo, status=400))
+    with pytest.raises(SummarizerError) as caught:
+        await summarizer.summarize(CONVERSATION, previous_summary=None, max_summary_tokens=300)
+    body = caught.value.body or ""
+    assert body.startswith("x" * 100) and body.endswith("...")
+    assert API_KEY[: len(API_KEY) // 2] not in body and API_KEY[: len(API_KEY) // 2] not in str(caught.value)
+
+
+@pytest.mark.parametrize("key", ["sk-live-123\n", "sk-live 123", "sk-lïve-123"])
+def test_a_key_no_header_can_carry_is_a_config_error_that_hides_it(provider: Provider, key: str) -> None:
+    """A key with a newline, a space or a non-ASCII character fails at construction without showing it."""
+    with pytest.raises(ConfigError) as caught:
+        provider.make("http://127.0.0.1:1/v1", api_key=key)
+    assert caught.value.key == "api_key"
+    assert "sk-l" not in str(caught.value) and "sk-l" not in repr(caught.value)
+
+
+async def test_a_transport_failure_a_retry_cannot_fix_is_a_summarizer_error(
+    provider: Provider, script: Script, base_url: str, sleeps: list[float]
+) -> None:
+    """Endless redirects end in one SummarizerError naming the failure, not in a raw httpx exception."""
+    script.then(*[redirect_to(provider.path)] * 3)
+    async with httpx.AsyncClient(follow_redirects=True, max_redirects=2) as client:
+        async with provider.make(base_url, client=client) as summarizer:
+            with pytest.raises(SummarizerError, match="TooManyRedirects") as caught:
+                await summarizer.summarize(CONVERSATION, previous_summary=None, max_summary_tokens=300)
+    assert "not retried" in str(caught.value)
+    assert len(script.requests) == 3
+    assert sleeps == []
 
 
 async def test_key_is_read_from_the_environment(

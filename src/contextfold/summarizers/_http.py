@@ -127,6 +127,11 @@ class SummarizerRetry:
         return max(0.0, (when - self.now()).total_seconds())
 
 
+def _sendable(key: str) -> bool:
+    """Whether ``key`` can travel in an HTTP header as it is."""
+    return key.isascii() and key.isprintable() and not any(c.isspace() for c in key)
+
+
 def _check_number(key: str, value: object, minimum: float, reason: str, whole: bool = False) -> None:
     kinds = int if whole else int | float
     if isinstance(value, bool) or not isinstance(value, kinds) or not minimum <= value < math.inf:
@@ -226,6 +231,13 @@ class ChatSummarizer(AsyncResource):
             )
         key = api_key if api_key is not None else os.environ.get(self.env_var) or None
         self._api_key: SecretStr | None = SecretStr(key) if isinstance(key, str) else key
+        if self._api_key is not None and not _sendable(self._api_key.get_secret_value()):
+            # Not shown: httpx and h11 would have put the whole header, key included, into their error.
+            raise ConfigError(
+                "api_key",
+                "holds whitespace, a control or a non-ASCII character, which an HTTP header cannot "
+                f"carry; check the key (or {self.env_var}) for a stray newline or quote",
+            )
         if self._api_key is None and parsed.hostname == self.official_host:
             raise ConfigError(
                 "api_key",
@@ -260,7 +272,6 @@ class ChatSummarizer(AsyncResource):
         if self._owns_client and self._client is not None:
             await self._client.aclose()
             self._client = None
-
 
     def __repr__(self) -> str:
         shown = "None" if self._api_key is None else repr(str(self._api_key))
@@ -376,25 +387,34 @@ class ChatSummarizer(AsyncResource):
             headers.update(self._auth_headers(self._api_key.get_secret_value()))
         return headers
 
+    def _redact(self, text: str) -> str:
+        secret = self._api_key.get_secret_value() if self._api_key is not None else ""
+        return text.replace(secret, _REDACTED) if secret else text
+
     def _excerpt(self, text: str) -> str:
+        # Redacted before cutting: a cut through the key would leave its head unredacted.
+        text = self._redact(text)
         excerpt = text[:_BODY_EXCERPT_CHARS]
-        if self._api_key is not None:
-            secret = self._api_key.get_secret_value()
-            if secret:
-                excerpt = excerpt.replace(secret, _REDACTED)
         return excerpt + ("..." if len(text) > _BODY_EXCERPT_CHARS else "")
 
     async def _attempt(self, body: dict[str, Any]) -> httpx.Response:
         if self._client is None:
             self._client = httpx.AsyncClient()
         try:
-            response = await self._client.post(
-                self.url, json=body, headers=self._headers(), timeout=self.timeout
-            )
-        except httpx.TimeoutException as exc:
+            # httpx times each read separately; the deadline also bounds a reply that trickles in.
+            with anyio.fail_after(self.timeout):
+                response = await self._client.post(
+                    self.url, json=body, headers=self._headers(), timeout=self.timeout
+                )
+        except (httpx.TimeoutException, TimeoutError) as exc:
             raise _Retryable(f"{type(exc).__name__} after {self.timeout:g} s") from None
         except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
             raise _Retryable(type(exc).__name__) from None
+        except httpx.HTTPError as exc:  # a proxy, protocol or redirect failure that a retry would repeat
+            raise SummarizerError(
+                f"{self.provider} summarizer: {self.url} failed with {type(exc).__name__}: "
+                f"{self._redact(str(exc))[:_BODY_EXCERPT_CHARS]} (not retried)"
+            ) from None
         status = response.status_code
         if status < 300:
             return response
