@@ -301,6 +301,10 @@ def test_fraction_of_a_window_rejects_nonsense(window: int, fraction: float, key
         (lambda: TurnCount(-1), "TurnCount.limit"),
         (lambda: TokenCount(-1), "TokenCount.limit"),
         (lambda: TokenCount(True), "TokenCount.limit"),
+        (lambda: TokenCount(None), "TokenCount.limit"),  # type: ignore[arg-type]
+        (lambda: TurnCount(2.5), "TurnCount.limit"),  # type: ignore[arg-type]
+        (lambda: EpisodicCompactionConfig(trigger_unfinished_turns=None), "trigger_unfinished_turns"),  # type: ignore[arg-type]
+        (lambda: EpisodicCompactionConfig(trigger_age_days=float("nan")), "trigger_age_days"),  # type: ignore[arg-type]
         (lambda: EpisodicCompactionConfig(trigger_unfinished_turns=-1), "trigger_unfinished_turns"),
         (lambda: EpisodicCompactionConfig(trigger_age_days=-1), "trigger_age_days"),
         (lambda: EpisodicCompactionConfig(trigger_age_turn_count=-3), "trigger_age_turn_count"),

@@ -43,8 +43,10 @@ class EpisodicCompactionTrigger(StrEnum):
         return self.value
 
 
-def _non_negative(key: str, value: int | None) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+def _non_negative(key: str, value: int | None, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(key, "must be a whole number >= 0", value=value)
 
 
@@ -74,7 +76,7 @@ class EpisodicCompactionConfig:
     trigger_age_turn_count: int = 50
 
     def __post_init__(self) -> None:
-        _non_negative("trigger_context_tokens", self.trigger_context_tokens)
+        _non_negative("trigger_context_tokens", self.trigger_context_tokens, optional=True)
         _non_negative("trigger_unfinished_turns", self.trigger_unfinished_turns)
         _non_negative("trigger_age_days", self.trigger_age_days)
         _non_negative("trigger_age_turn_count", self.trigger_age_turn_count)
@@ -100,10 +102,21 @@ class EpisodicCompactionConfig:
 
     @classmethod
     def for_context_window(
-        cls, context_window: int, fraction: float = 0.8, **overrides: int
+        cls,
+        context_window: int,
+        fraction: float = 0.8,
+        *,
+        trigger_unfinished_turns: int = 8,
+        trigger_age_days: int = 30,
+        trigger_age_turn_count: int = 50,
     ) -> EpisodicCompactionConfig:
         """A config whose context-pressure threshold is ``fraction`` of the model's window."""
-        return cls(trigger_context_tokens=fraction_of_window(context_window, fraction), **overrides)
+        return cls(
+            trigger_context_tokens=fraction_of_window(context_window, fraction),
+            trigger_unfinished_turns=trigger_unfinished_turns,
+            trigger_age_days=trigger_age_days,
+            trigger_age_turn_count=trigger_age_turn_count,
+        )
 
 
 def fraction_of_window(context_window: int, fraction: float) -> int:
