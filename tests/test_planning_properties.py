@@ -266,11 +266,16 @@ def test_token_budget_keeps_exactly_the_newest_units_that_fit(
 
 
 @PROPERTY_SETTINGS
-@given(conversations(), configs(st.builds(ObservationMasking, st.integers(0, 6))))
+@given(
+    conversations(),
+    configs(
+        st.builds(ObservationMasking, st.integers(0, 6), st.sampled_from(["[masked]", "<{tool_call_id}>"]))
+    ),
+)
 def test_observation_masking_keeps_structure_and_masks_only_old_tool_outputs(
     conversation: Conversation, config: CompactionConfig
 ) -> None:
-    """Masking keeps every role, call and call id; only tool outputs older than the kept units change."""
+    """Masking keeps roles, calls and call ids; it masks exactly the old outputs longer than a placeholder."""
     plan = config.plan(conversation.messages, 10**6)
     body = conversation.body
     assert plan.dropped == ()
@@ -294,7 +299,13 @@ def test_observation_masking_keeps_structure_and_masks_only_old_tool_outputs(
         floor = min(max(config.strategy.keep_recent_turns, config.min_recent_turns), len(units))
         untouched = units[-floor].start if floor else len(body)
         assert list(plan.kept[untouched:]) == body[untouched:]
-        masked_region = [m for m in body[:untouched] if m.role is Role.TOOL]
+        placeholder = config.strategy.placeholder
+        masked_region = [
+            m
+            for m in body[:untouched]
+            if m.role is Role.TOOL
+            and len(m.text) > len(placeholder.format(tool_call_id=m.tool_call_id, tokens=0))
+        ]
         if config.min_recent_messages == 0 and not units[-1].pending:
             assert plan.masked == len(masked_region)
 

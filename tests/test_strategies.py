@@ -287,9 +287,28 @@ def test_observation_masking_replaces_only_old_tool_outputs() -> None:
     assert again.masked == 0 and not again.compacts
 
 
+def test_observation_masking_leaves_outputs_no_longer_than_the_placeholder() -> None:
+    """A tool output shorter than its placeholder stays as it is, since masking it would cost more."""
+    body = [Message.user("time?"), *step("clock", 0), Message.user("weather?"), *step("sky", 0)]
+    short, long = Message.tool("call_clock", "12:00"), Message.tool("call_sky", "cloudy " * 20)
+    body[2], body[5] = short, long
+    plan = CompactionConfig(
+        TurnCount(0), ObservationMasking(0, "[elided {tokens}]"), min_recent_turns=0
+    ).plan(body)
+    assert plan.masked == 1
+    assert plan.kept[2] == short
+    assert plan.kept[5].content == f"[elided {ApproximateCounter().count(long)}]"
+
+
 @pytest.mark.parametrize(
     ("build", "key"),
     [
+        (lambda: ObservationMasking(1, 5), "ObservationMasking.placeholder"),  # type: ignore[arg-type]
+        (lambda: ObservationMasking(1, "{tokens.real}"), "ObservationMasking.placeholder"),
+        (lambda: ObservationMasking(1, "{tool_call_id[0]}"), "ObservationMasking.placeholder"),
+        (lambda: ObservationMasking(1, "{}"), "ObservationMasking.placeholder"),
+        (lambda: ObservationMasking(1, "{tokens!z}"), "ObservationMasking.placeholder"),
+        (lambda: ObservationMasking(1, "{tokens"), "ObservationMasking.placeholder"),
         (lambda: SlidingWindow(-1), "SlidingWindow.keep_recent_turns"),
         (lambda: TokenBudget(-1), "TokenBudget.max_tokens"),
         (lambda: TokenBudget(10, keep_recent_turns=-2), "TokenBudget.keep_recent_turns"),

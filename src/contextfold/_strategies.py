@@ -10,9 +10,11 @@ call is never parted from its result.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from string import Formatter
 from typing import ClassVar, Literal
 
 from ._errors import ConfigError
@@ -66,11 +68,7 @@ class Orphan:
 def split_head(messages: Sequence[Message]) -> tuple[int, Message | None]:
     """Length of the pinned head, and the previous summary right after it, if any."""
     pinned = 0
-    while (
-        pinned < len(messages)
-        and messages[pinned].role is Role.SYSTEM
-        and not messages[pinned].is_summary
-    ):
+    while pinned < len(messages) and messages[pinned].role is Role.SYSTEM and not messages[pinned].is_summary:
         pinned += 1
     if pinned < len(messages) and messages[pinned].is_summary:
         return pinned, messages[pinned]
@@ -184,11 +182,49 @@ class TokenBudget(Strategy):
         return max(kept, minimum)
 
 
+_PLACEHOLDER_FIELDS = ("tool_call_id", "tokens")
+
+
+def _check_placeholder(placeholder: object) -> None:
+    key = "ObservationMasking.placeholder"
+    if not isinstance(placeholder, str):
+        raise ConfigError(
+            key, "must be a string such as '[output elided: {tokens} tokens]'", value=placeholder
+        )
+    try:
+        names = [name for _, name, _, _ in Formatter().parse(placeholder) if name is not None]
+        # Attribute and index lookups ({tokens.real}, {tool_call_id[0]}) would reach into objects.
+        unknown = [name for name in names if name not in _PLACEHOLDER_FIELDS]
+        if not unknown:
+            placeholder.format(tool_call_id="x", tokens=0)  # conversions and format specs
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(
+            key,
+            f"is not a valid format string ({exc}); use the fields {{tool_call_id}} and {{tokens}}",
+            value=placeholder,
+        ) from None
+    if unknown:
+        raise ConfigError(
+            key,
+            f"uses {{{unknown[0]}}}; only the fields {{tool_call_id}} and {{tokens}} are filled in",
+            value=placeholder,
+        )
+
+
+def _content_size(message: Message) -> int:
+    content = message.content
+    if content is None:
+        return 0
+    return len(content) if isinstance(content, str) else len(json.dumps(content, ensure_ascii=False))
+
+
 @dataclass(frozen=True, slots=True)
 class ObservationMasking(Strategy):
     """Keep every unit, but replace tool outputs older than the newest turns with a placeholder.
 
-    ``placeholder`` may use ``{tool_call_id}`` and ``{tokens}``.
+    ``placeholder`` may use ``{tool_call_id}`` and ``{tokens}``. An output no
+    longer than its placeholder is left as it is, since masking it would not
+    save anything.
     """
 
     keep_recent_turns: int
@@ -198,21 +234,16 @@ class ObservationMasking(Strategy):
 
     def __post_init__(self) -> None:
         _check_count("ObservationMasking.keep_recent_turns", self.keep_recent_turns)
-        try:
-            self.placeholder.format(tool_call_id="x", tokens=0)
-        except (KeyError, IndexError, ValueError) as exc:
-            raise ConfigError(
-                "ObservationMasking.placeholder",
-                f"may only use the fields {{tool_call_id}} and {{tokens}} ({exc!r})",
-                value=self.placeholder,
-            ) from None
+        _check_placeholder(self.placeholder)
 
     def keep(self, unit_tokens: Sequence[int], floor: int) -> int:
         return max(self.keep_recent_turns, floor)
 
-    def mask(self, message: Message, tokens: int) -> Message:
-        """The tool result with its output replaced by the placeholder."""
+    def mask(self, message: Message, tokens: int) -> Message | None:
+        """The tool result with its output replaced by the placeholder, or ``None`` if that is no shorter."""
         text = self.placeholder.format(tool_call_id=message.tool_call_id, tokens=tokens)
+        if len(text) >= _content_size(message):
+            return None
         metadata = {**message.metadata, MASKED_METADATA_KEY: True}
         return message.model_copy(update={"content": text, "metadata": metadata})
 
@@ -265,16 +296,12 @@ class CompactionConfig:
         if not isinstance(self.trigger, Trigger):
             raise ConfigError("trigger", "must be a Trigger such as TokenCount(8000)", value=self.trigger)
         if not isinstance(self.strategy, Strategy):
-            raise ConfigError(
-                "strategy", "must be a Strategy such as SlidingWindow(8)", value=self.strategy
-            )
+            raise ConfigError("strategy", "must be a Strategy such as SlidingWindow(8)", value=self.strategy)
         _check_count("min_recent_turns", self.min_recent_turns)
         _check_count("min_recent_messages", self.min_recent_messages)
 
     def with_min_recent_turns(self, min_recent_turns: int) -> CompactionConfig:
-        return CompactionConfig(
-            self.trigger, self.strategy, min_recent_turns, self.min_recent_messages
-        )
+        return CompactionConfig(self.trigger, self.strategy, min_recent_turns, self.min_recent_messages)
 
     def plan(
         self,
@@ -302,9 +329,7 @@ class CompactionConfig:
         pinned = tuple(messages[:pinned_len])
 
         def unchanged(reason: str | None) -> CompactionPlan:
-            return CompactionPlan(
-                pinned, previous, (), tuple(body), reason, 0, len(units), 0, tuple(orphans)
-            )
+            return CompactionPlan(pinned, previous, (), tuple(body), reason, 0, len(units), 0, tuple(orphans))
 
         reason = force_reason or self.trigger.reason(Pressure(len(units), tokens, episodic=episodic))
         if reason is None or not units:
@@ -336,8 +361,10 @@ class CompactionConfig:
             for position in range(cut):
                 message = kept[position]
                 if message.role is Role.TOOL and not message.metadata.get(MASKED_METADATA_KEY):
-                    kept[position] = self.strategy.mask(message, counts[position])
-                    masked += 1
+                    replacement = self.strategy.mask(message, counts[position])
+                    if replacement is not None:
+                        kept[position] = replacement
+                        masked += 1
             if not masked:
                 return unchanged(reason)
             return CompactionPlan(
