@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contextfold import (
+    SUMMARY_METADATA_KEY,
     InvalidMessageError,
     Message,
     Role,
@@ -235,6 +236,117 @@ def test_a_later_system_message_is_sent_as_a_user_turn() -> None:
     ]
 
 
+def test_anthropic_round_trip_keeps_thinking_cache_control_and_block_order() -> None:
+    """Thinking blocks, cache_control on tool blocks, text after a tool_use and a bare tool_result survive."""
+    turns: list[dict[str, Any]] = [
+        {"role": "user", "content": "weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "Use the tool.", "signature": "c2ln"},
+                {"type": "redacted_thinking", "data": "ZW5j"},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+                {"type": "text", "text": "Checking now."},
+                {
+                    "type": "tool_use",
+                    "id": "toolu_2",
+                    "name": "get_time",
+                    "input": {},
+                    "cache_control": {"type": "ephemeral"},
+                },
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_1",
+                    "content": [{"type": "text", "text": "sunny"}],
+                    "cache_control": {"type": "ephemeral", "ttl": "1h"},
+                },
+                {"type": "tool_result", "tool_use_id": "toolu_2"},
+            ],
+        },
+    ]
+    messages = from_anthropic(turns)
+    assert [c.id for c in messages[1].tool_calls] == ["toolu_1", "toolu_2"]
+    assert messages[3].content == ""
+    assert to_anthropic(messages) == (None, turns)
+
+
+def test_a_recorded_block_order_is_dropped_once_the_calls_change() -> None:
+    """An assistant message whose calls were replaced renders its content first, then the new calls."""
+    parsed = from_anthropic(
+        [
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "tool_use", "id": "t1", "name": "f", "input": {}},
+                    {"type": "text", "text": "after"},
+                ],
+            }
+        ]
+    )[0]
+    changed = parsed.model_copy(update={"tool_calls": (call("t9", "g"),)})
+    assert to_anthropic([changed])[1][0]["content"] == [
+        {"type": "text", "text": "after"},
+        {"type": "tool_use", "id": "t9", "name": "g", "input": {}},
+    ]
+
+
+def test_openai_round_trip_keeps_omitted_content_empty_lists_and_tool_call_extras() -> None:
+    """An absent content, an empty tool_calls list, a null name and extra tool-call keys survive."""
+    payload: list[dict[str, Any]] = [
+        {"role": "user", "content": "hi", "name": None},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "lookup", "arguments": "{}", "strict": True},
+                    "extra_content": {"google": {"thought_signature": "c2ln"}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "found"},
+        {
+            "role": "assistant",
+            "content": "done",
+            "tool_calls": [],
+            "refusal": None,
+            "audio": {"id": "audio_1"},
+        },
+    ]
+    messages = from_openai(payload)
+    assert messages[1].content is None
+    assert [(c.id, c.name, c.arguments) for c in messages[1].tool_calls] == [("call_1", "lookup", "{}")]
+    assert to_openai(messages) == payload
+
+
+def test_a_summary_is_sent_as_an_ordinary_message_of_its_role() -> None:
+    """A summary's metadata is not sent: it renders like any message of its role and parses back unmarked."""
+    mark = {SUMMARY_METADATA_KEY: True}
+    as_user = [Message.system("rules"), Message.user("so far", metadata=mark), Message.user("next")]
+    assert to_openai(as_user) == [
+        {"role": "system", "content": "rules"},
+        {"role": "user", "content": "so far"},
+        {"role": "user", "content": "next"},
+    ]
+    assert not any(m.is_summary for m in from_openai(to_openai(as_user)))
+    system, turns = to_anthropic(as_user)
+    assert (system, turns) == (
+        "rules",
+        [{"role": "user", "content": [{"type": "text", "text": "so far"}, {"type": "text", "text": "next"}]}],
+    )
+    as_system = [Message.system("rules"), Message.system("so far", metadata=mark), Message.user("next")]
+    assert to_anthropic(as_system) == (
+        [{"type": "text", "text": "rules"}, {"type": "text", "text": "so far"}],
+        [{"role": "user", "content": "next"}],
+    )
+
+
 # malformed input ----------------------------------------------------------------------
 
 
@@ -293,6 +405,7 @@ OPENAI_MALFORMED: list[tuple[str, list[Any], str]] = [
     ),
     ("tool call not an object", [{"role": "assistant", "tool_calls": ["c1"]}], "messages[0].tool_calls[0]"),
     ("tool_calls not a list", [{"role": "assistant", "tool_calls": "c1"}], "messages[0].tool_calls"),
+    ("tool_calls zero", [{"role": "assistant", "tool_calls": 0}], "messages[0].tool_calls"),
     ("message not an object", [["user", "hi"]], "messages[0]"),
     ("content of the wrong type", [{"role": "user", "content": 42}], "messages[0].content"),
     (
@@ -416,21 +529,30 @@ openai_content = st.none() | texts | st.lists(text_part | image_part, max_size=3
 
 
 @st.composite
+def openai_calls(draw: st.DrawFn, call_id: str) -> dict[str, Any]:
+    raw: dict[str, Any] = {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": draw(ids), "arguments": json.dumps(draw(arguments))},
+    }
+    if draw(st.integers(0, 3)) == 0:
+        raw["extra_content"] = draw(arguments)
+    if draw(st.integers(0, 3)) == 0:
+        raw["function"]["strict"] = draw(st.booleans())
+    return raw
+
+
+@st.composite
 def openai_messages(draw: st.DrawFn) -> dict[str, Any]:
     role = draw(st.sampled_from(["system", "developer", "user", "assistant", "tool"]))
     item: dict[str, Any] = {"role": role, "content": draw(openai_content)}
     if draw(st.booleans()):
         item["name"] = draw(ids)
     if role == "assistant" and draw(st.booleans()):
-        call_ids = draw(st.lists(ids, min_size=1, max_size=3, unique=True))
-        item["tool_calls"] = [
-            {
-                "id": call_id,
-                "type": "function",
-                "function": {"name": draw(ids), "arguments": json.dumps(draw(arguments))},
-            }
-            for call_id in call_ids
-        ]
+        call_ids = draw(st.lists(ids, min_size=0, max_size=3, unique=True))
+        item["tool_calls"] = [draw(openai_calls(call_id)) for call_id in call_ids]
+        if call_ids and draw(st.booleans()):
+            del item["content"]
     if role == "tool":
         item["tool_call_id"] = draw(ids)
     if draw(st.integers(0, 4)) == 0:
@@ -446,6 +568,7 @@ def test_any_openai_payload_round_trips(payload: list[dict[str, Any]]) -> None:
 
 
 block_text = st.builds(lambda t: {"type": "text", "text": t}, texts)
+block_thinking = st.builds(lambda t: {"type": "thinking", "thinking": t, "signature": "c2ln"}, texts)
 block_image = st.builds(
     lambda d: {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": d}}, ids
 )
@@ -460,6 +583,10 @@ def tool_results(draw: st.DrawFn) -> dict[str, Any]:
     }
     if draw(st.booleans()):
         block["is_error"] = draw(st.booleans())
+    if draw(st.integers(0, 3)) == 0:
+        block["cache_control"] = {"type": "ephemeral"}
+    if draw(st.integers(0, 3)) == 0:
+        del block["content"]
     return block
 
 
@@ -471,9 +598,15 @@ def anthropic_turn(draw: st.DrawFn, role: str) -> dict[str, Any]:
         blocks = draw(st.lists(block_text | block_image | tool_results(), max_size=4))
     else:
         call_ids = draw(st.lists(ids, max_size=3, unique=True))
-        uses = [{"type": "tool_use", "id": i, "name": draw(ids), "input": draw(arguments)} for i in call_ids]
-        # The Messages API puts an assistant's text before its tool_use blocks.
-        blocks = draw(st.lists(block_text, max_size=2)) + uses
+        uses: list[dict[str, Any]] = [
+            {"type": "tool_use", "id": i, "name": draw(ids), "input": draw(arguments)} for i in call_ids
+        ]
+        for use in uses:
+            if draw(st.integers(0, 3)) == 0:
+                use["cache_control"] = {"type": "ephemeral"}
+        blocks = draw(st.lists(block_thinking | block_text, max_size=3)) + uses
+        if draw(st.integers(0, 2)) == 0:  # thinking and text usually come first, but not always
+            blocks = draw(st.permutations(blocks))
     return {"role": role, "content": blocks}
 
 

@@ -1,10 +1,21 @@
 """Messages, roles and tool calls, and their OpenAI and Anthropic wire formats.
 
 A :class:`Message` is immutable plain data. ``content`` is either a string, a
-list of provider content parts kept verbatim (images, cache-control marks and
-other parts survive a round trip), or ``None`` (an assistant message that only
-calls tools). Conversion to and from a wire format never drops information the
-other format can carry; anything else is kept in ``metadata``.
+list of provider content parts kept verbatim (images, thinking blocks,
+cache-control marks), or ``None`` (an assistant message that only calls tools).
+
+Parsing a payload and rendering it back in the same format gives the same
+payload: what a message has no field for (OpenAI's ``refusal`` or a tool
+call's extra keys, Anthropic's ``cache_control`` on a tool block or a text
+block after a ``tool_use``) is kept under ``openai``/``anthropic`` keys of
+``metadata``. Anthropic turns of one role in a row are the exception: they are
+rendered as one turn, which the API would make of them anyway.
+
+A message rendered and parsed back is equal to itself, unless the format has
+no way to say it: Anthropic has one system parameter, so several leading
+system messages come back as one, and a string next to tool calls cannot be
+told from a lone text block. Other metadata is never sent: a compaction
+summary goes out as an ordinary message of its role, without its mark.
 """
 
 from __future__ import annotations
@@ -233,50 +244,81 @@ def _mapping(value: Any, field: str) -> Mapping[str, Any]:
 _OPENAI_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
 _OPENAI_EXTRA_KEY = "openai"
 _OPENAI_ROLE_KEY = "openai.role"
+_OPENAI_OMITTED_KEY = "openai.omitted"
+_OPENAI_CALLS_KEY = "openai.tool_calls"
+
+
+def _openai_calls(message: Message) -> list[JsonDict]:
+    extras = message.metadata.get(_OPENAI_CALLS_KEY)
+    extras = extras if isinstance(extras, Mapping) else {}
+    calls: list[JsonDict] = []
+    for call in message.tool_calls:
+        item: JsonDict = {
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+        extra = extras.get(call.id)
+        if isinstance(extra, Mapping):
+            for key, value in extra.items():
+                if key == "function" and isinstance(value, Mapping):
+                    item["function"] = {**value, **item["function"]}
+                elif key not in ("id", "function"):
+                    item[key] = value
+        calls.append(item)
+    return calls
 
 
 def to_openai(messages: Iterable[Message]) -> list[JsonDict]:
     """Render messages as OpenAI Chat Completions ``messages``.
 
-    Keys of a parsed message that contextfold does not model (``refusal``,
-    ``audio``, ...) and the ``developer`` role are restored from ``metadata``.
+    What a parsed message carried beyond the model — the ``developer`` role,
+    keys such as ``refusal`` or ``audio``, extra keys of a tool call, an
+    omitted ``content`` — is restored from ``metadata``.
     """
     out: list[JsonDict] = []
     for message in messages:
+        metadata = message.metadata
         role = message.role.value
-        if message.role is Role.SYSTEM and message.metadata.get(_OPENAI_ROLE_KEY) == "developer":
+        if message.role is Role.SYSTEM and metadata.get(_OPENAI_ROLE_KEY) == "developer":
             role = "developer"
-        item: JsonDict = {"role": role, "content": message.content}
+        item: JsonDict = {"role": role}
+        omitted = metadata.get(_OPENAI_OMITTED_KEY)
+        if not (message.content is None and isinstance(omitted, list) and "content" in omitted):
+            item["content"] = message.content
         if message.name is not None:
             item["name"] = message.name
         if message.tool_calls:
-            item["tool_calls"] = [
-                {
-                    "id": call.id,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": call.arguments},
-                }
-                for call in message.tool_calls
-            ]
+            item["tool_calls"] = _openai_calls(message)
         if message.tool_call_id is not None:
             item["tool_call_id"] = message.tool_call_id
-        extra = message.metadata.get(_OPENAI_EXTRA_KEY)
+        extra = metadata.get(_OPENAI_EXTRA_KEY)
         if isinstance(extra, Mapping):
             item.update((key, value) for key, value in extra.items() if key not in item)
         out.append(item)
     return out
 
 
-def _openai_call(raw: Any, field: str) -> ToolCall:
+def _openai_call(raw: Any, field: str) -> tuple[ToolCall, JsonDict]:
+    """A tool call, and its keys the model does not hold (``type`` other than function, ...)."""
     raw = _mapping(raw, field)
     call_id = raw.get("id")
     if not call_id or not isinstance(call_id, str):
         raise InvalidMessageError(f"{field}.id", f"a tool call needs a non-empty string id, got {call_id!r}")
     function = _mapping(_require(raw, "function", field), f"{field}.function")
     try:
-        return ToolCall(id=call_id, name=function.get("name", ""), arguments=function.get("arguments", "{}"))
+        call = ToolCall(id=call_id, name=function.get("name", ""), arguments=function.get("arguments", "{}"))
     except InvalidMessageError as exc:
         raise InvalidMessageError(f"{field}.function.{exc.field}", exc.reason) from None
+    extra: JsonDict = {
+        key: value
+        for key, value in raw.items()
+        if key not in ("id", "function") and (key, value) != ("type", "function")
+    }
+    function_extra = {key: value for key, value in function.items() if key not in ("name", "arguments")}
+    if function_extra:
+        extra["function"] = function_extra
+    return call, extra
 
 
 def from_openai(payload: Iterable[Mapping[str, Any]]) -> list[Message]:
@@ -291,14 +333,27 @@ def from_openai(payload: Iterable[Mapping[str, Any]]) -> list[Message]:
                 f"{field}.role",
                 f"unknown role {role!r}; use one of {[r.value for r in Role]} (or 'developer')",
             )
-        raw_calls = item.get("tool_calls") or ()
-        if not isinstance(raw_calls, list | tuple):
+        raw_calls = item.get("tool_calls")
+        if raw_calls is None:
+            raw_calls = ()
+        elif not isinstance(raw_calls, list | tuple):
             raise InvalidMessageError(f"{field}.tool_calls", "must be a list of tool calls")
-        calls = tuple(_openai_call(raw, f"{field}.tool_calls[{n}]") for n, raw in enumerate(raw_calls))
+        parsed = [_openai_call(raw, f"{field}.tool_calls[{n}]") for n, raw in enumerate(raw_calls)]
         metadata: JsonDict = {}
-        extra = {key: value for key, value in item.items() if key not in _OPENAI_KEYS}
+        # Keys the model has no place for, and modelled keys whose empty value would not be
+        # written back (``"tool_calls": []``, ``"name": null``), are kept verbatim.
+        extra = {
+            key: value
+            for key, value in item.items()
+            if key not in _OPENAI_KEYS or (key != "content" and not value and value != "")
+        }
         if extra:
             metadata[_OPENAI_EXTRA_KEY] = extra
+        if "content" not in item:
+            metadata[_OPENAI_OMITTED_KEY] = ["content"]
+        call_extras = {call.id: rest for call, rest in parsed if rest}
+        if call_extras:
+            metadata[_OPENAI_CALLS_KEY] = call_extras
         if role == "developer":
             role = Role.SYSTEM
             metadata[_OPENAI_ROLE_KEY] = "developer"
@@ -307,7 +362,7 @@ def from_openai(payload: Iterable[Mapping[str, Any]]) -> list[Message]:
                 field,
                 role,
                 item.get("content"),
-                tool_calls=calls,
+                tool_calls=tuple(call for call, _ in parsed),
                 tool_call_id=item.get("tool_call_id"),
                 name=item.get("name"),
                 metadata=metadata,
@@ -317,6 +372,14 @@ def from_openai(payload: Iterable[Mapping[str, Any]]) -> list[Message]:
 
 
 # Anthropic Messages ---------------------------------------------------------
+
+
+_ANTHROPIC_EXTRA_KEY = "anthropic"
+_ANTHROPIC_OMITTED_KEY = "anthropic.omitted"
+_ANTHROPIC_USES_KEY = "anthropic.tool_use"
+_ANTHROPIC_LAYOUT_KEY = "anthropic.layout"
+_RESULT_KEYS = ("type", "tool_use_id", "content", "is_error")
+_USE_KEYS = ("type", "id", "name", "input")
 
 
 def _anthropic_text(content: str | list[JsonDict] | None) -> list[JsonDict]:
@@ -340,13 +403,58 @@ def _plain_text(blocks: list[JsonDict]) -> str | list[JsonDict]:
     return blocks
 
 
+def _tool_result_block(message: Message) -> JsonDict:
+    metadata = message.metadata
+    block: JsonDict = {"type": "tool_result", "tool_use_id": message.tool_call_id}
+    omitted = metadata.get(_ANTHROPIC_OMITTED_KEY)
+    if not (not message.content and isinstance(omitted, list) and "content" in omitted):
+        block["content"] = message.content if message.content is not None else ""
+    if TOOL_ERROR_METADATA_KEY in metadata:
+        block["is_error"] = bool(metadata[TOOL_ERROR_METADATA_KEY])
+    extra = metadata.get(_ANTHROPIC_EXTRA_KEY)
+    if isinstance(extra, Mapping):
+        block.update((key, value) for key, value in extra.items() if key not in block)
+    return block
+
+
+def _assistant_blocks(message: Message) -> list[JsonDict]:
+    """Content blocks then ``tool_use`` blocks, in the parsed order when one was recorded."""
+    metadata = message.metadata
+    extras = metadata.get(_ANTHROPIC_USES_KEY)
+    extras = extras if isinstance(extras, Mapping) else {}
+    parts = _anthropic_text(message.content)
+    uses: dict[str, JsonDict] = {}
+    for call in message.tool_calls:
+        use: JsonDict = {
+            "type": "tool_use",
+            "id": call.id,
+            "name": call.name,
+            "input": call.parsed_arguments(),
+        }
+        extra = extras.get(call.id)
+        if isinstance(extra, Mapping):
+            use.update((key, value) for key, value in extra.items() if key not in use)
+        uses[call.id] = use
+    layout = metadata.get(_ANTHROPIC_LAYOUT_KEY)
+    # A layout recorded for other content or other calls (the message was changed since) is ignored.
+    if (
+        isinstance(layout, list)
+        and layout.count(None) == len(parts)
+        and sorted(str(entry) for entry in layout if entry is not None) == sorted(uses)
+    ):
+        remaining = iter(parts)
+        return [next(remaining) if entry is None else uses[entry] for entry in layout]
+    return parts + list(uses.values())
+
+
 def to_anthropic(messages: Iterable[Message]) -> tuple[str | list[JsonDict] | None, list[JsonDict]]:
     """Render messages as Anthropic ``(system, messages)``.
 
-    Leading system messages become the ``system`` parameter; a system message
-    later in the conversation (a summary, say) is sent as a user turn. Tool
-    results become ``tool_result`` blocks of a user turn, and consecutive turns
-    of one role are merged, as the Messages API requires.
+    Leading system messages become the ``system`` parameter (a system-role
+    summary right after them joins it); a system message later in the
+    conversation is sent as user text. Tool results become ``tool_result`` blocks of a user turn,
+    and consecutive turns of one role are merged into one, as the API would
+    combine them.
     """
     items = list(messages)
     system_parts: list[Message] = []
@@ -375,25 +483,9 @@ def to_anthropic(messages: Iterable[Message]) -> tuple[str | list[JsonDict] | No
 
     for message in items:
         if message.role is Role.TOOL:
-            block: JsonDict = {
-                "type": "tool_result",
-                "tool_use_id": message.tool_call_id,
-                "content": message.content if message.content is not None else "",
-            }
-            if TOOL_ERROR_METADATA_KEY in message.metadata:
-                block["is_error"] = bool(message.metadata[TOOL_ERROR_METADATA_KEY])
-            push("user", [block])
+            push("user", [_tool_result_block(message)])
         elif message.role is Role.ASSISTANT:
-            blocks = _anthropic_text(message.content)
-            blocks += [
-                {
-                    "type": "tool_use",
-                    "id": call.id,
-                    "name": call.name,
-                    "input": call.parsed_arguments(),
-                }
-                for call in message.tool_calls
-            ]
+            blocks = _assistant_blocks(message)
             raw = message.content if isinstance(message.content, str) and not message.tool_calls else None
             push("assistant", blocks, raw)
         else:
@@ -421,16 +513,26 @@ def _anthropic_call(block: Mapping[str, Any], field: str) -> ToolCall:
 def _anthropic_assistant(content: list[Any], field: str) -> Message:
     parts: list[JsonDict] = []
     calls: list[ToolCall] = []
+    layout: list[str | None] = []
+    metadata: JsonDict = {}
     for n, raw in enumerate(content):
         block = _mapping(raw, f"{field}.content[{n}]")
         if block.get("type") == "tool_use":
-            calls.append(_anthropic_call(block, f"{field}.content[{n}]"))
+            call = _anthropic_call(block, f"{field}.content[{n}]")
+            calls.append(call)
+            layout.append(call.id)
+            extra = {key: value for key, value in block.items() if key not in _USE_KEYS}
+            if extra:  # cache_control, say
+                metadata.setdefault(_ANTHROPIC_USES_KEY, {})[call.id] = extra
         else:
             parts.append(dict(block))
+            layout.append(None)
+    if layout != [None] * len(parts) + [call.id for call in calls]:
+        metadata[_ANTHROPIC_LAYOUT_KEY] = layout  # text after a tool_use block, say
     text: str | list[JsonDict] | None = parts or None
     if calls and parts:
         text = _plain_text(parts)  # to_anthropic writes string content + calls as [text, tool_use...]
-    return _build(field, Role.ASSISTANT, text, tool_calls=tuple(calls))
+    return _build(field, Role.ASSISTANT, text, tool_calls=tuple(calls), metadata=metadata)
 
 
 def _anthropic_user(content: list[Any], field: str) -> list[Message]:
@@ -460,7 +562,12 @@ def _anthropic_user(content: list[Any], field: str) -> list[Message]:
             raise InvalidMessageError(
                 f"{block_field}.is_error", f"must be true or false, got {block['is_error']!r}"
             )
-        metadata = {TOOL_ERROR_METADATA_KEY: block["is_error"]} if "is_error" in block else {}
+        metadata: JsonDict = {TOOL_ERROR_METADATA_KEY: block["is_error"]} if "is_error" in block else {}
+        extra = {key: value for key, value in block.items() if key not in _RESULT_KEYS}
+        if extra:  # cache_control, say
+            metadata[_ANTHROPIC_EXTRA_KEY] = extra
+        if "content" not in block:
+            metadata[_ANTHROPIC_OMITTED_KEY] = ["content"]
         result = block.get("content", "")
         if not isinstance(result, str | list) and result is not None:
             raise InvalidMessageError(
