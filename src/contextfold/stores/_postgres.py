@@ -46,6 +46,7 @@ from ._base import ContextWindow, StoredMessage, ThreadStats
 from ._rows import (
     PressureCounters,
     Window,
+    check_from_seq,
     check_max_tokens,
     check_replace,
     check_thread,
@@ -62,6 +63,7 @@ SCHEMA_VERSION = 1
 
 _REPLAY_BATCH = 500
 _CONNECT_TIMEOUT_SECONDS = 10
+_UNLOCK_SECONDS = 10
 _IDENTIFIER_MAX_BYTES = 63
 
 # Each entry takes the schema from version N to N+1; ``{s}`` is the schema identifier.
@@ -145,13 +147,6 @@ def _where(dsn: str) -> str:
     port = str(params.get("port") or 5432)
     dbname = str(params.get("dbname") or params.get("user") or "")
     return f"{host}:{port}/{dbname}"
-
-
-def _check_thread(thread: str) -> str:
-    check_thread(thread)
-    if "\x00" in thread:
-        raise ConfigError("thread", "PostgreSQL text cannot hold NUL characters; remove them", value=thread)
-    return thread
 
 
 def _as_utc(moment: datetime) -> datetime:
@@ -362,7 +357,7 @@ class PostgresStore(AsyncResource):
         self, thread: str, messages: Sequence[Message], tokens: Sequence[int]
     ) -> list[StoredMessage]:
         """Append messages (with their token counts) after the newest one; return them stored."""
-        _check_thread(thread)
+        check_thread(thread)
         rows = encode_messages(messages, tokens)
         if not rows:
             self._require_open("append")
@@ -422,7 +417,7 @@ class PostgresStore(AsyncResource):
         windowed load reads a bounded number of rows and usually costs one round
         trip. If the guess falls short (uneven sizes), it asks again for more.
         """
-        _check_thread(thread)
+        check_thread(thread)
         limit = check_max_tokens(max_tokens)
         percent = 125
         async with self._connection("load", thread) as conn:
@@ -466,7 +461,7 @@ class PostgresStore(AsyncResource):
 
     async def stats(self, thread: str) -> ThreadStats:
         """Message count, token total, version and newest seq, from the thread's row."""
-        _check_thread(thread)
+        check_thread(thread)
         async with self._connection("stats", thread) as conn:
             return await self._stats(conn, thread)
 
@@ -493,7 +488,7 @@ class PostgresStore(AsyncResource):
         tokens: Sequence[int],
     ) -> ThreadStats:
         """Atomically swap every message with ``seq <= through_seq`` for ``replacement``."""
-        _check_thread(thread)
+        check_thread(thread)
         check_replace(through_seq, expected_version)
         rows = encode_messages(replacement, tokens, field="replacement")
         async with self._connection("replace_prefix", thread) as conn, conn.transaction():
@@ -537,7 +532,7 @@ class PostgresStore(AsyncResource):
     @asynccontextmanager
     async def compaction_lock(self, thread: str) -> AsyncIterator[bool]:
         """Try to become the thread's one compactor, across processes; yields whether it did."""
-        _check_thread(thread)
+        check_thread(thread)
         key = _key("contextfold.compaction", self._schema, thread)
         async with self._connection("compaction_lock", thread) as conn:
             cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (key,))
@@ -547,7 +542,12 @@ class PostgresStore(AsyncResource):
                 yield acquired
             finally:
                 if acquired:
-                    await conn.execute("SELECT pg_advisory_unlock(%s)", (key,))
+                    # Shielded, so a cancelled holder still unlocks before the connection, which
+                    # would otherwise carry the session lock, goes back to the pool. Should the
+                    # server not answer in time, the cancelled query makes psycopg close the
+                    # connection, and the server drops the lock with the session.
+                    with anyio.CancelScope(shield=True, deadline=anyio.current_time() + _UNLOCK_SECONDS):
+                        await conn.execute("SELECT pg_advisory_unlock(%s)", (key,))
 
     # episodic ----------------------------------------------------------------
 
@@ -555,7 +555,7 @@ class PostgresStore(AsyncResource):
         self, thread: str, episode: Episode, *, at: datetime | None = None
     ) -> EpisodeRecord:
         """Append one episode (``at`` defaults to the server's clock) and update the pressure counters."""
-        _check_thread(thread)
+        check_thread(thread)
         when = None if at is None else utc(at, "at")
         body = encode_episode(episode)
         # A first episode's counters come from the shared arithmetic; a later one's must be
@@ -610,11 +610,11 @@ class PostgresStore(AsyncResource):
 
         No connection is held between batches, so a slow consumer does not pin one.
         """
-        _check_thread(thread)
+        check_thread(thread)
+        after = check_from_seq(from_seq)
         query = self._q(
             "SELECT seq, at, body FROM {s}.episodes WHERE thread = %s AND seq >= %s ORDER BY seq LIMIT %s"
         )
-        after = from_seq
         while True:
             async with self._connection("replay", thread) as conn:
                 cur = await conn.execute(query, (thread, after, _REPLAY_BATCH))
@@ -639,7 +639,7 @@ class PostgresStore(AsyncResource):
         estimated_context_tokens: int | None = None,
     ) -> EpisodicCompactionPressure:
         """Pressure since the latest boundary, from the thread's counters row."""
-        _check_thread(thread)
+        check_thread(thread)
         when = utc(now, "now")
         async with self._connection("pressure", thread) as conn:
             cur = await conn.execute(
@@ -656,7 +656,7 @@ class PostgresStore(AsyncResource):
 
     async def latest_checkpoint(self, thread: str) -> EpisodeRecord | None:
         """The newest summary checkpoint or manual-recovery boundary, found by its remembered seq."""
-        _check_thread(thread)
+        check_thread(thread)
         async with self._connection("latest_checkpoint", thread) as conn:
             cur = await conn.execute(
                 self._q(

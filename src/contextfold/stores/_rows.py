@@ -59,9 +59,12 @@ def _whole_number(key: str, value: Any, *, minimum: int) -> int:
 
 
 def check_thread(thread: Any) -> str:
-    """``thread`` itself, once known to be a non-empty string."""
+    """``thread`` itself, once known to be a non-empty string every backend can store."""
     if not isinstance(thread, str) or not thread:
         raise ConfigError("thread", "must be a non-empty string naming the conversation", value=thread)
+    if "\x00" in thread:
+        # PostgreSQL text cannot hold NUL; refusing it everywhere keeps thread ids portable.
+        raise ConfigError("thread", "cannot contain NUL characters; remove them", value=thread)
     return thread
 
 
@@ -254,6 +257,12 @@ class Window:
         """Take one older row if it fits; ``False`` once the budget is spent (take no more)."""
         if self.full:
             return False
+        if type(seq) is not int or type(tokens) is not int:
+            # SQLite keeps whatever type was written to a column, so check before comparing.
+            raise StoreError(
+                f"thread {self.thread!r}: short-term message seq {seq!r} is corrupt (tokens {tokens!r} "
+                "is not a whole number); restore the row from a backup or compact past it"
+            )
         if self._left is not None:
             if tokens > self._left:
                 self.full = True

@@ -1,10 +1,16 @@
 """``SQLiteStore``: both stores in one SQLite file, the embedded default.
 
-Every operation is one short transaction run in a worker thread, so the event
-loop never waits on the disk or on another process's write lock. The file is
-in WAL mode, so readers do not block the writer, and several processes may
-open it at once: ``BEGIN IMMEDIATE`` serializes their writes and
-``busy_timeout`` makes them queue instead of failing.
+Every write and every read of messages or episodes is one short transaction
+run in a worker thread, so the event loop never waits on the disk or on
+another process's write lock. The file is in WAL mode, so readers do not
+block the writer, and several processes may open it at once: ``BEGIN
+IMMEDIATE`` serializes their writes and ``busy_timeout`` makes them queue
+instead of failing.
+
+``stats()`` and ``pressure()``, which a step loop calls before every model
+request, read one row by primary key on the event loop itself, through a
+second, read-only connection that never waits (see ``_read_now``); anything
+that would make them wait sends them to the worker thread instead.
 
 The schema version lives in ``PRAGMA user_version`` and is migrated on open.
 The episode table is append-only in the database itself: triggers reject
@@ -22,10 +28,11 @@ from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime
 from functools import partial
 from pathlib import Path
-from typing import Literal, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar
 
 import anyio
 from anyio import to_thread
+from anyio.lowlevel import checkpoint
 
 from .._episodes import Episode, EpisodeRecord
 from .._errors import ConfigError, StoreClosedError, StoreError
@@ -125,12 +132,31 @@ def _transaction(conn: sqlite3.Connection, mode: Literal["DEFERRED", "IMMEDIATE"
     conn.execute("COMMIT")
 
 
+def _one(conn: sqlite3.Connection, query: str, params: tuple[object, ...]) -> tuple[Any, ...] | None:
+    """The query's only row, or ``None``; the statement runs to its end.
+
+    Stepping to the end resets the statement at once, so no read snapshot stays
+    open between calls to hold back WAL checkpoints.
+    """
+    rows = conn.execute(query, params).fetchall()
+    return rows[0] if rows else None
+
+
+def _whole_numbers(thread: str, what: str, values: Sequence[object]) -> None:
+    if not all(type(value) is int for value in values):
+        raise StoreError(
+            f"thread {thread!r}: {what} is corrupt (expected whole numbers, found {tuple(values)!r}); "
+            "restore the database from a backup"
+        )
+
+
 def _read_stats(conn: sqlite3.Connection, thread: str) -> ThreadStats:
-    row = conn.execute(
-        "SELECT message_count, total_tokens, version, last_seq FROM threads WHERE thread = ?", (thread,)
-    ).fetchone()
+    row = _one(
+        conn, "SELECT message_count, total_tokens, version, last_seq FROM threads WHERE thread = ?", (thread,)
+    )
     if row is None:
         return ThreadStats()
+    _whole_numbers(thread, "the threads row", row)
     return ThreadStats(message_count=row[0], total_tokens=row[1], version=row[2], last_seq=row[3])
 
 
@@ -161,11 +187,12 @@ def _parse_time(thread: str, what: str, text: str) -> datetime:
 
 
 def _read_counters(conn: sqlite3.Connection, thread: str) -> PressureCounters:
-    row = conn.execute(f"SELECT {_COUNTERS} FROM episode_threads WHERE thread = ?", (thread,)).fetchone()
+    row = _one(conn, f"SELECT {_COUNTERS} FROM episode_threads WHERE thread = ?", (thread,))
     if row is None:
         return PressureCounters()
     first_at = None if row[6] is None else _parse_time(thread, "the first episode", row[6])
     last_seq, total, since, runs, after, boundary_seq = row[:6]
+    _whole_numbers(thread, "the episode_threads row", row[:5] if boundary_seq is None else row[:6])
     return PressureCounters(
         last_seq=last_seq,
         total_user_messages=total,
@@ -239,6 +266,7 @@ class SQLiteStore(AsyncResource):
         self._synchronous = synchronous
         self._clock = clock
         self._conn: sqlite3.Connection | None = None
+        self._reader: sqlite3.Connection | None = None
         self._lock = anyio.Lock()
         self._closed = False
         self._leases: set[tuple[str, str]] = set()
@@ -252,7 +280,6 @@ class SQLiteStore(AsyncResource):
         await self._call(lambda conn: None)
         return self
 
-
     async def aclose(self) -> None:
         if self._closed:
             return
@@ -260,10 +287,13 @@ class SQLiteStore(AsyncResource):
         with anyio.CancelScope(shield=True):
             async with self._lock:
                 conn, self._conn = self._conn, None
+                reader, self._reader = self._reader, None
                 if conn is not None:
-                    await to_thread.run_sync(self._close, conn)
+                    await to_thread.run_sync(self._close, conn, reader)
 
-    def _close(self, conn: sqlite3.Connection) -> None:
+    def _close(self, conn: sqlite3.Connection, reader: sqlite3.Connection | None) -> None:
+        if reader is not None:
+            reader.close()
         try:
             if self._leases:
                 with _transaction(conn, "IMMEDIATE"):
@@ -276,7 +306,8 @@ class SQLiteStore(AsyncResource):
         finally:
             conn.close()
 
-    def _connect(self) -> sqlite3.Connection:
+    def _connect(self) -> tuple[sqlite3.Connection, sqlite3.Connection]:
+        """The writing connection, with the file in WAL mode and migrated, and the on-loop reader."""
         conn = sqlite3.connect(
             self.path, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False
         )
@@ -285,10 +316,19 @@ class SQLiteStore(AsyncResource):
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute(f"PRAGMA synchronous = {self._synchronous}")
             self._migrate(conn)
+            # No busy handler: where the writer would sleep waiting for a lock, the
+            # reader gets SQLITE_BUSY at once (see _read_now).
+            reader = sqlite3.connect(self.path, timeout=0, isolation_level=None, check_same_thread=False)
+            try:
+                reader.execute("PRAGMA busy_timeout = 0")
+                reader.execute("PRAGMA query_only = ON")
+            except BaseException:
+                reader.close()
+                raise
         except BaseException:
             conn.close()
             raise
-        return conn
+        return conn, reader
 
     def _migrate(self, conn: sqlite3.Connection) -> None:
         with _transaction(conn, "IMMEDIATE"):
@@ -304,17 +344,61 @@ class SQLiteStore(AsyncResource):
                     conn.execute(statement)
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
+    def _closed_error(self) -> StoreClosedError:
+        return StoreClosedError(f"{self!r} was closed with aclose(); open a new SQLiteStore")
+
     async def _call(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
         """Run ``fn`` on the connection in a worker thread, one call at a time."""
         async with self._lock:
             if self._closed:
-                raise StoreClosedError(f"{self!r} was closed with aclose(); open a new SQLiteStore")
+                raise self._closed_error()
             try:
                 if self._conn is None:
-                    self._conn = await to_thread.run_sync(self._connect)
+                    conn, self._reader = await to_thread.run_sync(self._connect)
+                    self._conn = conn
                 return await to_thread.run_sync(fn, self._conn)
             except sqlite3.Error as exc:
                 raise StoreError(f"SQLite database {str(self.path)!r}: {exc}") from exc
+
+    async def _read(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        """A one-row read on the event loop when it cannot wait, else in the worker thread.
+
+        A hop to the worker thread and back costs far more than reading one row
+        by primary key, and a step loop pays it before every model request. The
+        read may stay on the loop because it cannot wait on anything another
+        transaction holds for long:
+
+        * In WAL mode a reader takes no lock that a writer or a checkpoint holds
+          for the length of its work; it reads the last committed snapshot.
+        * The reader has no busy handler (``busy_timeout = 0``), so where SQLite
+          would sleep for a lock (a connection recovering the WAL index after a
+          crash, the last connection checkpointing as it closes) it returns
+          SQLITE_BUSY at once, and the read is redone in the worker thread, which
+          may wait.
+        * What remains is SQLite's own retry of a race with a writer that is
+          updating the WAL index header, a window of a few instructions with no
+          I/O. SQLite bounds that retry below 10 s in total, a limit reached only
+          when another process ignores the locking protocol (then SQLITE_PROTOCOL).
+        * The rows read are one B-tree path in a table every write touches, so
+          their pages come from the page cache.
+
+        The statement runs to completion, so no read snapshot stays open to hold
+        back checkpoints (the WAL could otherwise grow without bound).
+        """
+        await checkpoint()
+        if self._closed:
+            raise self._closed_error()
+        reader = self._reader
+        if reader is not None:
+            try:
+                return fn(reader)
+            except sqlite3.OperationalError as exc:
+                code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
+                if code not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+                    raise StoreError(f"SQLite database {str(self.path)!r}: {exc}") from exc
+            except sqlite3.Error as exc:
+                raise StoreError(f"SQLite database {str(self.path)!r}: {exc}") from exc
+        return await self._call(fn)
 
     # short-term -----------------------------------------------------------
 
@@ -379,7 +463,7 @@ class SQLiteStore(AsyncResource):
 
     async def stats(self, thread: str) -> ThreadStats:
         check_thread(thread)
-        return await self._call(partial(_read_stats, thread=thread))
+        return await self._read(partial(_read_stats, thread=thread))
 
     async def replace_prefix(
         self,
@@ -509,19 +593,20 @@ class SQLiteStore(AsyncResource):
     ) -> EpisodicCompactionPressure:
         check_thread(thread)
         when = utc(now, "now")
-        counters = await self._call(partial(_read_counters, thread=thread))
+        counters = await self._read(partial(_read_counters, thread=thread))
         return counters.pressure(when, estimated_context_tokens)
 
     async def latest_checkpoint(self, thread: str) -> EpisodeRecord | None:
         check_thread(thread)
 
         def run(conn: sqlite3.Connection) -> EpisodeRecord | None:
-            row = conn.execute(
+            row = _one(
+                conn,
                 """SELECT e.seq, e.at, e.body FROM episode_threads AS t
                 JOIN episodes AS e ON e.thread = t.thread AND e.seq = t.boundary_seq
                 WHERE t.thread = ?""",
                 (thread,),
-            ).fetchone()
+            )
             return None if row is None else _episode_record(thread, *row)
 
         return await self._call(run)
