@@ -218,6 +218,37 @@ def test_each_message_is_measured_once(make: type[TiktokenCounter] | type[Approx
     assert counter.misses == 3
 
 
+call_ids = st.sampled_from(["call_1", "toolu_01A09q90qw90lq917835lq9"])
+small_texts = st.sampled_from(["", "ok", "a b", "[]", '[{"type": "text", "text": "ok"}]'])
+cache_messages = st.one_of(
+    st.builds(Message.user, small_texts),
+    st.builds(
+        lambda t, n: Message(role="user", content=t, name=n),
+        small_texts,
+        st.sampled_from(["a", "example_user"]),
+    ),
+    st.builds(Message.system, small_texts),
+    st.builds(Message.tool, call_ids, small_texts),
+    st.builds(lambda t: Message(role="user", content=[{"type": "text", "text": t}]), small_texts),
+    st.builds(
+        lambda t, i, n, a: Message.assistant(t, tool_calls=[ToolCall(id=i, name=n, arguments=a)]),
+        st.none() | small_texts,
+        call_ids,
+        st.sampled_from(["f", "g"]),
+        st.sampled_from(["{}", '{"a": 1}']),
+    ),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(messages=st.lists(cache_messages, max_size=12), size=st.integers(1, 4))
+def test_a_cached_count_is_always_the_count_of_that_message(messages: list[Message], size: int) -> None:
+    """Through a small shared cache, every message gets the count it gets with no cache at all."""
+    for make in (TiktokenCounter, ApproximateCounter):
+        cached, fresh = make(cache_size=size), make(cache_size=0)
+        assert [cached.count(m) for m in messages] == [fresh.count(m) for m in messages]
+
+
 def test_the_cache_evicts_the_least_recently_used_count_at_its_size() -> None:
     """With cache_size=2 a third message evicts the least recently used one, which is then measured again."""
     counter = TiktokenCounter(cache_size=2)

@@ -1,4 +1,4 @@
-"""Token counting: an exact tiktoken counter and a ~4-bytes-per-token estimate.
+"""Token counting: a tiktoken counter in OpenAI's chat format and a ~4-bytes-per-token estimate.
 
 Counting is on the per-step path, so each distinct message is tokenized once:
 counters keep a bounded cache keyed by the message's own strings (Python
@@ -159,6 +159,8 @@ class _CachedCounter:
 
     A count depends only on the role, the content text, the tool calls, the
     call id and the name, so those are the key; ``metadata`` is not part of it.
+    The cache has no lock: contextfold counts on the event loop's thread only,
+    so a counter shared with worker threads needs one of its own per thread.
     """
 
     REPLY_PRIMING = 3
@@ -212,8 +214,9 @@ class _CachedCounter:
 
 
 class TiktokenCounter(_CachedCounter):
-    """Exact counts with a tiktoken encoding, in OpenAI's chat format.
+    """Counts with a tiktoken encoding, in OpenAI's chat format.
 
+    Text is counted exactly (``count_text`` equals tiktoken's own encoding).
     A message costs::
 
         3 + tokens(role) + tokens(content)
@@ -222,9 +225,11 @@ class TiktokenCounter(_CachedCounter):
           + tokens(tool_call_id)                        for a tool result
 
     which is OpenAI's published rule for chat messages (3 tokens of framing per
-    message, 1 more for a name) extended to tool calls. Content given as a
-    list of parts is counted as its JSON text. A whole request adds
-    ``REPLY_PRIMING`` (3) once; see ``count_messages``.
+    message, 1 more for a name), and so exact for plain messages. OpenAI
+    publishes no rule for tool calls or content parts: the tool-call terms
+    above, and counting a list of parts as its JSON text (which overcounts
+    images), are estimates. A whole request adds ``REPLY_PRIMING`` (3) once;
+    see ``count_messages``.
     """
 
     PER_MESSAGE = 3
