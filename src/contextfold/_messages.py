@@ -95,7 +95,11 @@ def _invalid(exc: ValidationError) -> InvalidMessageError:
 
 
 class _Validated(BaseModel):
-    """A frozen model whose validation failures surface as ``InvalidMessageError``."""
+    """A frozen model whose constructor raises ``InvalidMessageError``.
+
+    ``model_validate`` and ``model_validate_json`` keep pydantic's
+    ``ValidationError``, which the stores turn into their own errors.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

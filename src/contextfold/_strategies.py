@@ -58,7 +58,11 @@ class Unit:
 
 @dataclass(frozen=True, slots=True)
 class Orphan:
-    """A structural defect found while grouping, reported rather than raised."""
+    """A structural defect found while grouping, reported rather than raised.
+
+    ``index`` is the message's position in the body: after the pinned head and
+    the previous summary.
+    """
 
     index: int
     tool_call_id: str

@@ -159,8 +159,8 @@ class _CachedCounter:
 
     A count depends only on the role, the content text, the tool calls, the
     call id and the name, so those are the key; ``metadata`` is not part of it.
-    The cache has no lock: contextfold counts on the event loop's thread only,
-    so a counter shared with worker threads needs one of its own per thread.
+    The cache has no lock: contextfold counts on the event loop's thread only.
+    Code that counts from several threads should give each its own counter.
     """
 
     REPLY_PRIMING = 3
