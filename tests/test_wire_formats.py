@@ -21,6 +21,7 @@ from contextfold import (
     to_openai,
 )
 
+NAN = float("nan")
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 
 OPENAI: list[dict[str, Any]] = [
@@ -406,6 +407,11 @@ OPENAI_MALFORMED: list[tuple[str, list[Any], str]] = [
     ("tool call not an object", [{"role": "assistant", "tool_calls": ["c1"]}], "messages[0].tool_calls[0]"),
     ("tool_calls not a list", [{"role": "assistant", "tool_calls": "c1"}], "messages[0].tool_calls"),
     ("tool_calls zero", [{"role": "assistant", "tool_calls": 0}], "messages[0].tool_calls"),
+    (
+        "NaN in arguments",
+        [{"role": "assistant", "content": None, "tool_calls": [_tool_call(arguments='{"x": NaN}')]}],
+        "messages[0].tool_calls[0].function.arguments",
+    ),
     ("message not an object", [["user", "hi"]], "messages[0]"),
     ("content of the wrong type", [{"role": "user", "content": 42}], "messages[0].content"),
     (
@@ -484,6 +490,21 @@ ANTHROPIC_MALFORMED: list[tuple[str, list[Any], str]] = [
         "messages[0].content[0].input",
     ),
     (
+        "tool_result with a numeric tool_use_id",
+        [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": 7, "content": "x"}]}],
+        "messages[0].content[0].tool_use_id",
+    ),
+    (
+        "tool_use input with NaN",
+        [
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {"x": NAN}}],
+            }
+        ],
+        "messages[0].content[0].input",
+    ),
+    (
         "tool_result without tool_use_id",
         [
             {
@@ -504,6 +525,24 @@ def test_malformed_anthropic_input_names_the_field(payload: list[Any], field: st
     with pytest.raises(InvalidMessageError) as info:
         from_anthropic(payload)
     assert info.value.field == field
+
+
+@pytest.mark.parametrize("payload", [5, "hello", {"role": "user", "content": "hi"}, None])
+def test_a_payload_that_is_not_a_list_is_rejected_as_messages(payload: Any) -> None:
+    """A number, a string or a single object as payload is rejected as messages, in both formats."""
+    for parse in (from_openai, from_anthropic):
+        with pytest.raises(InvalidMessageError) as info:
+            parse(payload)
+        assert info.value.field == "messages"
+        assert type(payload).__name__ in info.value.reason
+
+
+@pytest.mark.parametrize("system", [5, {"type": "text", "text": "be brief"}])
+def test_a_system_parameter_of_the_wrong_type_names_the_field(system: Any) -> None:
+    """A system parameter that is neither a string nor a list of blocks is rejected as system."""
+    with pytest.raises(InvalidMessageError) as info:
+        from_anthropic([], system=system)
+    assert info.value.field == "system"
 
 
 def test_a_malformed_anthropic_system_block_names_the_field() -> None:

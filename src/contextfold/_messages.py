@@ -110,6 +110,11 @@ class _Validated(BaseModel):
             raise _invalid(exc) from None
 
 
+def _reject_constant(name: str) -> Any:
+    # Python's json reads NaN and Infinity, which are not JSON and which providers reject.
+    raise ValueError(f"{name} is not a JSON value")
+
+
 class ToolCall(_Validated):
     """One tool invocation requested by the assistant; ``arguments`` is a JSON text."""
 
@@ -121,7 +126,7 @@ class ToolCall(_Validated):
     @classmethod
     def _arguments_are_json(cls, value: str) -> str:
         try:
-            json.loads(value)
+            json.loads(value, parse_constant=_reject_constant)
         except ValueError as exc:
             raise ValueError(f"must be a JSON text, got {value[:80]!r} ({exc})") from None
         return value
@@ -237,6 +242,12 @@ def _require(payload: Mapping[str, Any], key: str, field: str) -> Any:
     return payload[key]
 
 
+def _items(payload: Any, field: str, expected: str = "a list of objects") -> Iterable[Any]:
+    if isinstance(payload, str | bytes | Mapping) or not isinstance(payload, Iterable):
+        raise InvalidMessageError(field, f"must be {expected}, got {type(payload).__name__}")
+    return payload
+
+
 def _mapping(value: Any, field: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise InvalidMessageError(field, f"must be an object, got {type(value).__name__}")
@@ -328,7 +339,7 @@ def _openai_call(raw: Any, field: str) -> tuple[ToolCall, JsonDict]:
 def from_openai(payload: Iterable[Mapping[str, Any]]) -> list[Message]:
     """Parse OpenAI Chat Completions ``messages``; malformed input names its field."""
     messages: list[Message] = []
-    for index, raw_item in enumerate(payload):
+    for index, raw_item in enumerate(_items(payload, "messages")):
         field = f"messages[{index}]"
         item = _mapping(raw_item, field)
         role = _require(item, "role", field)
@@ -505,7 +516,7 @@ def _anthropic_call(block: Mapping[str, Any], field: str) -> ToolCall:
             f"{field}.id", f"a tool_use block needs a non-empty string id, got {call_id!r}"
         )
     try:
-        arguments = json.dumps(block.get("input", {}), ensure_ascii=False)
+        arguments = json.dumps(block.get("input", {}), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise InvalidMessageError(f"{field}.input", f"must be JSON-serializable ({exc})") from None
     try:
@@ -558,9 +569,10 @@ def _anthropic_user(content: list[Any], field: str) -> list[Message]:
             continue
         flush()
         tool_use_id = block.get("tool_use_id")
-        if not tool_use_id:
+        if not tool_use_id or not isinstance(tool_use_id, str):
             raise InvalidMessageError(
-                f"{block_field}.tool_use_id", "a tool_result block must name its tool_use"
+                f"{block_field}.tool_use_id",
+                f"a tool_result block must name its tool_use by a non-empty string id, got {tool_use_id!r}",
             )
         if "is_error" in block and not isinstance(block["is_error"], bool):
             raise InvalidMessageError(
@@ -601,9 +613,10 @@ def from_anthropic(
         if isinstance(system, str):
             messages.append(_build("system", Role.SYSTEM, system))
         else:
-            blocks = [dict(_mapping(b, f"system[{n}]")) for n, b in enumerate(system)]
+            listed = _items(system, "system", "a string or a list of blocks")
+            blocks = [dict(_mapping(b, f"system[{n}]")) for n, b in enumerate(listed)]
             messages.append(_build("system", Role.SYSTEM, blocks))
-    for index, raw_item in enumerate(payload):
+    for index, raw_item in enumerate(_items(payload, "messages")):
         field = f"messages[{index}]"
         item = _mapping(raw_item, field)
         role = _require(item, "role", field)
