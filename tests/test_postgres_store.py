@@ -368,13 +368,6 @@ async def test_timestamps_come_back_in_utc_whatever_the_session_zone(postgres_ur
     assert replayed.at.utcoffset() == timedelta(0)
 
 
-async def test_nul_in_a_thread_id_is_rejected_before_any_write(store: PostgresStore) -> None:
-    """PostgreSQL text cannot hold NUL, so such a thread id is a ConfigError, not a driver error."""
-    with pytest.raises(ConfigError) as caught:
-        await store.append("a\x00b", _users(1), [1])
-    assert caught.value.key == "thread"
-
-
 async def test_use_before_open_and_after_close_is_refused(postgres_url: str, schema: str) -> None:
     """An unopened store says how to open it; a closed one raises StoreClosedError, also on reopen."""
     store = PostgresStore(postgres_url, schema=schema)

@@ -108,6 +108,15 @@ async def test_replay_starts_at_from_seq(store: Any) -> None:
     assert await replayed(store, "t", from_seq=7) == []
 
 
+@pytest.mark.parametrize("from_seq", [-1, 1.5, "2", None])
+async def test_replay_rejects_a_bad_from_seq(store: Any, from_seq: Any) -> None:
+    """A from_seq that is not a whole number >= 0 is a ConfigError naming from_seq."""
+    await store.record("t", said("a"))
+    with pytest.raises(ConfigError) as caught:
+        [r async for r in store.replay("t", from_seq=from_seq)]
+    assert caught.value.key == "from_seq"
+
+
 async def test_replay_streams_a_long_log_in_order(store: Any) -> None:
     """A log longer than one read batch replays completely and in order."""
     for n in range(700):

@@ -15,6 +15,7 @@ from contextfold import (
     Role,
     StoreError,
     ToolCall,
+    UserMessageEpisode,
 )
 from contextfold.stores import ThreadStats
 
@@ -262,12 +263,28 @@ async def test_bad_replacement_is_rejected_before_writing(store: Any) -> None:
     assert await snapshot(store, "t") == before
 
 
-@pytest.mark.parametrize("thread", ["", None, 7])
+@pytest.mark.parametrize("thread", ["", None, 7, "a\x00b"])
 async def test_a_thread_must_be_a_non_empty_string(store: Any, thread: Any) -> None:
-    """A thread id that is not a non-empty string is a ConfigError naming ``thread``."""
+    """A thread id that is not a non-empty string without NUL is a ConfigError naming ``thread``."""
     with pytest.raises(ConfigError) as caught:
         await store.append(thread, users(1), [1])
     assert caught.value.key == "thread"
+    with pytest.raises(ConfigError):
+        await store.record(thread, UserMessageEpisode(message=Message.user("x")))
+
+
+async def test_a_replacement_longer_than_the_prefix_numbers_down_from_the_cut(store: Any) -> None:
+    """Replacement messages outnumbering the folded ones end at through_seq, going below 1 if need be."""
+    await store.append("t", users(3), [1, 1, 1])
+    stats = await store.replace_prefix(
+        "t", through_seq=1, expected_version=0, replacement=[summary("a"), summary("b"), summary("c")],
+        tokens=[2, 2, 2],
+    )
+    assert stats == ThreadStats(message_count=5, total_tokens=8, version=1, last_seq=3)
+    window = await store.load("t")
+    assert [m.seq for m in window.messages] == [-1, 0, 1, 2, 3]
+    assert window.plain[:3] == [summary("a"), summary("b"), summary("c")]
+    assert [m.seq for m in (await store.load("t", max_tokens=4)).messages] == [1, 2, 3]
 
 
 async def test_threads_are_isolated(store: Any) -> None:

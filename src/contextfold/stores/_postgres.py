@@ -26,6 +26,7 @@ from typing import Any, Self
 
 import anyio
 import psycopg
+from anyio.lowlevel import checkpoint
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
@@ -330,19 +331,40 @@ class PostgresStore(AsyncResource):
         return self._pool
 
     @asynccontextmanager
-    async def _connection(self, action: str, thread: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-        """A pooled connection; driver failures become ``StoreError`` naming the action and thread."""
+    async def _connection(
+        self, action: str, thread: str, *, write: bool = False
+    ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """A pooled connection; driver failures become ``StoreError`` naming the action and thread.
+
+        With ``write``, the body is shielded from cancellation once it has a
+        connection: a cancelled caller waits for its statement or transaction to
+        end. Otherwise psycopg would drop the connection mid-statement and the
+        server could still commit the write after the call had returned, to be
+        seen (or retried, and then duplicated) by whatever the caller does next.
+        """
         pool = self._require_open(action)
+        # The pool hands out an idle connection without yielding, so this is where a
+        # caller cancelled before the call began is stopped before anything is sent.
+        await checkpoint()
         try:
-            async with pool.connection() as conn:
-                yield conn
-        except PoolClosed as exc:
-            raise StoreClosedError(f"{self!r} was closed during {action} of thread {thread!r}") from exc
-        except PoolTimeout as exc:
-            raise StoreError(
-                f"no PostgreSQL connection free for {action} of thread {thread!r} "
-                f"(pool max_size={self._max_size}); raise max_size or hold fewer compaction locks"
-            ) from exc
+            try:
+                conn = await pool.getconn()
+            except PoolClosed as exc:
+                raise StoreClosedError(f"{self!r} was closed during {action} of thread {thread!r}") from exc
+            except PoolTimeout as exc:
+                raise StoreError(
+                    f"no PostgreSQL connection free for {action} of thread {thread!r} "
+                    f"(pool max_size={self._max_size}); raise max_size or hold fewer compaction locks"
+                ) from exc
+            try:
+                with anyio.CancelScope(shield=write):
+                    yield conn
+            finally:
+                # Shielded: a cancellation landing while the pool takes the connection
+                # back would leave it neither pooled nor closed, a pool slot lost for good.
+                # The pool rolls back an open transaction and replaces a broken connection.
+                with anyio.CancelScope(shield=True):
+                    await pool.putconn(conn)
         except psycopg.Error as exc:
             raise StoreError(
                 f"PostgreSQL failed during {action} of thread {thread!r}: {str(exc).strip()}"
@@ -387,7 +409,7 @@ class PostgresStore(AsyncResource):
             "tokens": counts,
             "bodies": [body for body, _ in rows],
         }
-        async with self._connection("append", thread) as conn:
+        async with self._connection("append", thread, write=True) as conn:
             cur = await conn.execute(query, params)
             last = await cur.fetchone()
         assert last is not None
@@ -491,7 +513,7 @@ class PostgresStore(AsyncResource):
         check_thread(thread)
         check_replace(through_seq, expected_version)
         rows = encode_messages(replacement, tokens, field="replacement")
-        async with self._connection("replace_prefix", thread) as conn, conn.transaction():
+        async with self._connection("replace_prefix", thread, write=True) as conn, conn.transaction():
             # Locking the thread row waits out in-flight appends and other replacements.
             stats = await self._stats(conn, thread, for_update=True)
             if stats.version != expected_version:
@@ -535,8 +557,11 @@ class PostgresStore(AsyncResource):
         check_thread(thread)
         key = _key("contextfold.compaction", self._schema, thread)
         async with self._connection("compaction_lock", thread) as conn:
-            cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (key,))
-            row = await cur.fetchone()
+            # Shielded so that whether the session took the lock is always known, and the
+            # unlock below runs for it (the query never waits: it is a try).
+            with anyio.CancelScope(shield=True):
+                cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (key,))
+                row = await cur.fetchone()
             acquired = bool(row and row[0])
             try:
                 yield acquired
@@ -598,7 +623,7 @@ class PostgresStore(AsyncResource):
             " SELECT %(thread)s, t.last_seq, coalesce(%(at)s, now()), %(kind)s, %(body)s FROM t"
             " RETURNING seq, at"
         )
-        async with self._connection("record", thread) as conn:
+        async with self._connection("record", thread, write=True) as conn:
             # One statement, so the counters and the episode commit together or not at all.
             cur = await conn.execute(query, params)
             row = await cur.fetchone()
