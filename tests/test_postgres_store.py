@@ -382,3 +382,33 @@ async def test_use_before_open_and_after_close_is_refused(postgres_url: str, sch
         _ = [r async for r in store.replay("t")]
     with pytest.raises(StoreClosedError):
         await store.open()
+
+
+def _rows_read(plan: dict[str, Any], table: str) -> int:
+    """Rows the plan's scans of ``table`` produced, over all their loops."""
+    own = plan["Actual Rows"] * plan["Actual Loops"] if plan.get("Relation Name") == table else 0
+    return own + sum(_rows_read(child, table) for child in plan.get("Plans", []))
+
+
+async def test_a_windowed_load_reads_as_many_rows_whatever_the_thread_length(
+    postgres_url: str, store: PostgresStore
+) -> None:
+    """The load query, run under EXPLAIN ANALYZE, reads as few message rows for 20,000 messages as for 200."""
+    for thread, count in (("short", 200), ("long", 20_000)):
+        for start in range(0, count, 5_000):
+            size = min(5_000, count - start)
+            await store.append(thread, _users(size), [1] * size)
+    read = {}
+    async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as conn:
+        for thread in ("short", "long"):
+            for limit in (10, None):
+                params = {"thread": thread, "limit": limit, "percent": 125}
+                explain = sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) ") + store._load_query
+                cur = await conn.execute(explain, params)
+                row = await cur.fetchone()
+                assert row is not None
+                read[thread, limit] = _rows_read(row[0][0]["Plan"], "messages")
+    assert read["long", 10] == read["short", 10] <= 10 * 125 // 100 + 16
+    assert read["long", None] == 20_000, "the count must see a whole-thread read"
+    window = await store.load("long", max_tokens=10)
+    assert [m.seq for m in window.messages] == list(range(19_991, 20_001))

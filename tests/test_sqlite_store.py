@@ -173,3 +173,89 @@ async def test_closing_inside_the_lock_releases_it(tmp_path: Path) -> None:
             await store.aclose()
             async with other.compaction_lock("t") as theirs:
                 assert theirs
+
+
+async def fill(store: SQLiteStore, thread: str, count: int) -> None:
+    for start in range(0, count, 5_000):
+        size = min(5_000, count - start)
+        await store.append(thread, [Message.user(f"m{n}") for n in range(size)], [1] * size)
+
+
+async def test_a_windowed_load_does_the_same_work_whatever_the_thread_length(tmp_path: Path) -> None:
+    """SQLite runs as many VM instructions for a 10-message window of 20,000 messages as of 100."""
+    async with SQLiteStore(tmp_path / "window.db", synchronous="NORMAL") as store:
+        await fill(store, "short", 100)
+        await fill(store, "long", 20_000)
+        steps = 0
+
+        def count() -> int:
+            nonlocal steps
+            steps += 1
+            return 0  # carry on
+
+        assert store._conn is not None
+        store._conn.set_progress_handler(count, 1)
+        work = {}
+        for thread in ("short", "long"):
+            for limit in (10, None):
+                steps = 0
+                window = await store.load(thread, max_tokens=limit)
+                work[thread, limit] = steps
+                assert len(window.messages) == (10 if limit else {"short": 100, "long": 20_000}[thread])
+    assert work["long", 10] == work["short", 10]
+    assert work["long", None] > 100 * work["long", 10], "the counter must see a whole-thread read"
+
+
+async def test_stats_and_pressure_leave_no_read_snapshot_open(tmp_path: Path) -> None:
+    """After stats() and pressure() a checkpoint can move the whole WAL back and truncate it."""
+    path = tmp_path / "wal.db"
+    async with SQLiteStore(path) as store:
+        await store.append("t", [Message.user("a")], [1])
+        await store.record("t", UserMessageEpisode(message=Message.user("a")))
+        assert (await store.stats("t")).message_count == 1
+        assert (await store.pressure("t")).total_user_messages == 1
+        busy, _, _ = query(path, "PRAGMA wal_checkpoint(TRUNCATE)")[0]
+        assert busy == 0
+        assert os.path.getsize(f"{path}-wal") == 0
+
+
+async def test_stats_read_the_committed_state_while_another_writer_holds_the_lock(tmp_path: Path) -> None:
+    """stats() and pressure() answer at once while another connection is mid-write, with committed values."""
+    path = tmp_path / "busy.db"
+    async with SQLiteStore(path) as store:
+        await store.append("t", [Message.user("a")], [4])
+        await store.record("t", UserMessageEpisode(message=Message.user("a")))
+        blocker = sqlite3.connect(path, isolation_level=None)
+        try:
+            blocker.execute("BEGIN IMMEDIATE")
+            blocker.execute("UPDATE threads SET total_tokens = 99")
+            blocker.execute("UPDATE episode_threads SET total_user_messages = 99")
+            with anyio.fail_after(5):
+                assert (await store.stats("t")).total_tokens == 4
+                assert (await store.pressure("t")).total_user_messages == 1
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+
+
+@pytest.mark.parametrize(
+    ("statement", "read", "names"),
+    [
+        ("UPDATE threads SET total_tokens = 'lots'", "stats", "the threads row"),
+        ("UPDATE messages SET tokens = 'few' WHERE seq = 2", "load", "seq 2"),
+        ("UPDATE episode_threads SET total_user_messages = 1.5", "pressure", "the episode_threads row"),
+        ("UPDATE episode_threads SET first_at = 'yesterday'", "pressure", "first episode"),
+    ],
+    ids=["threads", "message-tokens", "counters", "first-at"],
+)
+async def test_a_row_of_the_wrong_type_is_a_store_error_naming_the_thread(
+    tmp_path: Path, statement: str, read: str, names: str
+) -> None:
+    """SQLite keeps values of any type, so a mistyped column is reported by thread and row, not as a crash."""
+    path = tmp_path / "typed.db"
+    async with SQLiteStore(path) as store:
+        await store.append("it's", [Message.user("a"), Message.user("b")], [1, 1])
+        await store.record("it's", UserMessageEpisode(message=Message.user("a")))
+        query(path, statement)
+        with pytest.raises(StoreError, match=rf"thread \"it's\": .*{names}"):
+            await getattr(store, read)("it's")
