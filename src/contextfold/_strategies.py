@@ -144,6 +144,7 @@ class Strategy(ABC):
     """Decides how many of the newest units stay."""
 
     masks: ClassVar[bool] = False
+    """Whether the strategy masks old tool outputs instead of dropping units."""
 
     @abstractmethod
     def keep(self, unit_tokens: Sequence[int], floor: int) -> int:
