@@ -255,6 +255,18 @@ REJECTED: list[tuple[str, Build, str, object]] = [
         "compaction.episodic.trigger_unfinished_turns",
         -1,
     ),
+    (
+        "episodic age as a string",
+        summarize(trigger_token_budget=8000, episodic={"trigger_age_days": "3"}),
+        "compaction.episodic.trigger_age_days",
+        "3",
+    ),
+    (
+        "unknown episodic option",
+        summarize(trigger_token_budget=8000, episodic={"trigger_age": 3}),
+        "compaction.episodic.trigger_age",
+        3,
+    ),
     ("zero history", run(max_history_tokens=0), "max_history_tokens", 0),
     ("negative history", run(max_history_tokens=-1), "max_history_tokens", -1),
     (

@@ -8,6 +8,7 @@ bad value and a value that would work.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 from pydantic import (
@@ -179,6 +180,18 @@ class SummarizeOptions(_Options):
     @classmethod
     def _episodic_key(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         try:
+            if isinstance(value, Mapping):
+                # Built here rather than by pydantic, which would turn "3" into 3 before the
+                # config's own checks could see it.
+                options = [f.name for f in fields(EpisodicCompactionConfig)]
+                unknown = [key for key in value if key not in options]
+                if unknown:
+                    raise ConfigError(
+                        str(unknown[0]),
+                        f"is not an option; the options are {', '.join(options)}",
+                        value=value[unknown[0]],
+                    )
+                value = EpisodicCompactionConfig(**value)
             return handler(value)
         except ConfigError as exc:  # the episodic config's own rule, keyed relative to it
             raise exc.under("compaction.episodic") from None
