@@ -242,3 +242,36 @@ async def test_a_result_key_named_like_a_label_is_quoted() -> None:
     ]
     text = await summarize(messages)
     assert "- 'user': u-4411" in text
+
+
+def _reads(count: int) -> list[Message]:
+    messages: list[Message] = []
+    for n in range(count):
+        read = call(f"r{n}", "read_file", path=f"src/pkg/mod_{n}.py")
+        messages.append(Message.assistant(None, tool_calls=[read]))
+        messages.append(Message.tool(f"r{n}", "ok"))
+    return messages
+
+
+async def test_a_recurring_kind_of_fact_does_not_crowd_out_a_rarer_one() -> None:
+    """An old result fact outlives newer facts of a kind that recurs, which take turns with it instead."""
+    build = [
+        Message.assistant(None, tool_calls=[call("b", "build")]),
+        Message.tool("b", "artifact: BLD-40917"),
+    ]
+    text = await summarize(build + _reads(30), budget=160)
+    assert "artifact: BLD-40917" in text
+    kept = [n for n in range(30) if f"src/pkg/mod_{n}.py" in text]
+    assert 0 < len(kept) < 30
+    assert kept == list(range(30 - len(kept), 30)), "the newest of the recurring kind are kept"
+
+
+async def test_facts_under_one_key_are_written_on_one_line_and_read_back_one_by_one() -> None:
+    """Identifier values sharing a key share a line, and a tighter merge keeps the newest of them."""
+    text = await summarize(_reads(4))
+    assert "- read_file(path): src/pkg/mod_0.py, src/pkg/mod_1.py, src/pkg/mod_2.py, src/pkg/mod_3.py" in text
+    previous = "## Facts and identifiers\n- checksum: 5f1e09a7c3, 6a2b77c1d0, 7c3d88e2f1, 8d4e99f3a2"
+    whole = await summarize([], previous=previous)
+    assert "- checksum: 5f1e09a7c3, 6a2b77c1d0, 7c3d88e2f1, 8d4e99f3a2" in whole
+    tighter = await summarize([], previous=previous, budget=COUNTER.count_text(whole) - 8)
+    assert "- checksum: 7c3d88e2f1, 8d4e99f3a2\n" in tighter

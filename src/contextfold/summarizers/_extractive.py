@@ -4,18 +4,23 @@ It copies lines rather than writing prose: the user's requests and
 constraints, decisions, identifiers (paths, ids, URLs, numbers) and
 ``key: value`` facts — from text, tool-call arguments and tool results alike —
 and each tool call with the head of its result. Lines are ranked by value
-(identifiers and facts highest) and then by age, and the summary keeps the
-best lines that fit ``max_summary_tokens``, so the oldest low-value lines go
-first. It writes the same sections as the model prompt, and reads a previous
-summary back by those sections to merge with it.
+(the user's identifiers first, then facts and identifiers from tool calls and
+results), then round-robin over their kinds (a fact's key, a tool's name) so
+that no one recurring kind fills the budget, newest first within each kind;
+the summary keeps the best lines that fit ``max_summary_tokens``, so the
+oldest low-value lines go first. Identifiers under one label or key are
+written on one line (``read_file(path): a.py, b.py``) and compete one by one.
+It writes the same sections as the model prompt, and reads a previous summary
+back by those sections to merge with it.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 from typing import Any
 
@@ -112,26 +117,31 @@ def find_identifiers(text: str) -> list[str]:
     return [value for value in found if value in kept]
 
 
-def _fact_priority(text: str) -> tuple[int, str | None]:
-    """How much a line of the facts section is worth, and its label when it is a list of identifiers.
+def _fact_priority(text: str) -> tuple[int, str | None, bool]:
+    """How much a line of the facts section is worth, its label when it lists identifiers, and if bare.
 
-    What the user said ranks highest, then what the assistant passed to its
-    tools, then labelled facts from results; bare identifiers seen in tool
-    output rank with decisions. A fact whose value holds no identifier ranks
-    low. Extraction and re-reading a previous summary both use this, so a
-    line keeps its rank across merges.
+    A bare list (``user: a, b``) holds identifiers seen in a message; a keyed
+    one (``read_file(path): a.py, b.py``) a fact whose every value is one
+    identifier, so the facts under one key are written on one line.
+
+    What the user said ranks highest; then facts whose value holds an
+    identifier, whether the assistant passed it to a tool or a tool returned
+    it (a result holds what the agent cannot know otherwise), and identifiers
+    the assistant passed to its tools; bare identifiers seen in tool output
+    rank with decisions, as do facts whose value holds no identifier.
+    Extraction and re-reading a previous summary both use this, so a line
+    keeps its rank across merges.
     """
     label, colon, rest = text.partition(": ")
     if colon and label in ("user", "system"):
-        return 5, label
+        return 5, label, True
     if colon and label.endswith(" arguments"):
-        return 4, label
+        return 4, label, True
     if colon and (label == "assistant" or label.endswith(" result")):
-        return 2, label
-    valuable = bool(find_identifiers(rest if colon else text))
-    if colon and _ARGUMENT_LABEL.fullmatch(label):
-        return (4 if valuable else 2), None
-    return (3 if valuable else 2), None
+        return 2, label, True
+    if colon and all(find_identifiers(part) == [part] for part in rest.split(", ")):
+        return 4, label, False
+    return (4 if find_identifiers(rest if colon else text) else 2), None, False
 
 
 def _flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
@@ -172,8 +182,48 @@ class _Line:
     priority: int
     order: int
     ids: tuple[str, ...] = ()
-    """For an identifier list, the identifiers; the line is rewritten to those not kept elsewhere."""
+    """For a line of an identifier list, its one identifier; the lines of a label are written as one."""
     label: str = ""
+    bare: bool = False
+    """A bare identifier list's identifier is left out when a line kept earlier holds it."""
+
+
+def _kind(line: _Line) -> tuple[int, str]:
+    """What a line is one of: a fact's label or key, a tool's name, or its section."""
+    if line.section == FACTS:
+        return FACTS, line.label or line.text.partition(": ")[0]
+    if line.section == TOOLS:
+        return TOOLS, line.text.partition("(")[0]
+    return line.section, ""
+
+
+def _ranked(lines: list[_Line]) -> list[_Line]:
+    """The lines best first: by priority, then round-robin over their kinds, newest first within each.
+
+    Without the round-robin the kind that recurs most (the path every
+    ``read_file`` call carries) would fill the budget with its newest lines
+    and push out rarer kinds of the same priority. A line repeated word for
+    word counts once, and only the newest open tasks are candidates at all.
+    """
+    newest_first = sorted(lines, key=lambda ln: -ln.order)
+    seen: set[str] = set()
+    repeats: Counter[tuple[int, str]] = Counter()
+    open_lines = 0
+    keyed: list[tuple[int, int, int, int, _Line]] = []
+    for line in newest_first:
+        if line.section == OPEN:
+            open_lines += 1
+            if open_lines > _OPEN_LINES_KEPT:
+                continue
+        if line.text in seen:
+            continue
+        seen.add(line.text)
+        kind = _kind(line)
+        # Sections before age: re-reading a summary renumbers its lines section by section.
+        keyed.append((-line.priority, repeats[kind], line.section, -line.order, line))
+        repeats[kind] += 1
+    keyed.sort(key=lambda item: item[:4])
+    return [item[4] for item in keyed]
 
 
 class ExtractiveSummarizer:
@@ -260,13 +310,20 @@ class ExtractiveSummarizer:
     def _line(self, section: int, text: str, priority: int, order: int) -> _Line:
         return _Line(section, cut_middle(_one_line(text), self.max_line_chars), priority, order)
 
-    def _fact(self, text: str, order: int) -> _Line:
-        priority, label = _fact_priority(text)
+    def _fact(self, text: str, order: int, *, most: int | None = None) -> list[_Line]:
+        """One line for a fact; for a list of identifiers one line per identifier (the first ``most``).
+
+        The identifiers under one label are candidates one by one and are
+        written back as one line, ``label: a, b, c``.
+        """
+        priority, label, bare = _fact_priority(text)
         if label is None:
-            return self._line(FACTS, text, priority, order)
-        ids = tuple(part.strip() for part in text.partition(": ")[2].split(", ") if part.strip())
-        ids = ids[:_MAX_IDS_PER_MESSAGE]
-        return _Line(FACTS, f"{label}: {', '.join(ids)}", priority, order, ids, label)
+            return [self._line(FACTS, text, priority, order)]
+        ids = [part.strip() for part in text.partition(": ")[2].split(", ") if part.strip()]
+        return [
+            _Line(FACTS, f"{label}: {one}", priority, order + index, (one,), label, bare)
+            for index, one in enumerate(ids[:most])
+        ]
 
     def _fact_lines(self, label: str, text: str, order: int, *, key_prefix: str | None = None) -> list[_Line]:
         """``key: value`` facts, then one line listing the identifiers those facts do not hold.
@@ -277,14 +334,14 @@ class ExtractiveSummarizer:
         held = ""
         for key, value in _key_values(text):
             shown = f"{key_prefix}({key})" if key_prefix else key
-            if _fact_priority(f"{shown}: x")[1] is not None:  # a key such as "user" must not read as a label
+            if _fact_priority(f"{shown}: x")[2]:  # a key such as "user" must not read as a label
                 shown = f"'{shown}'"
-            line = self._fact(f"{shown}: {value}", order)
-            out.append(line)
-            held += line.text + "\n"
+            lines = self._fact(f"{shown}: {value}", order)
+            out.extend(lines)
+            held += "".join(line.text + "\n" for line in lines)
         ids = [i for i in find_identifiers(text) if i not in held]
         if ids:
-            out.append(self._fact(f"{label}: {', '.join(ids)}", order))
+            out.extend(self._fact(f"{label}: {', '.join(ids)}", order, most=_MAX_IDS_PER_MESSAGE))
         return out
 
     def _extract(self, messages: Sequence[Message], start: int) -> list[_Line]:
@@ -307,7 +364,7 @@ class ExtractiveSummarizer:
                         out.append(self._line(GOAL, sentence, 3, order))
                 ids = find_identifiers(text)
                 if ids:  # the user's own words: identifiers only, the sentence is in the goal section
-                    out.append(self._fact(f"{message.role.value}: {', '.join(ids)}", order))
+                    out.extend(self._fact(f"{message.role.value}: {', '.join(ids)}", order))
             elif message.role is Role.ASSISTANT:
                 for sentence in _SENTENCE.split(text):
                     if _NEXT.search(sentence):
@@ -331,7 +388,8 @@ class ExtractiveSummarizer:
                     head = self._head(text)
                     out.append(self._line(TOOLS, f"result of call {message.tool_call_id}: {head}", 1, order))
                 out.extend(self._fact_lines(f"{name or 'tool'} result", text, order))
-        return out
+        # One order per line, as when the summary is read back: of two lines, the later is newer.
+        return [replace(line, order=start + index) for index, line in enumerate(out)]
 
     def _parse_previous(self, summary: str, start: int = 0) -> list[_Line]:
         """The lines of a previous summary, each in its section, ranked as when first written."""
@@ -354,7 +412,7 @@ class ExtractiveSummarizer:
                 priority = 5 if not seen_goal else 2 if text.startswith(("user: ", "system: ")) else 3
                 seen_goal = True
             elif section == FACTS:
-                out.append(self._fact(text, order))
+                out.extend(self._fact(text, order))
                 continue
             elif section == TOOLS:
                 priority = 1
@@ -367,32 +425,23 @@ class ExtractiveSummarizer:
 
     def _select(self, lines: list[_Line], budget: int) -> str:
         count = self.counter.count_text
-        newest_open = sorted((ln for ln in lines if ln.section == OPEN), key=lambda ln: -ln.order)
-        stale = {id(ln) for ln in newest_open[_OPEN_LINES_KEPT:]}
-        ranked = sorted(
-            (ln for ln in lines if id(ln) not in stale), key=lambda ln: (-ln.priority, -ln.order, ln.section)
-        )
+        ranked = _ranked(lines)
         skeleton = self._render([])
         used = count(skeleton)
         chosen: list[_Line] = []
-        texts: set[str] = set()
         kept_ids: set[str] = set()
+        labels: set[str] = set()
         for line in ranked:
-            if line.ids:
-                fresh = tuple(i for i in line.ids if i not in kept_ids)
-                if not fresh:
-                    continue
-                line = _Line(
-                    FACTS, f"{line.label}: {', '.join(fresh)}", line.priority, line.order, fresh, line.label
-                )
-            if line.text in texts:
+            if line.bare and line.ids[0] in kept_ids:
                 continue
-            cost = count(f"- {line.text}\n") + 1
+            # An identifier joins its label's line when one is already written.
+            cost = count(f", {line.ids[0]}") if line.label in labels else count(f"- {line.text}\n") + 1
             if used + cost > budget:
                 continue
             used += cost
             chosen.append(line)
-            texts.add(line.text)
+            if line.label:
+                labels.add(line.label)
             if line.section == FACTS:  # other sections may be dropped first, so facts repeat their ids
                 kept_ids.update(line.ids or find_identifiers(line.text))
         text = self._render(chosen)
@@ -409,6 +458,15 @@ class ExtractiveSummarizer:
         blocks: list[str] = []
         for index, heading in enumerate(SECTIONS):
             section = sorted((ln for ln in chosen if ln.section == index), key=lambda ln: ln.order)
-            body = "\n".join(f"- {ln.text}" for ln in section) or "- none"
+            # A label's identifiers form one row, placed where its oldest one is.
+            rows: dict[tuple[bool, str], list[str]] = {}
+            for ln in section:
+                if ln.label:
+                    rows.setdefault((True, ln.label), []).append(ln.ids[0])
+                else:
+                    rows[False, ln.text] = []
+            body = "\n".join(
+                f"- {row}: {', '.join(ids)}" if listed else f"- {row}" for (listed, row), ids in rows.items()
+            ) or "- none"
             blocks.append(f"## {heading}\n{body}")
         return "\n\n".join(blocks)
