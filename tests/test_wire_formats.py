@@ -348,6 +348,34 @@ def test_a_summary_is_sent_as_an_ordinary_message_of_its_role() -> None:
     )
 
 
+def test_editing_a_rendered_payload_leaves_the_messages_as_they_were() -> None:
+    """Adding a cache mark to a rendered block, or editing an image, changes no message."""
+    messages = from_anthropic(ANTHROPIC, system=ANTHROPIC_SYSTEM)
+    before = [m.model_copy(deep=True) for m in messages]
+    system, turns = to_anthropic(messages)
+    assert isinstance(system, list)
+    system[0]["cache_control"] = {"type": "ephemeral"}
+    turns[0]["content"][1]["source"]["data"] = "changed"
+    turns[2]["content"][0]["cache_control"] = {"type": "ephemeral"}
+    for item in to_openai(messages):
+        if isinstance(item["content"], list):
+            item["content"][0]["text"] = "changed"
+            item["content"].clear()
+    assert messages == before
+
+
+def test_editing_a_parsed_payload_leaves_the_messages_as_they_were() -> None:
+    """A payload edited after parsing (a cache mark moved, say) changes no parsed message."""
+    anthropic_turns = json.loads(json.dumps(ANTHROPIC))
+    openai_items = json.loads(json.dumps(OPENAI))
+    parsed = (from_anthropic(anthropic_turns), from_openai(openai_items))
+    anthropic_turns[0]["content"][1]["source"]["data"] = "changed"
+    anthropic_turns[4]["content"][0]["content"].clear()
+    openai_items[2]["content"][1]["image_url"]["url"] = "changed"
+    openai_items[3]["tool_calls"].clear()
+    assert parsed == (from_anthropic(ANTHROPIC), from_openai(OPENAI))
+
+
 # malformed input ----------------------------------------------------------------------
 
 

@@ -242,10 +242,20 @@ def _require(payload: Mapping[str, Any], key: str, field: str) -> Any:
     return payload[key]
 
 
-def _items(payload: Any, field: str, expected: str = "a list of objects") -> Iterable[Any]:
+def _items(payload: Any, field: str, expected: str = "a list of objects") -> list[Any]:
+    """The payload's items, copied so that a parsed message shares no list or object with it."""
     if isinstance(payload, str | bytes | Mapping) or not isinstance(payload, Iterable):
         raise InvalidMessageError(field, f"must be {expected}, got {type(payload).__name__}")
-    return payload
+    return [_json_copy(item) for item in payload]
+
+
+def _json_copy(value: Any) -> Any:
+    """A copy of every object and list in a JSON-like value (strings and numbers are immutable)."""
+    if isinstance(value, Mapping):
+        return {key: _json_copy(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_copy(item) for item in value]
+    return value
 
 
 def _mapping(value: Any, field: str) -> Mapping[str, Any]:
@@ -311,7 +321,9 @@ def to_openai(messages: Iterable[Message]) -> list[JsonDict]:
         if isinstance(extra, Mapping):
             item.update((key, value) for key, value in extra.items() if key not in item)
         out.append(item)
-    return out
+    # A caller that edits the payload (moving a cache mark, say) must not edit the messages.
+    payload: list[JsonDict] = _json_copy(out)
+    return payload
 
 
 def _openai_call(raw: Any, field: str) -> tuple[ToolCall, JsonDict]:
@@ -506,7 +518,8 @@ def to_anthropic(messages: Iterable[Message]) -> tuple[str | list[JsonDict] | No
         else:
             raw = message.content if isinstance(message.content, str) else None
             push("user", _anthropic_text(message.content), raw)
-    return system, out
+    # A caller that edits the payload (moving a cache mark, say) must not edit the messages.
+    return _json_copy(system), _json_copy(out)
 
 
 def _anthropic_call(block: Mapping[str, Any], field: str) -> ToolCall:
