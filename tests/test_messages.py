@@ -70,6 +70,8 @@ def test_is_summary_reads_the_summary_metadata_flag() -> None:
         ({"role": "user", "content": 5}, "content"),
         ({"role": "user", "content": [{"type": "text", "text": "ok"}, "loose"]}, "content[1]"),
         ({"role": "user", "content": "x", "colour": "red"}, "colour"),
+        ({"role": "user", "content": "x", "name": 5}, "name"),
+        ({"role": "user", "content": "x", "metadata": [1]}, "metadata"),
         (
             {"role": "assistant", "tool_calls": [{"id": "1", "name": "f", "arguments": "{"}]},
             "tool_calls[0].arguments",
@@ -90,7 +92,7 @@ def test_invalid_messages_raise_invalid_message_error_naming_the_field(
         Message(**fields)  # type: ignore[arg-type]
     assert info.value.field == field
     assert str(info.value).startswith(f"{field}: ")
-    assert "Value error" not in info.value.reason
+    assert "Value error" not in info.value.reason and "Input should" not in info.value.reason
 
 
 def test_arguments_that_are_not_json_say_what_they_were() -> None:

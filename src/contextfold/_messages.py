@@ -1,6 +1,7 @@
 """Messages, roles and tool calls, and their OpenAI and Anthropic wire formats.
 
-A :class:`Message` is immutable plain data. ``content`` is either a string, a
+A :class:`Message` is frozen plain data (its parts and metadata are not to be
+edited in place either). ``content`` is either a string, a
 list of provider content parts kept verbatim (images, thinking blocks,
 cache-control marks), or ``None`` (an assistant message that only calls tools).
 
@@ -86,7 +87,9 @@ def _invalid(exc: ValidationError) -> InvalidMessageError:
     # A union (``content``) fails once per member; the deepest location is the informative one.
     deepest = max(errors, key=lambda e: len(e["loc"]))
     field = _field_of(deepest["loc"])
-    reason = deepest["msg"].removeprefix("Value error, ")
+    reason = deepest["msg"].removeprefix("Value error, ").replace("Input should be", "must be", 1)
+    if deepest["type"].endswith("_type"):
+        reason += f", not {type(deepest.get('input')).__name__}"
     if field == "content" and len(errors) > 1:
         reason = (
             f"must be a string, a list of content-part objects or null, got {type(first['input']).__name__}"
