@@ -381,6 +381,16 @@ def test_model_copy_validates_the_update_and_keeps_the_rest() -> None:
     assert options.model_copy() == options
 
 
+def test_model_copy_derives_the_default_summary_size_again_for_a_new_budget() -> None:
+    """A summary size that was derived from the old budget is derived again; one the caller chose is kept."""
+    derived = SummarizeOptions(trigger_token_budget=8000).model_copy(update={"trigger_token_budget": 100})
+    assert derived.max_summary_tokens == 25
+    chosen = SummarizeOptions(trigger_token_budget=8000, max_summary_tokens=500)
+    with pytest.raises(ConfigError) as info:
+        chosen.model_copy(update={"trigger_token_budget": 100})
+    assert (info.value.key, info.value.value) == ("compaction.max_summary_tokens", 500)
+
+
 def test_own_rules_say_which_value_would_work() -> None:
     """The cross-field rules name a value that would be accepted."""
     with pytest.raises(ConfigError) as info:

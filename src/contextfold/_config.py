@@ -99,8 +99,11 @@ class _Options(BaseModel):
         """A copy; with ``update`` the changed options are validated like new ones."""
         if not update:
             return super().model_copy(deep=deep)
-        given = {name: getattr(self, name) for name in self.model_fields_set}
-        return self.model_validate({**given, **update})
+        return self.model_validate({**self._given(), **update})
+
+    def _given(self) -> dict[str, Any]:
+        """The options the caller set, which ``model_copy`` rebuilds from."""
+        return {name: getattr(self, name) for name in self.model_fields_set}
 
     def _check(self) -> None:
         """Cross-field rules; raise ``ConfigError``."""
@@ -150,6 +153,17 @@ def _config_error(exc: ValidationError, cls: type[_Options]) -> ConfigError:
     if kind in _TYPE_ERRORS:
         reason = f"must be {_TYPE_ERRORS[kind]}, not {type(given).__name__}"
     return ConfigError(path, reason, value=given)
+
+
+def _default_summary_tokens(budget: Any, target: Any) -> int | None:
+    """1024, or half the target when that is smaller; ``None`` when the budget is unusable."""
+    if type(target) is int:
+        aim: int = target
+    elif type(budget) is int:
+        aim = budget // 2
+    else:
+        return None
+    return min(DEFAULT_MAX_SUMMARY_TOKENS, aim // 2) if aim >= 2 else None
 
 
 class SummarizeOptions(_Options):
@@ -212,12 +226,18 @@ class SummarizeOptions(_Options):
     def _default_summary_size(cls, data: Any) -> Any:
         # A fixed default would reject every small budget over a key the caller never set.
         if isinstance(data, dict) and "max_summary_tokens" not in data:
-            budget, target = data.get("trigger_token_budget"), data.get("target_tokens")
-            if type(target) is not int:
-                target = budget // 2 if type(budget) is int else None
-            if target is not None and target >= 2:
-                data = {**data, "max_summary_tokens": min(DEFAULT_MAX_SUMMARY_TOKENS, target // 2)}
+            size = _default_summary_tokens(data.get("trigger_token_budget"), data.get("target_tokens"))
+            if size is not None:
+                data = {**data, "max_summary_tokens": size}
         return data
+
+    def _given(self) -> dict[str, Any]:
+        given = super()._given()
+        if given.get("max_summary_tokens") == _default_summary_tokens(
+            self.trigger_token_budget, self.target_tokens
+        ):
+            del given["max_summary_tokens"]  # derived from the budget, so derived again from the new one
+        return given
 
     def _check(self) -> None:
         budget = self.trigger_token_budget
