@@ -320,7 +320,8 @@ class CompactionConfig:
         """Plan a cut of ``messages`` at ``tokens`` of pressure.
 
         ``message_tokens`` gives each message's tokens (the ~4-bytes estimate is
-        used without it); ``force_reason`` plans a cut without asking the trigger.
+        used without it); ``episodic`` is the store's view for an episodic
+        policy; ``force_reason`` plans a cut without asking the trigger.
         """
         if message_tokens is not None and len(message_tokens) != len(messages):
             raise ConfigError(

