@@ -48,7 +48,9 @@ def test_a_zero_trigger_token_budget_is_rejected_with_the_way_to_disable_compact
     assert error.value == 0
     assert "non-zero" in error.reason
     assert "RunOptions.without_compaction()" in error.reason
+    assert "at least 4" in error.reason
     assert not isinstance(error, ValidationError)
+    SummarizeOptions(trigger_token_budget=4)  # the smallest the reason names is accepted
 
 
 def test_a_zero_budget_given_as_a_mapping_inside_run_options_is_rejected_the_same_way() -> None:

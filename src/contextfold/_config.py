@@ -43,6 +43,9 @@ WINDOW_MULTIPLE_OF_TRIGGER = 4
 
 DEFAULT_MAX_SUMMARY_TOKENS = 1024
 
+_SMALLEST_BUDGET = 4
+"""The smallest budget whose default target (half of it) leaves room for a summary."""
+
 CompactionMode = Literal["summarize", "drop", "mask"]
 OnSummarizerError = Literal["raise", "skip", "fallback"]
 
@@ -245,13 +248,14 @@ class SummarizeOptions(_Options):
             raise ConfigError(
                 "compaction.trigger_token_budget",
                 "must be non-zero when compaction is enabled; disable it with "
-                "RunOptions.without_compaction() instead of setting a zero budget",
+                "RunOptions.without_compaction() instead of setting a zero budget, or use a "
+                f"budget of at least {_SMALLEST_BUDGET}, for example 8000",
                 value=0,
             )
         if budget < 0:
             raise ConfigError(
                 "compaction.trigger_token_budget",
-                "must be a positive token count, for example 8000",
+                f"must be a positive token count of at least {_SMALLEST_BUDGET}, for example 8000",
                 value=budget,
             )
         if self.target_tokens is not None and self.target_tokens >= budget:
@@ -266,7 +270,8 @@ class SummarizeOptions(_Options):
             raise ConfigError(
                 f"compaction.{key}",
                 "leaves no room for a summary below the target; use a trigger_token_budget of at "
-                "least 4 (the target defaults to half of it) or a target_tokens of at least 2",
+                f"least {_SMALLEST_BUDGET} (the target defaults to half of it) or a target_tokens "
+                "of at least 2",
                 value=getattr(self, key),
             )
         if self.max_summary_tokens >= self.effective_target_tokens:
