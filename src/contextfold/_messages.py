@@ -267,8 +267,6 @@ def _mapping(value: Any, field: str) -> Mapping[str, Any]:
     return value
 
 
-# OpenAI Chat Completions ---------------------------------------------------
-
 _OPENAI_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
 _OPENAI_EXTRA_KEY = "openai"
 _OPENAI_ROLE_KEY = "openai.role"
@@ -399,9 +397,6 @@ def from_openai(payload: Iterable[Mapping[str, Any]]) -> list[Message]:
             )
         )
     return messages
-
-
-# Anthropic Messages ---------------------------------------------------------
 
 
 _ANTHROPIC_EXTRA_KEY = "anthropic"
