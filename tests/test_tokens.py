@@ -456,6 +456,17 @@ def test_an_unknown_encoding_is_a_config_error(name: object) -> None:
     assert "cl100k_base" in info.value.reason and "o200k_base" in info.value.reason
 
 
+@pytest.mark.parametrize("name", ENCODINGS)
+def test_allow_download_uses_tiktokens_own_loader(
+    name: EncodingName, tiktoken_reference: dict[str, tiktoken.Encoding]
+) -> None:
+    """With allow_download=True the encoding is tiktoken's own registry object, read from its cache here."""
+    assert load_encoding(name, allow_download=True) is tiktoken_reference[name]
+    assert TiktokenCounter(name, allow_download=True).count_text("hello world") == TiktokenCounter(
+        name
+    ).count_text("hello world")
+
+
 def test_load_encoding_is_loaded_once_per_process() -> None:
     """load_encoding returns the same Encoding object on every call."""
     assert load_encoding("o200k_base") is load_encoding("o200k_base")
