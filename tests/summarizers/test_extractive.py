@@ -173,6 +173,12 @@ def test_find_identifiers_finds_paths_urls_ids_and_numbers_once() -> None:
     ]
 
 
+def test_find_identifiers_stops_at_the_limit() -> None:
+    """With ``limit`` the scan ends at the word where that many identifiers were seen."""
+    assert find_identifiers("ab12 cd34 ab12 ef56 gh78", limit=2) == ["ab12", "cd34"]
+    assert find_identifiers("ab12 cd34 ab12 ef56 gh78") == ["ab12", "cd34", "ef56", "gh78"]
+
+
 _words = st.text(alphabet="abcdefgh /:._-0123456789\n", min_size=0, max_size=120)
 _message = st.one_of(
     _words.map(Message.user),

@@ -20,7 +20,7 @@ import json
 import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
@@ -53,7 +53,8 @@ _FILE_SUFFIXES = frozenset(
     "py js ts tsx jsx json yaml yml toml md txt csv tsv log sql rs go java kt c h cc cpp hpp sh cfg "
     "ini conf xml html css parquet lock env pdf png jpg zip gz tar db sqlite ipynb rb php swift".split()
 )
-_KEY_VALUE = re.compile(r"^\s*[-*•]?\s*\"?([A-Za-z][\w -]{0,39}?)\"?\s*[:=]\s*(\S.*?)\s*,?$")
+# The key is taken possessively: a line of code fails at its first bracket instead of at every length.
+_KEY_VALUE = re.compile(r"^\s*[-*•]?\s*\"?([A-Za-z][\w -]{0,39}+)\"?\s*[:=]\s*(\S.*?)\s*,?$")
 _ARGUMENT_LABEL = re.compile(r"[\w.-]+\([^()]*\)")
 _SENTENCE = re.compile(r"(?<=[.!?])\s+|\n+")
 _CONSTRAINT = re.compile(
@@ -80,24 +81,28 @@ _MAX_IDENTIFIERS_SCANNED = 64
 _MAX_KEY_VALUE_LINE_CHARS = 500
 _MAX_FACTS_PER_MESSAGE = 10
 _OPEN_LINES_KEPT = 3
+_COST_CACHE_SIZE = 32_768
 
 
 def _one_line(text: str) -> str:
     return _WHITESPACE.sub(" ", text).strip()
 
 
-def find_identifiers(text: str) -> list[str]:
+def find_identifiers(text: str, *, limit: int = _MAX_IDENTIFIERS_SCANNED) -> list[str]:
     """Paths, URLs, e-mail addresses, ids, file names and long numbers in ``text``, in order, once each.
 
     An identifier inside a longer one (the number in a path) is not repeated.
     Identifiers hold no whitespace, so the text is scanned word by word, and
     words too long to be one (a base64 blob) are skipped: the cost stays
-    linear in the text.
+    linear in the text. Scanning stops at the word where ``limit`` distinct
+    identifiers have been seen.
     """
     found: dict[str, None] = {}
+    scanned: set[str] = set()  # a word repeated (a log line's prefix) is scanned once
     for word in text.split():
-        if len(word) > _MAX_IDENTIFIER_CHARS or not _MAY_IDENTIFY(word):
+        if len(word) > _MAX_IDENTIFIER_CHARS or word in scanned or not _MAY_IDENTIFY(word):
             continue
+        scanned.add(word)
         for match in _IDENTIFIER.finditer(word):
             value = match.group(0).rstrip(".:")
             if len(value) >= 3:
@@ -105,7 +110,7 @@ def find_identifiers(text: str) -> list[str]:
         for match in _FILENAME.finditer(word):
             if match.group(0).rsplit(".", 1)[-1].lower() in _FILE_SUFFIXES:
                 found.setdefault(match.group(0))
-        if len(found) >= _MAX_IDENTIFIERS_SCANNED:
+        if len(found) >= limit:
             break
     # One substring search over the longer identifiers seen so far, instead of one per pair.
     kept: set[str] = set()
@@ -115,6 +120,10 @@ def find_identifiers(text: str) -> list[str]:
             kept.add(value)
         longer += "\0" + value
     return [value for value in found if value in kept]
+
+
+def _is_identifier(text: str) -> bool:
+    return bool(text) and len(text.split(None, 1)) == 1 and find_identifiers(text) == [text]
 
 
 def _fact_priority(text: str) -> tuple[int, str | None, bool]:
@@ -139,9 +148,9 @@ def _fact_priority(text: str) -> tuple[int, str | None, bool]:
         return 4, label, True
     if colon and (label == "assistant" or label.endswith(" result")):
         return 2, label, True
-    if colon and all(find_identifiers(part) == [part] for part in rest.split(", ")):
+    if colon and all(_is_identifier(part) for part in rest.split(", ")):
         return 4, label, False
-    return (4 if find_identifiers(rest if colon else text) else 2), None, False
+    return (4 if find_identifiers(rest if colon else text, limit=1) else 2), None, False
 
 
 def _flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
@@ -175,7 +184,7 @@ def _key_values(text: str) -> list[tuple[str, str]]:
     return pairs
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Line:
     section: int
     text: str
@@ -258,6 +267,9 @@ class ExtractiveSummarizer:
         self._counter = counter
         self.max_line_chars = max_line_chars
         self.result_head_chars = result_head_chars
+        # A summary's lines come back in the next merge: each is tokenized once, not at every merge.
+        self._costs: dict[str, int] = {}
+        self._last: tuple[str, int] = ("", 0)
 
     @property
     def counter(self) -> TokenCounter:
@@ -295,12 +307,26 @@ class ExtractiveSummarizer:
         counter = self.counter
         input_tokens = sum(counter.count(m) for m in messages)
         if previous_summary:
-            input_tokens += counter.count_text(previous_summary)
+            input_tokens += self._count_summary(previous_summary)
         return Summary(
             text=text,
             model=self.model,
-            usage=Usage(input_tokens=input_tokens, output_tokens=counter.count_text(text)),
+            usage=Usage(input_tokens=input_tokens, output_tokens=self._count_summary(text)),
         )
+
+    def _count_summary(self, text: str) -> int:
+        """Tokens of a summary; the last one written is usually the next call's previous summary."""
+        if self._last[0] != text:
+            self._last = (text, self.counter.count_text(text))
+        return self._last[1]
+
+    def _cost(self, text: str) -> int:
+        cost = self._costs.get(text)
+        if cost is None:
+            if len(self._costs) >= _COST_CACHE_SIZE:
+                self._costs.clear()
+            cost = self._costs[text] = self.counter.count_text(text)
+        return cost
 
     # reading ---------------------------------------------------------------
 
@@ -339,7 +365,9 @@ class ExtractiveSummarizer:
             lines = self._fact(f"{shown}: {value}", order)
             out.extend(lines)
             held += "".join(line.text + "\n" for line in lines)
-        ids = [i for i in find_identifiers(text) if i not in held]
+        # Enough for the identifiers one message lists, past those its facts already hold.
+        found = find_identifiers(text, limit=_MAX_IDS_PER_MESSAGE + 2 * len(out))
+        ids = [i for i in found if i not in held]
         if ids:
             out.extend(self._fact(f"{label}: {', '.join(ids)}", order, most=_MAX_IDS_PER_MESSAGE))
         return out
@@ -389,7 +417,9 @@ class ExtractiveSummarizer:
                     out.append(self._line(TOOLS, f"result of call {message.tool_call_id}: {head}", 1, order))
                 out.extend(self._fact_lines(f"{name or 'tool'} result", text, order))
         # One order per line, as when the summary is read back: of two lines, the later is newer.
-        return [replace(line, order=start + index) for index, line in enumerate(out)]
+        for index, line in enumerate(out):
+            line.order = start + index
+        return out
 
     def _parse_previous(self, summary: str, start: int = 0) -> list[_Line]:
         """The lines of a previous summary, each in its section, ranked as when first written."""
@@ -426,16 +456,20 @@ class ExtractiveSummarizer:
     def _select(self, lines: list[_Line], budget: int) -> str:
         count = self.counter.count_text
         ranked = _ranked(lines)
-        skeleton = self._render([])
-        used = count(skeleton)
+        used = self._cost(self._render([]))
         chosen: list[_Line] = []
         kept_ids: set[str] = set()
         labels: set[str] = set()
         for line in ranked:
+            if used >= budget:  # every line costs a token at least
+                break
             if line.bare and line.ids[0] in kept_ids:
                 continue
             # An identifier joins its label's line when one is already written.
-            cost = count(f", {line.ids[0]}") if line.label in labels else count(f"- {line.text}\n") + 1
+            if line.label in labels:
+                cost = self._cost(f", {line.ids[0]}")
+            else:
+                cost = self._cost(f"- {line.text}\n") + 1
             if used + cost > budget:
                 continue
             used += cost
