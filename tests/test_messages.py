@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from contextfold import SUMMARY_METADATA_KEY, InvalidMessageError, Message, Role, ToolCall
+from contextfold import (
+    SUMMARY_METADATA_KEY,
+    TOOL_ERROR_METADATA_KEY,
+    InvalidMessageError,
+    Message,
+    Role,
+    ToolCall,
+)
 
 
 def test_roles_are_the_four_chat_roles() -> None:
@@ -24,6 +31,9 @@ def test_constructors_build_each_role() -> None:
     assert (assistant.role, assistant.content, assistant.tool_calls) == (Role.ASSISTANT, None, (lookup,))
     result = Message.tool("call_1", "sunny")
     assert (result.role, result.tool_call_id, result.content) == (Role.TOOL, "call_1", "sunny")
+    assert result.metadata == {}
+    failed = Message.tool("call_1", "timeout", is_error=True, metadata={"tool": "lookup"})
+    assert failed.metadata == {"tool": "lookup", TOOL_ERROR_METADATA_KEY: True}
 
 
 def test_messages_are_immutable_and_comparable() -> None:

@@ -123,19 +123,6 @@ _TYPE_ERRORS = {
 }
 
 
-def _model_at(cls: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel]:
-    """The options model that holds the field at ``loc`` (the last part of it)."""
-    for part in loc[:-1]:
-        field = cls.model_fields.get(str(part))
-        inner = getattr(field, "annotation", None)
-        options = [t for t in getattr(inner, "__args__", (inner,)) if isinstance(t, type)]
-        nested = next((t for t in options if issubclass(t, BaseModel)), None)
-        if nested is None:
-            break
-        cls = nested
-    return cls
-
-
 def _config_error(exc: ValidationError, cls: type[_Options]) -> ConfigError:
     first = exc.errors()[0]
     loc = tuple(first["loc"])
@@ -144,12 +131,12 @@ def _config_error(exc: ValidationError, cls: type[_Options]) -> ConfigError:
     kind, given = first["type"], first.get("input")
     reason = first["msg"].removeprefix("Value error, ").replace("Input should be", "must be", 1)
     if kind == "missing":
-        field = _model_at(cls, loc).model_fields.get(str(loc[-1]))
+        field = cls.model_fields.get(str(loc[-1]))
         examples = (field.examples if field else None) or []
         hint = f", for example {loc[-1]}={examples[0]!r}" if examples else ""
         return ConfigError(path, f"is required{hint}")
     if kind == "extra_forbidden":
-        known = sorted(_model_at(cls, loc).model_fields)
+        known = sorted(cls.model_fields)  # a nested model reports its own unknown keys
         return ConfigError(path, f"is not an option; the options are {', '.join(known)}", value=given)
     if kind == "json_invalid":
         return ConfigError(path, f"{reason}; pass a JSON object of options", value=given)

@@ -147,12 +147,9 @@ _Key = tuple[object, ...]
 _NAME_CACHE_SIZE = 4096
 
 
-def _content_text(message: Message) -> str:
-    if message.content is None:
-        return ""
-    if isinstance(message.content, str):
-        return message.content
-    return json.dumps(message.content, ensure_ascii=False)
+def _parts_text(message: Message) -> str:
+    """The text a message that is not plain text is counted as: its parts' JSON, or nothing."""
+    return "" if message.content is None else json.dumps(message.content, ensure_ascii=False)
 
 
 def _utf8_len(text: str) -> int:
@@ -185,7 +182,7 @@ class _CachedCounter:
     def count(self, message: Message) -> int:
         """Tokens one message costs, its chat-format overhead included."""
         content = message.content
-        text = content if type(content) is str else _content_text(message)
+        text = content if type(content) is str else _parts_text(message)
         calls = message.tool_calls
         key: _Key = (
             message.role,
