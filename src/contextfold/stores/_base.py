@@ -4,6 +4,14 @@
 compaction through one guarded, atomic ``replace_prefix``. ``EpisodicStore``
 holds the audit trail: ``record`` and ``replay`` only — there is no update
 and no delete, here or in any backend.
+
+What every backend guarantees when a call does not succeed: input that fails
+validation raises before anything is written; a write that fails part-way
+(the database refusing a statement, a crashed process) is rolled back whole;
+a write whose caller is cancelled is either not applied or applied whole, and
+which of the two is settled by the time the cancellation reaches the caller,
+so nothing changes afterwards on its behalf. A closed store raises
+``StoreClosedError`` from every method.
 """
 
 from __future__ import annotations
