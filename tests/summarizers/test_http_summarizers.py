@@ -251,6 +251,32 @@ async def test_empty_content_is_an_error(
     assert len(script.requests) == 1
 
 
+async def test_a_reply_cut_at_the_token_limit_is_kept_with_a_warning(
+    provider: Provider, script: Script, summarizer: ChatSummarizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A summary stopped at ``max_tokens`` is returned, with a warning that it may be incomplete."""
+    reply = provider.reply("## Goal and constraints\n- rename users_v2\n## Deci", 300, 120)
+    if provider is OPENAI:
+        reply["choices"][0]["finish_reason"] = "length"
+    else:
+        reply["stop_reason"] = "max_tokens"
+    script.then(reply_json(reply))
+    with caplog.at_level(logging.WARNING, logger="contextfold.summarizers"):
+        summary = await summarizer.summarize(CONVERSATION, previous_summary=None, max_summary_tokens=120)
+    assert summary.text.endswith("## Deci")
+    assert any("stopped at the limit of 120 tokens" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_complete_reply_logs_no_warning(
+    provider: Provider, script: Script, summarizer: ChatSummarizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reply the model ended itself logs nothing."""
+    script.then(reply_json(provider.reply("## Goal and constraints\n- done", 30, 5)))
+    with caplog.at_level(logging.WARNING, logger="contextfold.summarizers"):
+        await summarizer.summarize(CONVERSATION, previous_summary=None, max_summary_tokens=120)
+    assert caplog.records == []
+
+
 async def test_401_is_not_retried_and_says_how_to_fix_it(
     provider: Provider, script: Script, summarizer: ChatSummarizer, sleeps: list[float]
 ) -> None:
@@ -335,6 +361,17 @@ async def test_a_transport_failure_a_retry_cannot_fix_is_a_summarizer_error(
     assert "not retried" in str(caught.value)
     assert len(script.requests) == 3
     assert sleeps == []
+
+
+async def test_an_unsendable_extra_header_fails_without_showing_its_value(
+    provider: Provider, script: Script, base_url: str, sleeps: list[float]
+) -> None:
+    """A header value httpx refuses to send ends in a SummarizerError that does not quote it."""
+    async with provider.make(base_url, headers={"X-Gateway-Key": "gw-secret-77\n"}) as summarizer:
+        with pytest.raises(SummarizerError, match="LocalProtocolError") as caught:
+            await summarizer.summarize(CONVERSATION, previous_summary=None, max_summary_tokens=300)
+    assert "gw-secret-77" not in str(caught.value) and "gw-secret-77" not in repr(caught.value)
+    assert script.requests == [] and sleeps == []
 
 
 async def test_key_is_read_from_the_environment(

@@ -47,6 +47,9 @@ class AnthropicSummarizer(ChatSummarizer):
             **self.extra_body,
         }
 
+    def _was_cut(self, data: Mapping[str, Any]) -> bool:
+        return data.get("stop_reason") == "max_tokens"
+
     def _parse_reply(self, data: Mapping[str, Any]) -> tuple[str, str | None, Usage]:
         content = data.get("content")
         if not isinstance(content, list):

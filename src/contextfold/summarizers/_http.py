@@ -265,6 +265,10 @@ class ChatSummarizer(AsyncResource):
     def _parse_reply(self, data: Mapping[str, Any]) -> tuple[str, str | None, Usage]:
         """``(text, model, usage)`` from a reply; raise ``ValueError`` naming what is malformed."""
 
+    @abstractmethod
+    def _was_cut(self, data: Mapping[str, Any]) -> bool:
+        """Whether the reply stopped at the output token limit rather than where the model ended it."""
+
     # resource handling ----------------------------------------------------
 
     async def aclose(self) -> None:
@@ -377,6 +381,14 @@ class ChatSummarizer(AsyncResource):
                 status=response.status_code,
                 body=self._excerpt(response.text),
             )
+        if self._was_cut(data):  # still the best summary there is, but its last sections may be missing
+            logger.warning(
+                "%s summarizer: model %r stopped at the limit of %d tokens; the summary may lack its "
+                "last sections (raise max_summary_tokens or use a model that keeps to it)",
+                self.provider,
+                self.model,
+                max_tokens,
+            )
         return text.strip(), model, usage
 
     # HTTP ---------------------------------------------------------------
@@ -411,9 +423,9 @@ class ChatSummarizer(AsyncResource):
         except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
             raise _Retryable(type(exc).__name__) from None
         except httpx.HTTPError as exc:  # a proxy, protocol or redirect failure that a retry would repeat
+            # Only the kind: the text can quote a header value (a key in ``headers``) or proxy credentials.
             raise SummarizerError(
-                f"{self.provider} summarizer: {self.url} failed with {type(exc).__name__}: "
-                f"{self._redact(str(exc))[:_BODY_EXCERPT_CHARS]} (not retried)"
+                f"{self.provider} summarizer: {self.url} failed with {type(exc).__name__} (not retried)"
             ) from None
         status = response.status_code
         if status < 300:

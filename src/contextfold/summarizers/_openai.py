@@ -92,6 +92,10 @@ class OpenAICompatibleSummarizer(ChatSummarizer):
             **self.extra_body,
         }
 
+    def _was_cut(self, data: Mapping[str, Any]) -> bool:
+        choice = data["choices"][0]
+        return isinstance(choice, Mapping) and choice.get("finish_reason") == "length"
+
     def _parse_reply(self, data: Mapping[str, Any]) -> tuple[str, str | None, Usage]:
         choices = data.get("choices")
         if not isinstance(choices, list) or not choices:
