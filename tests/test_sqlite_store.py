@@ -64,10 +64,13 @@ async def test_several_stores_opening_a_new_file_at_once_create_one_schema(tmp_p
             await store.aclose()
 
 
-async def test_a_store_opens_on_first_use(tmp_path: Path) -> None:
-    """A store used without ``async with`` opens its file on the first call."""
+@pytest.mark.parametrize("first", ["append", "stats", "pressure"])
+async def test_a_store_opens_on_first_use(tmp_path: Path, first: str) -> None:
+    """A store used without ``async with`` opens its file on the first call, a read included."""
     store = SQLiteStore(tmp_path / "lazy.db")
     try:
+        if first != "append":
+            await getattr(store, first)("t")
         await store.append("t", [Message.user("hi")], [1])
         assert (await store.stats("t")).message_count == 1
     finally:

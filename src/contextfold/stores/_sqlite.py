@@ -371,10 +371,9 @@ class SQLiteStore(AsyncResource):
         * In WAL mode a reader takes no lock that a writer or a checkpoint holds
           for the length of its work; it reads the last committed snapshot.
         * The reader has no busy handler (``busy_timeout = 0``), so where SQLite
-          would sleep for a lock (a connection recovering the WAL index after a
-          crash, the last connection checkpointing as it closes) it returns
-          SQLITE_BUSY at once, and the read is redone in the worker thread, which
-          may wait.
+          would sleep for a lock (another connection rebuilding the WAL index
+          after a crash, say) it returns SQLITE_BUSY at once, and the read is
+          redone in the worker thread, which may wait.
         * What remains is SQLite's own retry of a race with a writer that is
           updating the WAL index header, a window of a few instructions with no
           I/O. SQLite bounds that retry below 10 s in total, a limit reached only
