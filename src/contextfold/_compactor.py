@@ -165,15 +165,14 @@ class Compactor:
         """
         tokens = [self.counter.count(message) for message in messages]
         for message in messages:
-            extra: dict[str, object] = {}
-            if message.role is Role.ASSISTANT:
-                extra = {
-                    "model": model,
-                    "usage": usage,
-                    "request_messages": request_messages,
-                    "request_tokens": request_tokens,
-                }
-            await self.episodic.record(thread, episode_for(message, **extra))
+            episode = episode_for(
+                message,
+                model=model,
+                usage=usage,
+                request_messages=request_messages,
+                request_tokens=request_tokens,
+            )
+            await self.episodic.record(thread, episode)
         return await self.short_term.append(thread, messages, tokens)
 
     async def complete_run(self, thread: str, *, clean: bool = True) -> None:

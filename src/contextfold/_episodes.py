@@ -156,15 +156,32 @@ class EpisodeRecord(_Frozen):
     episode: Episode
 
 
-def episode_for(message: Message, **llm_call: object) -> Episode:
-    """The episode that records ``message`` entering a conversation."""
+def episode_for(
+    message: Message,
+    *,
+    model: str | None = None,
+    usage: Usage | None = None,
+    request_messages: int = 0,
+    request_tokens: int = 0,
+) -> Episode:
+    """The episode that records ``message`` entering a conversation.
+
+    The keyword arguments describe the request behind an assistant reply and
+    are ignored for other roles.
+    """
     if message.role is Role.USER:
         return UserMessageEpisode(message=message)
     if message.role is Role.SYSTEM:
         return SystemMessageEpisode(message=message)
     if message.role is Role.TOOL:
         return ToolResultEpisode(message=message)
-    return LlmCallEpisode.model_validate({"reply": message, **llm_call})
+    return LlmCallEpisode(
+        reply=message,
+        model=model,
+        usage=usage,
+        request_messages=request_messages,
+        request_tokens=request_tokens,
+    )
 
 
 def conversation(records: Iterable[EpisodeRecord]) -> list[Message]:
