@@ -55,7 +55,6 @@ _FILE_SUFFIXES = frozenset(
 )
 # The key is taken possessively: a line of code fails at its first bracket instead of at every length.
 _KEY_VALUE = re.compile(r"^\s*[-*•]?\s*\"?([A-Za-z][\w -]{0,39}+)\"?\s*[:=]\s*(\S.*?)\s*,?$")
-_ARGUMENT_LABEL = re.compile(r"[\w.-]+\([^()]*\)")
 _SENTENCE = re.compile(r"(?<=[.!?])\s+|\n+")
 _CONSTRAINT = re.compile(
     r"\b(must|never|always|only|do not|don't|dont|should not|shouldn't|avoid|without|at most|"
@@ -123,6 +122,7 @@ def find_identifiers(text: str, *, limit: int = _MAX_IDENTIFIERS_SCANNED) -> lis
 
 
 def _is_identifier(text: str) -> bool:
+    """Whether ``text`` is one identifier and nothing more."""
     return bool(text) and len(text.split(None, 1)) == 1 and find_identifiers(text) == [text]
 
 
