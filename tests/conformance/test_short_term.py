@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 import pytest
 
 from contextfold import (
@@ -342,3 +343,30 @@ async def test_compaction_lock_is_released_when_the_body_raises(store: Any) -> N
             raise RuntimeError("summarizer failed")
     async with store.compaction_lock("t") as mine:
         assert mine
+
+
+async def test_two_replacements_guarded_by_one_read_apply_once(store: Any, open_store: OpenStore) -> None:
+    """Two handles racing to replace the same prefix from the same load: one applies, the other conflicts."""
+    other = await open_store()
+    await store.append("t", users(8), [1] * 8)
+    window = await store.load("t")
+    results: dict[str, Any] = {}
+
+    async def replace(name: str, handle: Any, through_seq: int) -> None:
+        try:
+            results[name] = await handle.replace_prefix(
+                "t", through_seq=through_seq, expected_version=window.version,
+                replacement=[summary(name)], tokens=[1],
+            )
+        except ConflictError as exc:
+            results[name] = exc
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(replace, "first", store, 4)
+        group.start_soon(replace, "second", other, 6)
+    conflicts = [name for name, result in results.items() if isinstance(result, ConflictError)]
+    assert len(conflicts) == 1, results
+    (winner,) = set(results) - set(conflicts)
+    after = await store.load("t")
+    assert after.version == 1 and after.plain[0] == summary(winner)
+    assert [m.seq for m in after.messages] == list(range(4 if winner == "first" else 6, 9))
