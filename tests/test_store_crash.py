@@ -166,41 +166,50 @@ SQLITE_POINTS = [*(("statement", n) for n in range(1, 9)), *(("step", n) for n i
 # an advisory lock the parent holds, at one point of the replacement; the parent
 # kills the child while it waits, then lets the session go on to find its client gone.
 POSTGRES_POINTS = ["before_delete", "mid_delete", "after_insert", "after_counters", "at_commit"]
-_POINT_LOCK = 20261130
-_POSTGRES_HOOKS = [
-    "CREATE TABLE crash_point (name text PRIMARY KEY)",
-    # The store's sessions do not have the test's schema on their search path; the function does.
-    f"""CREATE FUNCTION crash_wait() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
-    BEGIN
-        IF TG_ARGV[0] = 'before_delete' THEN
-            PERFORM set_config('contextfold_test.replacing', 'on', true);
-        ELSIF coalesce(current_setting('contextfold_test.replacing', true), '') <> 'on' THEN
-            RETURN NULL;
-        END IF;
-        IF TG_ARGV[0] = 'mid_delete' THEN
-            PERFORM set_config('contextfold_test.deleted',
-                (coalesce(nullif(current_setting('contextfold_test.deleted', true), ''), '0')::int + 1)::text,
-                true);
-            IF current_setting('contextfold_test.deleted')::int <> 2 THEN
-                RETURN OLD;
+
+
+def _point_lock(schema: str) -> int:
+    """The advisory lock key of one test's points; its own, so parallel runs do not wait on each other."""
+    return int(uuid.uuid5(uuid.NAMESPACE_URL, schema).hex[:15], 16)
+
+
+def _postgres_hooks(lock: int) -> list[str]:
+    return [
+        "CREATE TABLE crash_point (name text PRIMARY KEY)",
+        # The store's sessions do not have the test's schema on their search path; the function does.
+        f"""CREATE FUNCTION crash_wait() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+        DECLARE
+            deleted int;
+        BEGIN
+            IF TG_ARGV[0] = 'before_delete' THEN
+                PERFORM set_config('contextfold_test.replacing', 'on', true);
+            ELSIF coalesce(current_setting('contextfold_test.replacing', true), '') <> 'on' THEN
+                RETURN NULL;
             END IF;
-        END IF;
-        IF EXISTS (SELECT 1 FROM crash_point WHERE name = TG_ARGV[0]) THEN
-            PERFORM pg_advisory_xact_lock_shared({_POINT_LOCK});
-        END IF;
-        RETURN CASE WHEN TG_OP = 'DELETE' THEN OLD ELSE NEW END;
-    END $$""",
-    "CREATE TRIGGER crash_before_delete BEFORE DELETE ON messages "
-    "FOR EACH STATEMENT EXECUTE FUNCTION crash_wait('before_delete')",
-    "CREATE TRIGGER crash_mid_delete BEFORE DELETE ON messages "
-    "FOR EACH ROW EXECUTE FUNCTION crash_wait('mid_delete')",
-    "CREATE TRIGGER crash_after_insert AFTER INSERT ON messages "
-    "FOR EACH STATEMENT EXECUTE FUNCTION crash_wait('after_insert')",
-    "CREATE TRIGGER crash_after_counters AFTER UPDATE ON threads "
-    "FOR EACH STATEMENT EXECUTE FUNCTION crash_wait('after_counters')",
-    "CREATE CONSTRAINT TRIGGER crash_at_commit AFTER UPDATE ON threads DEFERRABLE INITIALLY DEFERRED "
-    "FOR EACH ROW EXECUTE FUNCTION crash_wait('at_commit')",
-]
+            IF TG_ARGV[0] = 'mid_delete' THEN
+                deleted := coalesce(nullif(current_setting('contextfold_test.deleted', true), ''), '0')::int;
+                deleted := deleted + 1;
+                PERFORM set_config('contextfold_test.deleted', deleted::text, true);
+                IF deleted <> 2 THEN  -- wait at the second row, with the first one deleted
+                    RETURN OLD;
+                END IF;
+            END IF;
+            IF EXISTS (SELECT 1 FROM crash_point WHERE name = TG_ARGV[0]) THEN
+                PERFORM pg_advisory_xact_lock_shared({lock});
+            END IF;
+            RETURN CASE WHEN TG_OP = 'DELETE' THEN OLD ELSE NEW END;
+        END $$""",
+        "CREATE TRIGGER crash_before_delete BEFORE DELETE ON messages "
+        "FOR EACH STATEMENT EXECUTE FUNCTION crash_wait('before_delete')",
+        "CREATE TRIGGER crash_mid_delete BEFORE DELETE ON messages "
+        "FOR EACH ROW EXECUTE FUNCTION crash_wait('mid_delete')",
+        "CREATE TRIGGER crash_after_insert AFTER INSERT ON messages "
+        "FOR EACH STATEMENT EXECUTE FUNCTION crash_wait('after_insert')",
+        "CREATE TRIGGER crash_after_counters AFTER UPDATE ON threads "
+        "FOR EACH STATEMENT EXECUTE FUNCTION crash_wait('after_counters')",
+        "CREATE CONSTRAINT TRIGGER crash_at_commit AFTER UPDATE ON threads DEFERRABLE INITIALLY DEFERRED "
+        "FOR EACH ROW EXECUTE FUNCTION crash_wait('at_commit')",
+    ]
 
 
 def _arm_sqlite(store: Any, point: tuple[str, int], tell: Any) -> None:
@@ -299,7 +308,7 @@ class Killer:
             await _raw(self.target["url"], self.target["schema"], [
                 "DELETE FROM crash_point", f"INSERT INTO crash_point VALUES ('{point}')"
             ])
-            await self.holder.execute(f"SELECT pg_advisory_lock({_POINT_LOCK})")
+            await self.holder.execute(f"SELECT pg_advisory_lock({_point_lock(self.target['schema'])})")
         ours, theirs = self.context.Pipe(duplex=False)
         child = self.context.Process(
             target=replace_then_die_in_process, args=(child_target, point, theirs), daemon=True
@@ -313,7 +322,7 @@ class Killer:
         finally:
             await anyio.to_thread.run_sync(child.join, 60)
             if self.holder is not None:
-                await self.holder.execute(f"SELECT pg_advisory_unlock({_POINT_LOCK})")
+                await self.holder.execute(f"SELECT pg_advisory_unlock({_point_lock(self.target['schema'])})")
         assert child.exitcode == -signal.SIGKILL
         told = []
         with ours:
@@ -345,7 +354,7 @@ async def test_sigkill_at_each_step_of_a_replacement_leaves_old_or_new(target: T
     points: list[Any] = [*SQLITE_POINTS, "never"]
     if target["backend"] == "postgres":
         points = [*POSTGRES_POINTS, "never"]
-        await _raw(target["url"], target["schema"], _POSTGRES_HOOKS)
+        await _raw(target["url"], target["schema"], _postgres_hooks(_point_lock(target["schema"])))
         killer.holder = await psycopg.AsyncConnection.connect(target["url"], autocommit=True)
     outcomes: dict[str, str] = {}
     log: list[Any] = []
