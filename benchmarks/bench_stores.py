@@ -61,9 +61,9 @@ class Result:
     """Messages per second appended one per call."""
     record_per_s: float
     """Episodes per second recorded by concurrent callers on the one thread."""
-    window_ms: float
-    stats_ms: float
-    pressure_ms: float
+    window_us: float
+    stats_us: float
+    pressure_us: float
 
 
 def _message(n: int) -> Message:
@@ -150,17 +150,17 @@ async def _bench(backend: str, sizes: list[int], store: Any, record_store: Any) 
                 await call(f"thread-{size}")
                 samples[name, size].append(time.perf_counter() - start)
 
-    def median_ms(name: str, size: int) -> float:
-        return statistics.median(samples[name, size]) * 1000
+    def median_us(name: str, size: int) -> float:
+        return statistics.median(samples[name, size]) * 1e6
 
     return [
         Result(
             backend,
             size,
             *writes[size],
-            window_ms=median_ms("window", size),
-            stats_ms=median_ms("stats", size),
-            pressure_ms=median_ms("pressure", size),
+            window_us=median_us("window", size),
+            stats_us=median_us("stats", size),
+            pressure_us=median_us("pressure", size),
         )
         for size in sizes
     ]
@@ -195,13 +195,13 @@ async def _stores(backend: str, postgres_url: str) -> AsyncIterator[tuple[Any, A
 def _table(results: list[Result]) -> str:
     header = (
         f"{'backend':<9} {'messages':>9} {'append batched/s':>17} {'append single/s':>16} "
-        f"{'record/s':>9} {'window ms':>10} {'stats ms':>9} {'pressure ms':>12}"
+        f"{'record/s':>9} {'window µs':>10} {'stats µs':>9} {'pressure µs':>12}"
     )
     lines = [header, "-" * len(header)]
     for r in results:
         lines.append(
             f"{r.backend:<9} {r.size:>9,} {r.build_per_s:>17,.0f} {r.single_per_s:>16,.0f} "
-            f"{r.record_per_s:>9,.0f} {r.window_ms:>10.3f} {r.stats_ms:>9.3f} {r.pressure_ms:>12.3f}"
+            f"{r.record_per_s:>9,.0f} {r.window_us:>10.1f} {r.stats_us:>9.1f} {r.pressure_us:>12.1f}"
         )
     return "\n".join(lines)
 
@@ -215,9 +215,9 @@ def _ratios(results: list[Result]) -> str:
         small, large = runs[0], runs[-1]
         lines.append(
             f"{backend:<9} {large.size:,}/{small.size:,} ratio: "
-            f"window {large.window_ms / small.window_ms:.2f}  "
-            f"stats {large.stats_ms / small.stats_ms:.2f}  "
-            f"pressure {large.pressure_ms / small.pressure_ms:.2f}"
+            f"window {large.window_us / small.window_us:.2f}  "
+            f"stats {large.stats_us / small.stats_us:.2f}  "
+            f"pressure {large.pressure_us / small.pressure_us:.2f}"
         )
     return "\n".join(lines)
 
