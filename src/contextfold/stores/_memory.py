@@ -68,7 +68,6 @@ class MemoryStore(AsyncResource):
         self._check_open()
         return self
 
-
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError("this MemoryStore was closed with aclose(); create a new MemoryStore")

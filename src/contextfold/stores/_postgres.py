@@ -267,7 +267,6 @@ class PostgresStore(AsyncResource):
         await self.open()
         return self
 
-
     async def _migrate(self, conn: psycopg.AsyncConnection[Any]) -> None:
         found = await self._schema_version(conn)
         if found == SCHEMA_VERSION:
