@@ -380,6 +380,9 @@ class SQLiteStore(AsyncResource):
           when another process ignores the locking protocol (then SQLITE_PROTOCOL).
         * The rows read are one B-tree path in a table every write touches, so
           their pages come from the page cache.
+        * Once, after a writer crashed half-way through updating the WAL index,
+          the first reader to notice rebuilds the index by reading the WAL file,
+          which automatic checkpoints keep to a few megabytes.
 
         The statement runs to completion, so no read snapshot stays open to hold
         back checkpoints (the WAL could otherwise grow without bound).
