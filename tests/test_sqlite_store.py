@@ -262,3 +262,31 @@ async def test_a_row_of_the_wrong_type_is_a_store_error_naming_the_thread(
         query(path, statement)
         with pytest.raises(StoreError, match=rf"thread \"it's\": .*{names}"):
             await getattr(store, read)("it's")
+
+
+async def test_stats_answer_while_the_stores_own_write_waits_for_another_process(tmp_path: Path) -> None:
+    """stats() and pressure() do not queue behind an append of the same store that waits for a lock."""
+    path = tmp_path / "queue.db"
+    async with SQLiteStore(path) as store:
+        await store.append("t", [Message.user("a")], [4])
+        blocker = sqlite3.connect(path, isolation_level=None)
+        try:
+            blocker.execute("BEGIN IMMEDIATE")
+            appended = anyio.Event()
+
+            async def append() -> None:
+                await store.append("t", [Message.user("b")], [1])
+                appended.set()
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(append)
+                for _ in range(100):
+                    await anyio.lowlevel.checkpoint()
+                with anyio.fail_after(5):
+                    assert (await store.stats("t")).total_tokens == 4
+                    assert (await store.pressure("t")).total_user_messages == 0
+                assert not appended.is_set()
+                blocker.execute("COMMIT")
+        finally:
+            blocker.close()
+        assert (await store.stats("t")).total_tokens == 5
