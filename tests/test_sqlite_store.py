@@ -6,12 +6,15 @@ import multiprocessing
 import os
 import signal
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 from contextfold import ConfigError, Message, StoreError, UserMessageEpisode
 from contextfold.stores import SQLiteStore
@@ -290,3 +293,49 @@ async def test_stats_answer_while_the_stores_own_write_waits_for_another_process
         finally:
             blocker.close()
         assert (await store.stats("t")).total_tokens == 5
+
+
+# Another process in the middle of rebuilding the WAL index after a crash: it holds
+# the index's write, checkpoint and recovery locks (SQLite's unix VFS locks byte
+# 120 + n of the -shm file) while the index header is still zeroed.
+_RECOVERING = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 3, 120)
+os.pwrite(fd, bytes(96), 0)
+print("recovering", flush=True)
+sys.stdin.readline()
+"""
+
+
+async def test_a_read_that_must_wait_for_a_recovery_waits_off_the_event_loop(tmp_path: Path) -> None:
+    """While another process rebuilds the WAL index, stats() waits in the worker thread, then answers."""
+    path = tmp_path / "recovering.db"
+    async with SQLiteStore(path) as store:
+        await store.append("t", [Message.user("a")], [4])
+        process = await anyio.open_process(
+            [sys.executable, "-c", _RECOVERING, f"{path}-shm"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        async with process:
+            assert process.stdout is not None and process.stdin is not None
+            with anyio.fail_after(30):
+                line = await BufferedByteReceiveStream(process.stdout).receive_until(b"\n", 100)
+            assert line == b"recovering"
+            answered = anyio.Event()
+            stats: list[Any] = []
+
+            async def read() -> None:
+                stats.append(await store.stats("t"))
+                answered.set()
+
+            async with anyio.create_task_group() as group:
+                started = anyio.current_time()
+                group.start_soon(read)
+                for _ in range(100):
+                    await anyio.lowlevel.checkpoint()  # the loop keeps turning meanwhile
+                assert not answered.is_set()
+                # Far below the 30 s busy_timeout a read waiting on the loop would have blocked it for.
+                assert anyio.current_time() - started < 2
+                await process.stdin.send(b"done\n")
+            await process.wait()
+        assert stats[0].total_tokens == 4
