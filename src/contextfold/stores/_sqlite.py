@@ -9,7 +9,7 @@ instead of failing.
 
 ``stats()`` and ``pressure()``, which a step loop calls before every model
 request, read one row by primary key on the event loop itself, through a
-second, read-only connection that never waits (see ``_read_now``); anything
+second, read-only connection that never waits (see ``SQLiteStore._read``); anything
 that would make them wait sends them to the worker thread instead.
 
 The schema version lives in ``PRAGMA user_version`` and is migrated on open.
@@ -317,7 +317,7 @@ class SQLiteStore(AsyncResource):
             conn.execute(f"PRAGMA synchronous = {self._synchronous}")
             self._migrate(conn)
             # No busy handler: where the writer would sleep waiting for a lock, the
-            # reader gets SQLITE_BUSY at once (see _read_now).
+            # reader gets SQLITE_BUSY at once (see _read).
             reader = sqlite3.connect(self.path, timeout=0, isolation_level=None, check_same_thread=False)
             try:
                 reader.execute("PRAGMA busy_timeout = 0")
