@@ -335,6 +335,9 @@ class Compactor:
 
         dropped_from = stored[body_start].seq
         through_seq = stored[through_index].seq
+        model = summary.model if summary is not None else None
+        usage = summary.usage if summary is not None else Usage()
+        degraded = summary is not None and summary.degraded
         # The audit record comes first: a fold must never reach the working context
         # unrecorded. If the swap below then fails, the context stays as it was and the
         # checkpoint remains in the log as the record of an attempt that was not applied;
@@ -348,9 +351,9 @@ class Compactor:
                 from_seq=dropped_from,
                 through_seq=through_seq,
                 summary=summary.text if summary is not None else "",
-                model=summary.model if summary is not None else None,
-                usage=summary.usage if summary is not None else Usage(),
-                degraded=summary.degraded if summary is not None else False,
+                model=model,
+                usage=usage,
+                degraded=degraded,
                 dropped_messages=len(plan.dropped),
                 tokens_before=window.total_tokens,
                 tokens_after=tokens_after,
@@ -371,12 +374,12 @@ class Compactor:
             dropped_turns=plan.dropped_turns,
             tokens_before=window.total_tokens,
             tokens_after=tokens_after,
-            usage=summary.usage if summary is not None else Usage(),
+            usage=usage,
             duration_s=time.perf_counter() - started,
             masked_messages=plan.masked,
             truncated_messages=truncated,
-            summarizer_model=summary.model if summary is not None else None,
-            degraded=summary.degraded if summary is not None else False,
+            summarizer_model=model,
+            degraded=degraded,
             checkpoint_seq=checkpoint.seq,
             through_seq=through_seq,
         )
