@@ -165,31 +165,6 @@ async def test_raw_update_delete_and_truncate_of_episodes_are_rejected(
     assert record.episode.message.text == "keep me"
 
 
-async def test_compaction_lock_excludes_another_store(
-    postgres_url: str, schema: str, store: PostgresStore
-) -> None:
-    """A second store (its own pool) cannot take a thread's lock while the first holds it, then can."""
-    async with PostgresStore(postgres_url, schema=schema) as other:
-        async with store.compaction_lock("t") as held:
-            assert held
-            async with other.compaction_lock("t") as second:
-                assert not second
-            async with other.compaction_lock("another thread") as unrelated:
-                assert unrelated
-        async with other.compaction_lock("t") as after_release:
-            assert after_release
-
-
-async def test_compaction_lock_is_released_when_the_body_raises(store: PostgresStore) -> None:
-    """An exception inside the locked body still releases the lock."""
-    with pytest.raises(RuntimeError):
-        async with store.compaction_lock("t") as held:
-            assert held
-            raise RuntimeError("summarizer failed")
-    async with store.compaction_lock("t") as again:
-        assert again
-
-
 _HOLDER = textwrap.dedent(
     """
     import sys, anyio

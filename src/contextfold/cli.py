@@ -65,6 +65,23 @@ def _summarizer(kind: str, model: str | None, base_url: str | None, api_key: str
         raise click.ClickException(str(exc)) from None
 
 
+_budget = click.option(
+    "--budget",
+    type=click.IntRange(min=1),
+    default=12000,
+    show_default=True,
+    help="Compact when the working context is above this many tokens.",
+)
+
+
+def _options(budget: int) -> RunOptions:
+    """The CLI's compaction settings for a token budget."""
+    return RunOptions(
+        max_history_tokens=budget * 2,
+        compaction=SummarizeOptions(trigger_token_budget=budget, max_summary_tokens=min(800, budget // 4)),
+    )
+
+
 @click.group()
 @click.version_option(package_name="contextfold")
 def main() -> None:
@@ -83,13 +100,7 @@ def main() -> None:
 @click.option(
     "--steps", type=click.IntRange(min=1), default=300, show_default=True, help="LLM requests to simulate."
 )
-@click.option(
-    "--budget",
-    type=click.IntRange(min=1),
-    default=12000,
-    show_default=True,
-    help="Compact when the working context is above this many tokens.",
-)
+@_budget
 @click.option("--seed", type=int, default=7, show_default=True, help="Seed of the simulated session.")
 @click.option(
     "--plot",
@@ -118,10 +129,7 @@ def demo(
     chosen = _summarizer(summarizer, model, base_url, api_key)
     console = Console()
     thread = f"demo-{int(time.time())}"
-    options = RunOptions(
-        max_history_tokens=budget * 2,
-        compaction=SummarizeOptions(trigger_token_budget=budget, max_summary_tokens=min(800, budget // 4)),
-    )
+    options = _options(budget)
 
     async def session() -> DemoStats:
         counter = TiktokenCounter()
@@ -294,13 +302,7 @@ def inspect(db: Path, thread: str, replay: bool) -> None:
     is_flag=True,
     help="Write an operator's clean-slate boundary: fold every turn into the summary.",
 )
-@click.option(
-    "--budget",
-    type=click.IntRange(min=1),
-    default=12000,
-    show_default=True,
-    help="Token budget the compaction aims under.",
-)
+@_budget
 def compact(db: Path, thread: str, manual_recovery: bool, budget: int) -> None:
     """Compact a thread now, whatever its triggers say."""
     _existing_db(db)
@@ -309,12 +311,7 @@ def compact(db: Path, thread: str, manual_recovery: bool, budget: int) -> None:
     async def fold() -> None:
         async with SQLiteStore(db) as store:
             await _require_thread(store, thread)
-            options = RunOptions(
-                max_history_tokens=budget * 2,
-                compaction=SummarizeOptions(
-                    trigger_token_budget=budget, max_summary_tokens=min(800, budget // 4)
-                ),
-            )
+            options = _options(budget)
             compactor = Compactor(store, options=options)
             reason = "manual_recovery" if manual_recovery else "manual"
             result = await compactor.compact_now(thread, reason=reason)
