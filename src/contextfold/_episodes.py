@@ -19,8 +19,10 @@ __all__ = [
     "Episode",
     "EpisodeKind",
     "EpisodeRecord",
+    "HistoryClearedEpisode",
     "LlmCallEpisode",
     "ManualRecoveryBoundary",
+    "MessagesRetractedEpisode",
     "RunCompletedEpisode",
     "SummaryCheckpoint",
     "SystemMessageEpisode",
@@ -114,6 +116,10 @@ class SummaryCheckpoint(_Frozen):
     dropped_messages: int = Field(default=0, ge=0)
     tokens_before: int = Field(default=0, ge=0)
     tokens_after: int = Field(default=0, ge=0)
+    log_from_seq: int | None = None
+    """Episodic seq of the oldest original message the fold covers, when known."""
+    log_through_seq: int | None = None
+    """Episodic seq of the newest original message the fold covers, when known."""
 
 
 class ManualRecoveryBoundary(_Frozen):
@@ -124,6 +130,22 @@ class ManualRecoveryBoundary(_Frozen):
     through_seq: int | None = None
 
 
+class MessagesRetractedEpisode(_Frozen):
+    """The newest ``count`` messages of the conversation were withdrawn (a session's ``pop_item``).
+
+    The retracted messages stay in the log; :func:`conversation` leaves them out.
+    """
+
+    kind: Literal["messages_retracted"] = "messages_retracted"
+    count: int = Field(default=1, ge=1)
+
+
+class HistoryClearedEpisode(_Frozen):
+    """Every message so far was withdrawn (a session's ``clear_session``); the log keeps them."""
+
+    kind: Literal["history_cleared"] = "history_cleared"
+
+
 Episode = Annotated[
     UserMessageEpisode
     | SystemMessageEpisode
@@ -132,7 +154,9 @@ Episode = Annotated[
     | ToolResultEpisode
     | RunCompletedEpisode
     | SummaryCheckpoint
-    | ManualRecoveryBoundary,
+    | ManualRecoveryBoundary
+    | MessagesRetractedEpisode
+    | HistoryClearedEpisode,
     Field(discriminator="kind"),
 ]
 EpisodeKind = Literal[
@@ -144,6 +168,8 @@ EpisodeKind = Literal[
     "run_completed",
     "summary_checkpoint",
     "manual_recovery",
+    "messages_retracted",
+    "history_cleared",
 ]
 
 
@@ -185,7 +211,11 @@ def episode_for(
 
 
 def conversation(records: Iterable[EpisodeRecord]) -> list[Message]:
-    """The original conversation, message by message, from replayed episodes."""
+    """The original conversation, message by message, from replayed episodes.
+
+    Retractions and clears are applied, so the result is the conversation as
+    it stands, not every message ever recorded.
+    """
     out: list[Message] = []
     for record in records:
         episode = record.episode
@@ -193,4 +223,8 @@ def conversation(records: Iterable[EpisodeRecord]) -> list[Message]:
             out.append(episode.message)
         elif isinstance(episode, LlmCallEpisode):
             out.append(episode.reply)
+        elif isinstance(episode, MessagesRetractedEpisode):
+            del out[max(0, len(out) - episode.count) :]
+        elif isinstance(episode, HistoryClearedEpisode):
+            out.clear()
     return out

@@ -24,7 +24,7 @@ from typing import Protocol, Self, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .._episodes import Episode, EpisodeRecord
+from .._episodes import Episode, EpisodeRecord, SummaryCheckpoint
 from .._messages import Message
 from .._policy import EpisodicCompactionPressure
 
@@ -32,8 +32,11 @@ __all__ = [
     "ContextWindow",
     "EpisodicStore",
     "ShortTermStore",
+    "Store",
     "StoredMessage",
+    "ThreadInfo",
     "ThreadStats",
+    "Tombstone",
 ]
 
 
@@ -45,6 +48,8 @@ class StoredMessage(BaseModel):
     seq: int
     message: Message
     tokens: int = Field(ge=0)
+    episode_seq: int | None = None
+    """Seq of the episode that recorded this message, when it was recorded with it."""
 
 
 class ThreadStats(BaseModel):
@@ -72,6 +77,8 @@ class ContextWindow(BaseModel):
     """Tokens of the whole working context, not only of the loaded messages."""
     complete: bool
     """Whether the window reaches back to the thread's first message."""
+    last_seq: int = 0
+    """Seq of the thread's newest message when it was read (0 for an empty thread)."""
 
     @property
     def plain(self) -> list[Message]:
@@ -146,6 +153,35 @@ class ShortTermStore(_Resource, Protocol):
         ...
 
 
+class ThreadInfo(BaseModel):
+    """One thread as listed by ``Store.threads()``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    thread: str
+    message_count: int = 0
+    """Messages in the working context."""
+    total_tokens: int = 0
+    """Tokens of the working context."""
+    episodes: int = 0
+    """Episodes in the log."""
+    last_activity: datetime | None = None
+    """When the newest episode was recorded."""
+
+
+class Tombstone(BaseModel):
+    """What ``Store.forget`` removed, kept in place of the thread's rows."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    thread: str
+    forgotten_at: datetime
+    messages: int
+    """Working-context rows removed."""
+    episodes: int
+    """Episodes removed from the log."""
+
+
 @runtime_checkable
 class EpisodicStore(_Resource, Protocol):
     """The append-only audit trail of every thread."""
@@ -172,4 +208,76 @@ class EpisodicStore(_Resource, Protocol):
 
     async def latest_checkpoint(self, thread: str) -> EpisodeRecord | None:
         """The newest summary checkpoint or manual-recovery boundary, if any."""
+        ...
+
+
+@runtime_checkable
+class Store(ShortTermStore, EpisodicStore, Protocol):
+    """Both memories in one backend, so that what must be atomic is one transaction.
+
+    Every bundled backend is a ``Store``. With two separate objects (a
+    ``ShortTermStore`` and an ``EpisodicStore``) recording and folding are
+    two writes, not one: see ``Compactor``.
+    """
+
+    async def tail(self, thread: str, *, after_seq: int) -> ContextWindow:
+        """Messages with ``seq > after_seq``, oldest first, with the thread's current state.
+
+        The incremental read of a cached context: when ``version`` is the one
+        the cache was built at, the cache plus these messages is the whole
+        working context. ``complete`` is ``after_seq == 0``.
+        """
+        ...
+
+    async def record_and_append(
+        self,
+        thread: str,
+        episodes: Sequence[Episode],
+        messages: Sequence[Message],
+        tokens: Sequence[int],
+        *,
+        message_episodes: Sequence[int] | None = None,
+    ) -> list[StoredMessage]:
+        """Record ``episodes`` and append ``messages`` in one transaction.
+
+        ``message_episodes[i]`` is the index in ``episodes`` of the episode
+        that records ``messages[i]``; the stored message keeps that episode's
+        seq as ``episode_seq``. Either everything is written or nothing is.
+        """
+        ...
+
+    async def fold(
+        self,
+        thread: str,
+        *,
+        checkpoint: SummaryCheckpoint,
+        through_seq: int,
+        expected_version: int,
+        replacement: Sequence[Message],
+        tokens: Sequence[int],
+    ) -> EpisodeRecord:
+        """Record ``checkpoint`` and ``replace_prefix`` in one transaction; return the record.
+
+        Raises ``ConflictError`` exactly when ``replace_prefix`` would, and
+        then writes nothing: every checkpoint in the log was applied. The
+        first replacement message (the summary) gets the checkpoint's seq as
+        its ``episode_seq``.
+        """
+        ...
+
+    async def forget(self, thread: str) -> Tombstone:
+        """Remove every row of ``thread`` from both memories and leave a tombstone.
+
+        The one sanctioned removal from the append-only log, for deletion
+        requests; the database rejects every other UPDATE or DELETE on it.
+        Forgetting a thread that holds nothing still writes a tombstone.
+        """
+        ...
+
+    async def tombstones(self, thread: str) -> list[Tombstone]:
+        """The tombstones ``forget`` left for ``thread``, oldest first."""
+        ...
+
+    async def threads(self) -> list[ThreadInfo]:
+        """Every thread with a working context or a log, by last activity, newest first."""
         ...
