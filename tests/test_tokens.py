@@ -487,7 +487,7 @@ def test_load_encoding_is_loaded_once_per_process() -> None:
 
 
 def test_the_token_benchmark_runs_small_and_prints_both_ratios(capsys: pytest.CaptureFixture[str]) -> None:
-    """benchmarks/bench_tokens.py runs end to end at small sizes and reports the growth and exact ratios."""
+    """benchmarks/bench_tokens.py runs end to end at small sizes and reports growth, exactness and images."""
     path = Path(__file__).parent.parent / "benchmarks" / "bench_tokens.py"
     spec = importlib.util.spec_from_file_location("bench_tokens", path)
     assert spec is not None and spec.loader is not None
@@ -502,6 +502,8 @@ def test_the_token_benchmark_runs_small_and_prints_both_ratios(capsys: pytest.Ca
     exact = [line for line in out.splitlines() if "encode_ordinary" in line and "chars" in line]
     assert len(exact) == 2
     assert all("ratio " in line for line in exact)
+    images = [line.split() for line in out.splitlines() if "first count" in line]
+    assert [(row[0], row[2]) for row in images] == [("openai", "765"), ("anthropic", "934")]
 
 
 # images ----------------------------------------------------------------------------------------

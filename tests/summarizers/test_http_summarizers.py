@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 from collections.abc import Callable
 from email.utils import format_datetime
 from typing import Any
@@ -719,3 +721,41 @@ def test_retry_must_be_the_settings_object(provider: Provider) -> None:
 def test_the_http_summarizers_are_chat_summarizers(provider: Provider) -> None:
     """Both providers build on the public ChatSummarizer base."""
     assert issubclass(provider.cls, ChatSummarizer)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [b"", b"HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n{\"partial\":", b"NOT HTTP AT ALL\r\n\r\n"],
+    ids=["closed-at-once", "closed-mid-body", "garbage"],
+)
+async def test_a_server_that_breaks_the_protocol_ends_in_a_summarizer_error(
+    provider: Provider, sleeps: list[float], answer: bytes
+) -> None:
+    """A peer that hangs up, cuts the body short or speaks no HTTP is retried, then a SummarizerError."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def serve() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.recv(65536)
+                conn.sendall(answer)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{port}" + ("/v1" if provider is OPENAI else "")
+        async with provider.make(base, sleeps=sleeps, timeout=2.0) as summarizer:
+            with pytest.raises(SummarizerError, match="failed after 3 attempts"):
+                await summarizer.summarize(CONVERSATION, previous_summary=None, max_summary_tokens=300)
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+    assert len(sleeps) == 2

@@ -91,6 +91,7 @@ _OPEN_LINES_KEPT = 3
 _COST_CACHE_SIZE = 32_768
 _ATTACHMENT = " attachment"
 """The end of the label of a fact that is a non-text part's placeholder."""
+_BETWEEN_PLACEHOLDERS = re.compile(r"(?<=\]), (?=\[)")
 
 
 def _one_line(text: str) -> str:
@@ -152,8 +153,8 @@ def _fact_priority(text: str) -> tuple[int, str | None, bool]:
     keeps its rank across merges.
     """
     label, colon, rest = text.partition(": ")
-    if colon and label.endswith(_ATTACHMENT):
-        return 4, None, False
+    if colon and label.endswith(_ATTACHMENT):  # what the user attached ranks with what the user said
+        return (5 if label in ("user attachment", "system attachment") else 4), None, False
     if colon and label in ("user", "system"):
         return 5, label, True
     if colon and label.endswith(" arguments"):
@@ -371,8 +372,13 @@ class ExtractiveSummarizer:
         written back as one line, ``label: a, b, c``.
         """
         priority, label, bare = _fact_priority(text)
-        if text.partition(": ")[0].endswith(_ATTACHMENT):  # a placeholder is kept whole: its URL is the point
-            return [_Line(FACTS, _one_line(text), priority, order)]
+        owner, _, rest = text.partition(": ")
+        if owner.endswith(_ATTACHMENT):  # placeholders are kept whole (their URL is the point), one row each
+            pieces = [_one_line(piece) for piece in _BETWEEN_PLACEHOLDERS.split(rest) if piece.strip()]
+            return [
+                _Line(FACTS, f"{owner}: {piece}", priority, order + index, (piece,), owner)
+                for index, piece in enumerate(pieces)
+            ]
         if label is None:
             return [self._line(FACTS, text, priority, order)]
         ids = [part.strip() for part in text.partition(": ")[2].split(", ") if part.strip()]
