@@ -6,7 +6,17 @@ module (and psycopg) is imported only when the name is first looked up.
 
 from typing import TYPE_CHECKING, Any
 
-from ._base import ContextWindow, EpisodicStore, ShortTermStore, StoredMessage, ThreadStats
+from ._base import (
+    ContextWindow,
+    EpisodicStore,
+    ShortTermStore,
+    Store,
+    StoredMessage,
+    ThreadInfo,
+    ThreadState,
+    ThreadStats,
+    Tombstone,
+)
 from ._memory import MemoryStore
 from ._sqlite import SQLiteStore
 
@@ -20,8 +30,12 @@ __all__ = [
     "PostgresStore",
     "SQLiteStore",
     "ShortTermStore",
+    "Store",
     "StoredMessage",
+    "ThreadInfo",
+    "ThreadState",
     "ThreadStats",
+    "Tombstone",
 ]
 
 

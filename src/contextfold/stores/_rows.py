@@ -11,6 +11,7 @@ transaction as the episode it counts.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -32,12 +33,19 @@ from .._policy import EpisodicCompactionPressure
 from ._base import StoredMessage
 
 __all__ = [
+    "INT64_MAX",
     "PressureCounters",
     "Window",
+    "check_after_seq",
+    "check_choice",
     "check_from_seq",
     "check_max_tokens",
+    "check_path",
     "check_replace",
+    "check_seconds",
+    "check_text",
     "check_thread",
+    "check_total",
     "decode_episode",
     "decode_message",
     "encode_episode",
@@ -52,9 +60,19 @@ _EPISODE_ADAPTER: TypeAdapter[Episode] = TypeAdapter(Episode)
 _EPISODE_TYPES: tuple[type, ...] = get_args(get_args(Episode)[0])
 
 
+INT64_MAX = 2**63 - 1
+"""The largest whole number every backend stores (a signed 64-bit integer)."""
+
+
 def _whole_number(key: str, value: Any, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(key, f"must be a whole number >= {minimum}", value=value)
+    if value > INT64_MAX:
+        raise ConfigError(
+            key,
+            f"must be at most 2**63 - 1 ({INT64_MAX}), the largest number every backend stores",
+            value=value,
+        )
     return value
 
 
@@ -65,6 +83,16 @@ def check_thread(thread: Any) -> str:
     if "\x00" in thread:
         # PostgreSQL text cannot hold NUL; refusing it everywhere keeps thread ids portable.
         raise ConfigError("thread", "cannot contain NUL characters; remove them", value=thread)
+    if not thread.isascii():
+        try:
+            thread.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConfigError(
+                "thread",
+                f"must be encodable as UTF-8, but has a lone surrogate {thread[exc.start]!r} at index "
+                f"{exc.start}; decode the id with errors='replace' or use another id",
+                value=thread,
+            ) from None
     return thread
 
 
@@ -106,6 +134,64 @@ def encode_messages(
 
 def check_from_seq(from_seq: Any) -> int:
     return _whole_number("from_seq", from_seq, minimum=0)
+
+
+def check_after_seq(after_seq: Any) -> int:
+    return _whole_number("after_seq", after_seq, minimum=0)
+
+
+def check_total(thread: str, total: int) -> int:
+    """``total`` (a thread's token total after a write), once known to fit every backend."""
+    if total > INT64_MAX:
+        raise ConfigError(
+            "tokens",
+            f"would bring thread {thread!r} to {total} tokens, over 2**63 - 1; pass real token counts",
+            value=total,
+        )
+    return total
+
+
+def check_seconds(key: str, value: Any, *, example: float, maximum: float) -> float:
+    """A store option in seconds: a finite number above 0 and at most ``maximum``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(key, f"must be a number of seconds, e.g. {example}", value=value)
+    if not math.isfinite(value) or not 0 < value <= maximum:
+        raise ConfigError(
+            key,
+            f"must be a finite number of seconds above 0 and at most {maximum:g}, e.g. {example}",
+            value=value,
+        )
+    return float(value)
+
+
+def check_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        shown = " or ".join(repr(choice) for choice in choices)
+        raise ConfigError(key, f"must be {shown}", value=value)
+    return value
+
+
+def check_path(key: str, value: Any) -> str:
+    """A file path option as text, refused before anything touches the file system."""
+    if isinstance(value, bool) or not isinstance(value, str | os.PathLike):
+        raise ConfigError(key, "must be a file path (str or pathlib.Path), e.g. 'agent.db'", value=value)
+    path = os.fspath(value)
+    if not isinstance(path, str):
+        raise ConfigError(key, "must be a text path, not bytes; decode it with os.fsdecode()", value=value)
+    return check_text(key, path, example="agent.db")
+
+
+def check_text(key: str, value: Any, *, example: str) -> str:
+    """A string option (a URL, a schema, a path) with no NUL character, which no database or OS accepts."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(key, f"must be a non-empty string, e.g. {example!r}", value=value)
+    if "\x00" in value:
+        raise ConfigError(key, "cannot contain NUL characters; remove them", value=value)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(key, "must be encodable as UTF-8 (it has a lone surrogate)", value=value) from None
+    return value
 
 
 def check_replace(through_seq: Any, expected_version: Any) -> None:
