@@ -37,9 +37,11 @@ __all__ = [
     "PressureCounters",
     "Window",
     "check_after_seq",
+    "check_checkpoint",
     "check_choice",
     "check_from_seq",
     "check_max_tokens",
+    "check_message_episodes",
     "check_path",
     "check_replace",
     "check_seconds",
@@ -49,6 +51,7 @@ __all__ = [
     "decode_episode",
     "decode_message",
     "encode_episode",
+    "encode_episodes",
     "encode_messages",
     "missing_seq_conflict",
     "utc",
@@ -224,6 +227,58 @@ def encode_episode(episode: Episode) -> str:
     except (ValidationError, PydanticSerializationError) as exc:
         raise InvalidMessageError("episode", _first_error(exc)) from None
     return body
+
+
+def encode_episodes(episodes: Sequence[Episode]) -> list[str]:
+    """Each episode's JSON, all checked before anything is written."""
+    if not isinstance(episodes, Sequence) or isinstance(episodes, str):
+        raise ConfigError("episodes", "must be a sequence of episodes", value=episodes)
+    bodies: list[str] = []
+    for index, episode in enumerate(episodes):
+        try:
+            bodies.append(encode_episode(episode))
+        except InvalidMessageError as exc:
+            raise InvalidMessageError(f"episodes[{index}]", exc.reason) from None
+    return bodies
+
+
+def check_message_episodes(
+    message_episodes: Sequence[int] | None, messages: int, episodes: int
+) -> list[int | None]:
+    """For each message, the index of the episode that records it (``None`` when not given)."""
+    if message_episodes is None:
+        return [None] * messages
+    if not isinstance(message_episodes, Sequence) or isinstance(message_episodes, str):
+        raise ConfigError(
+            "message_episodes",
+            "must be a sequence of episode indexes, one per message",
+            value=message_episodes,
+        )
+    if len(message_episodes) != messages:
+        raise ConfigError(
+            "message_episodes",
+            f"needs one episode index per message: got {len(message_episodes)} for {messages} messages",
+        )
+    for index, value in enumerate(message_episodes):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < episodes:
+            raise ConfigError(
+                f"message_episodes[{index}]",
+                f"must index the episodes passed with it (0 to {episodes - 1})",
+                value=value,
+            )
+    return list(message_episodes)
+
+
+def check_checkpoint(checkpoint: Any) -> str:
+    """The fold's checkpoint as JSON, once known to be a ``SummaryCheckpoint``."""
+    if not isinstance(checkpoint, SummaryCheckpoint):
+        raise InvalidMessageError(
+            "checkpoint", f"must be a SummaryCheckpoint, got {type(checkpoint).__name__}"
+        )
+    try:
+        return encode_episode(checkpoint)
+    except InvalidMessageError as exc:
+        raise InvalidMessageError("checkpoint", exc.reason) from None
 
 
 def decode_message(thread: str, seq: int, body: str | bytes) -> Message:
