@@ -26,6 +26,7 @@ from .._resource import AsyncResource
 from ._base import ContextWindow, StoredMessage, ThreadInfo, ThreadState, ThreadStats, Tombstone
 from ._rows import (
     PressureCounters,
+    by_activity,
     check_after_seq,
     check_checkpoint,
     check_from_seq,
@@ -37,7 +38,7 @@ from ._rows import (
     decode_episode,
     encode_episode,
     encode_episodes,
-    encode_messages,
+    encode_rows,
     missing_seq_conflict,
     utc,
     version_conflict,
@@ -58,10 +59,8 @@ class _Log:
     counters: PressureCounters = field(default_factory=PressureCounters)
 
 
-def _stored(seq: int, body: str, tokens: int, episode_seq: int | None = None) -> StoredMessage:
-    return StoredMessage(
-        seq=seq, tokens=tokens, message=Message.model_validate_json(body), episode_seq=episode_seq
-    )
+_Row = tuple[str, int, Message]
+"""A message's JSON, its token count and the copy read back from that JSON."""
 
 
 class MemoryStore(AsyncResource):
@@ -94,14 +93,14 @@ class MemoryStore(AsyncResource):
         self._check_open()
 
     def _append_rows(
-        self, thread: str, rows: list[tuple[str, int]], episode_seqs: list[int | None]
+        self, thread: str, rows: list[_Row], episode_seqs: list[int | None]
     ) -> list[StoredMessage]:
         context = self._contexts.setdefault(thread, _Context())
         stats = context.stats
-        total = check_total(thread, stats.total_tokens + sum(count for _, count in rows))
+        total = check_total(thread, stats.total_tokens + sum(count for _, count, _ in rows))
         stored = [
-            _stored(stats.last_seq + n, body, count, episode_seq)
-            for n, ((body, count), episode_seq) in enumerate(zip(rows, episode_seqs, strict=True), start=1)
+            StoredMessage(seq=stats.last_seq + n, tokens=count, message=copy, episode_seq=episode_seq)
+            for n, ((_, count, copy), episode_seq) in enumerate(zip(rows, episode_seqs, strict=True), start=1)
         ]
         context.messages.extend(stored)
         context.stats = stats.model_copy(
@@ -140,7 +139,7 @@ class MemoryStore(AsyncResource):
     ) -> list[StoredMessage]:
         await self._enter()
         check_thread(thread)
-        rows = encode_messages(messages, tokens)
+        rows = encode_rows(messages, tokens)
         return self._append_rows(thread, rows, [None] * len(rows))
 
     async def load(self, thread: str, *, max_tokens: int | None = None) -> ContextWindow:
@@ -183,7 +182,7 @@ class MemoryStore(AsyncResource):
         return ThreadState(stats=stats, pressure=counters.pressure(when, stats.total_tokens))
 
     def _swap(
-        self, thread: str, through_seq: int, expected_version: int, rows: list[tuple[str, int]]
+        self, thread: str, through_seq: int, expected_version: int, rows: list[_Row]
     ) -> tuple[_Context, int, ThreadStats]:
         """Check the guard; return the context, the cut index and the stats after the swap."""
         context = self._contexts.get(thread, _Context())
@@ -199,7 +198,7 @@ class MemoryStore(AsyncResource):
             update={
                 "message_count": stats.message_count - cut + len(rows),
                 "total_tokens": check_total(
-                    thread, stats.total_tokens - removed + sum(count for _, count in rows)
+                    thread, stats.total_tokens - removed + sum(count for _, count, _ in rows)
                 ),
                 "version": stats.version + 1,
             }
@@ -212,13 +211,15 @@ class MemoryStore(AsyncResource):
         cut: int,
         stats: ThreadStats,
         through_seq: int,
-        rows: list[tuple[str, int]],
+        rows: list[_Row],
         summary_episode_seq: int | None,
     ) -> None:
         first = through_seq - len(rows) + 1
         new = [
-            _stored(first + n, body, count, summary_episode_seq if n == 0 else None)
-            for n, (body, count) in enumerate(rows)
+            StoredMessage(
+                seq=first + n, tokens=count, message=copy, episode_seq=summary_episode_seq if n == 0 else None
+            )
+            for n, (_, count, copy) in enumerate(rows)
         ]
         context.messages = new + context.messages[cut:]
         context.stats = stats
@@ -235,7 +236,7 @@ class MemoryStore(AsyncResource):
         await self._enter()
         check_thread(thread)
         check_replace(through_seq, expected_version)
-        rows = encode_messages(replacement, tokens, field="replacement")
+        rows = encode_rows(replacement, tokens, field="replacement")
         context, cut, stats = self._swap(thread, through_seq, expected_version, rows)
         self._apply(context, cut, stats, through_seq, rows, None)
         return stats
@@ -308,10 +309,10 @@ class MemoryStore(AsyncResource):
         await self._enter()
         check_thread(thread)
         bodies = encode_episodes(episodes)
-        rows = encode_messages(messages, tokens)
+        rows = encode_rows(messages, tokens)
         links = check_message_episodes(message_episodes, len(rows), len(bodies))
         context = self._contexts.get(thread, _Context())
-        check_total(thread, context.stats.total_tokens + sum(count for _, count in rows))
+        check_total(thread, context.stats.total_tokens + sum(count for _, count, _ in rows))
         when = datetime.now(UTC)
         pairs = zip(episodes, bodies, strict=True)
         seqs = [self._record_body(thread, episode, body, when).seq for episode, body in pairs]
@@ -331,7 +332,7 @@ class MemoryStore(AsyncResource):
         check_thread(thread)
         body = check_checkpoint(checkpoint)
         check_replace(through_seq, expected_version)
-        rows = encode_messages(replacement, tokens, field="replacement")
+        rows = encode_rows(replacement, tokens, field="replacement")
         context, cut, stats = self._swap(thread, through_seq, expected_version, rows)
         record = self._record_body(thread, checkpoint, body, datetime.now(UTC))
         self._contexts[thread] = context
@@ -379,16 +380,5 @@ class MemoryStore(AsyncResource):
                     last_activity=log.records[-1].at if log and log.records else None,
                 )
             )
-        return _by_activity(infos)
+        return by_activity(infos)
 
-
-def _by_activity(infos: list[ThreadInfo]) -> list[ThreadInfo]:
-    """Newest activity first; threads without a log last; ties by thread id."""
-    return sorted(
-        infos,
-        key=lambda info: (
-            info.last_activity is None,
-            -info.last_activity.timestamp() if info.last_activity else 0.0,
-            info.thread,
-        ),
-    )

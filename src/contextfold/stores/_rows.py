@@ -30,12 +30,13 @@ from .._episodes import (
 from .._errors import ConfigError, ConflictError, InvalidMessageError, StoreError
 from .._messages import Message
 from .._policy import EpisodicCompactionPressure
-from ._base import StoredMessage
+from ._base import StoredMessage, ThreadInfo
 
 __all__ = [
     "INT64_MAX",
     "PressureCounters",
     "Window",
+    "by_activity",
     "check_after_seq",
     "check_checkpoint",
     "check_choice",
@@ -53,7 +54,9 @@ __all__ = [
     "encode_episode",
     "encode_episodes",
     "encode_messages",
+    "encode_rows",
     "missing_seq_conflict",
+    "stored_message",
     "utc",
     "version_conflict",
     "whole_days",
@@ -109,6 +112,13 @@ def encode_messages(
     messages: Sequence[Message], tokens: Sequence[int], *, field: str = "messages"
 ) -> list[tuple[str, int]]:
     """Each message's JSON with its token count, checked to read back before anything is written."""
+    return [(body, count) for body, count, _ in encode_rows(messages, tokens, field=field)]
+
+
+def encode_rows(
+    messages: Sequence[Message], tokens: Sequence[int], *, field: str = "messages"
+) -> list[tuple[str, int, Message]]:
+    """``encode_messages`` with the copy each JSON reads back as, for a backend that keeps objects."""
     if isinstance(messages, Message | str) or not isinstance(messages, Sequence):
         raise ConfigError(field, "must be a sequence of Message objects", value=messages)
     if not isinstance(tokens, Sequence) or isinstance(tokens, str):
@@ -118,7 +128,7 @@ def encode_messages(
             "tokens",
             f"needs one count per message: got {len(tokens)} counts for {len(messages)} {field}",
         )
-    rows: list[tuple[str, int]] = []
+    rows: list[tuple[str, int, Message]] = []
     for index, (message, count) in enumerate(zip(messages, tokens, strict=True)):
         where = f"{field}[{index}]"
         if not isinstance(message, Message):
@@ -128,10 +138,10 @@ def encode_messages(
         _whole_number(f"tokens[{index}]", count, minimum=0)
         try:
             body = message.model_dump_json(warnings="error")
-            Message.model_validate_json(body)
+            copy = Message.model_validate_json(body)
         except (ValidationError, PydanticSerializationError) as exc:
             raise InvalidMessageError(where, _first_error(exc)) from None
-        rows.append((body, count))
+        rows.append((body, count, copy))
     return rows
 
 
@@ -391,10 +401,10 @@ class Window:
     def __init__(self, thread: str, max_tokens: int | None) -> None:
         self.thread = thread
         self._left = max_tokens
-        self._rows: list[tuple[int, int, str | bytes]] = []
+        self._rows: list[tuple[int, int, str | bytes, int | None]] = []
         self.full = False
 
-    def offer(self, seq: int, tokens: int, body: str | bytes) -> bool:
+    def offer(self, seq: int, tokens: int, body: str | bytes, episode_seq: int | None = None) -> bool:
         """Take one older row if it fits; ``False`` once the budget is spent (take no more)."""
         if self.full:
             return False
@@ -409,12 +419,39 @@ class Window:
                 self.full = True
                 return False
             self._left -= tokens
-        self._rows.append((seq, tokens, body))
+        self._rows.append((seq, tokens, body, episode_seq))
         return True
 
     def messages(self) -> tuple[StoredMessage, ...]:
         """The taken rows, oldest first, parsed."""
         return tuple(
-            StoredMessage(seq=seq, tokens=tokens, message=decode_message(self.thread, seq, body))
-            for seq, tokens, body in reversed(self._rows)
+            stored_message(self.thread, seq, tokens, body, episode_seq)
+            for seq, tokens, body, episode_seq in reversed(self._rows)
         )
+
+
+def stored_message(
+    thread: str, seq: int, tokens: int, body: str | bytes, episode_seq: int | None = None
+) -> StoredMessage:
+    """A message row read back, its JSON parsed and its numbers checked."""
+    whole = type(seq) is int and type(tokens) is int and (episode_seq is None or type(episode_seq) is int)
+    if not whole:
+        raise StoreError(
+            f"thread {thread!r}: short-term message seq {seq!r} is corrupt (tokens {tokens!r}, episode seq "
+            f"{episode_seq!r} are not whole numbers); restore the row from a backup or compact past it"
+        )
+    return StoredMessage(
+        seq=seq, tokens=tokens, message=decode_message(thread, seq, body), episode_seq=episode_seq
+    )
+
+
+def by_activity(infos: list[ThreadInfo]) -> list[ThreadInfo]:
+    """Threads by last activity, newest first; threads without a log last; ties by thread id."""
+    return sorted(
+        infos,
+        key=lambda info: (
+            info.last_activity is None,
+            -info.last_activity.timestamp() if info.last_activity else 0.0,
+            info.thread,
+        ),
+    )
