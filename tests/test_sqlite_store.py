@@ -191,6 +191,31 @@ async def test_state_is_one_statement(tmp_path: Path) -> None:
     assert state.pressure.estimated_context_tokens == 2_000
 
 
+async def test_state_does_the_same_work_whatever_the_thread_length(tmp_path: Path) -> None:
+    """SQLite runs as many VM instructions for state() of a 20,000-message thread as of a 10-message one."""
+    async with SQLiteStore(tmp_path / "flat.db", synchronous="NORMAL") as store:
+        await fill(store, "short", 10)
+        await fill(store, "long", 20_000)
+        for thread in ("short", "long"):
+            await store.record(thread, UserMessageEpisode(message=Message.user("a")))
+        await store.state("short")  # compiles the statement outside the count
+        steps = 0
+
+        def count() -> int:
+            nonlocal steps
+            steps += 1
+            return 0
+
+        assert store._reader is not None
+        store._reader.set_progress_handler(count, 1)
+        work = {}
+        for thread in ("short", "long"):
+            steps = 0
+            await store.state(thread)
+            work[thread] = steps
+    assert work["long"] == work["short"] > 0
+
+
 async def test_a_lease_row_is_timed_by_the_database_clock(tmp_path: Path) -> None:
     """The lease row expires lease_seconds after the database's own now."""
     path = tmp_path / "clock.db"

@@ -23,6 +23,7 @@ from contextfold._episodes import RunCompletedEpisode
 from contextfold.stores import Store, ThreadStats
 
 from .conftest import SQL_BACKENDS, OpenStore, RawSQL
+from .test_failures import CANCEL_AFTER, INJECT, cancelled_after
 
 INT64_MAX = 2**63 - 1
 
@@ -197,18 +198,8 @@ async def test_record_and_append_rejects_bad_links(store: Any, links: Any) -> No
     assert [r async for r in store.replay("t")] == []
 
 
-FAIL_MESSAGE_INSERT = {
-    "sqlite": [
-        "CREATE TRIGGER fail_message BEFORE INSERT ON messages WHEN NEW.tokens = 666 "
-        "BEGIN SELECT RAISE(ABORT, 'injected failure'); END",
-    ],
-    "postgres": [
-        "CREATE FUNCTION injected_failure() RETURNS trigger LANGUAGE plpgsql AS "
-        "$$ BEGIN RAISE EXCEPTION 'injected failure'; END $$",
-        "CREATE TRIGGER fail_message BEFORE INSERT ON messages FOR EACH ROW WHEN (NEW.tokens = 666) "
-        "EXECUTE FUNCTION injected_failure()",
-    ],
-}
+# The injected trigger that refuses a message row with 666 tokens (and, on PostgreSQL, its function).
+FAIL_MESSAGE_INSERT = {"sqlite": INJECT["sqlite"][:1], "postgres": INJECT["postgres"][:2]}
 
 
 @pytest.mark.parametrize("backend", SQL_BACKENDS)
@@ -630,3 +621,58 @@ async def test_a_token_total_past_64_bits_is_refused(store: Any) -> None:
     with pytest.raises(ConfigError, match="tokens"):
         await store.record_and_append("t", [said("x")], [Message.user("x")], [1])
     assert await everything(store, "t") == before
+
+
+async def test_a_cancelled_fold_is_applied_whole_or_not_at_all(store: Any) -> None:
+    """Cancelling fold() at any point leaves neither the checkpoint nor the swap, or both."""
+    outcomes = set()
+    for turns in CANCEL_AFTER:
+        thread = f"t{turns}"
+        await say(store, thread, *"abcdef")
+        before = await everything(store, thread)
+
+        async def fold(thread: str = thread) -> None:
+            await store.fold(
+                thread,
+                checkpoint=checkpoint(4),
+                through_seq=4,
+                expected_version=0,
+                replacement=[summary()],
+                tokens=[1],
+            )
+
+        finished = await cancelled_after(turns, fold)
+        after = await everything(store, thread)
+        window, stats, log, _, latest = after
+        if after == before:
+            outcomes.add("old")
+            assert not finished
+        else:
+            outcomes.add("new")
+            assert [m.seq for m in window.messages] == [4, 5, 6] and window.plain[0] == summary()
+            assert stats.version == 1 and stats.total_tokens == 21
+            assert log[-1].episode == checkpoint(4) and latest == log[-1]
+            assert window.messages[0].episode_seq == log[-1].seq
+        async with store.compaction_lock(thread) as mine:
+            assert mine
+    assert outcomes == {"old", "new"}
+
+
+async def test_a_cancelled_record_and_append_is_applied_whole_or_not_at_all(store: Any) -> None:
+    """Cancelling record_and_append() at any point leaves both memories without the step, or both with it."""
+    outcomes = set()
+    for turns in CANCEL_AFTER:
+        thread = f"t{turns}"
+        await say(store, thread, "first")
+
+        async def step(thread: str = thread) -> None:
+            await say(store, thread, "second", "third")
+
+        await cancelled_after(turns, step)
+        window = await store.load(thread)
+        log = [r async for r in store.replay(thread)]
+        assert len(window.messages) == len(log) in (1, 3)
+        outcomes.add(len(log))
+        assert [m.episode_seq for m in window.messages] == [r.seq for r in log]
+        assert (await store.pressure(thread)).total_user_messages == len(log)
+    assert outcomes == {1, 3}
