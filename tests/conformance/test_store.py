@@ -676,3 +676,18 @@ async def test_a_cancelled_record_and_append_is_applied_whole_or_not_at_all(stor
         assert [m.episode_seq for m in window.messages] == [r.seq for r in log]
         assert (await store.pressure(thread)).total_user_messages == len(log)
     assert outcomes == {1, 3}
+
+
+async def test_nan_put_into_metadata_after_building_is_refused(store: Any) -> None:
+    """A NaN written into a built message's metadata is refused by the store, not stored as null."""
+    message = Message.user("hi", metadata={"scores": [0.5]})
+    message.metadata["scores"].append(float("nan"))
+    for write in (
+        lambda: store.append("t", [message], [1]),
+        lambda: store.record_and_append("t", [said("hi")], [message], [1]),
+    ):
+        with pytest.raises(InvalidMessageError, match="finite") as caught:
+            await write()
+        assert caught.value.field == "messages[0].metadata.scores[1]"
+    assert await store.stats("t") == ThreadStats()
+    assert [r async for r in store.replay("t")] == []

@@ -28,7 +28,7 @@ from .._episodes import (
     UserMessageEpisode,
 )
 from .._errors import ConfigError, ConflictError, InvalidMessageError, StoreError
-from .._messages import Message
+from .._messages import Message, _check_finite
 from .._policy import EpisodicCompactionPressure
 from ._base import StoredMessage, ThreadInfo
 
@@ -136,6 +136,10 @@ def encode_rows(
                 where, f"must be a Message, got {type(message).__name__}; build one with Message.user(...)"
             )
         _whole_number(f"tokens[{index}]", count, minimum=0)
+        # Metadata edited in place after the message was built would be written as null.
+        _check_finite(message.metadata, f"{where}.metadata")
+        if isinstance(message.content, list):
+            _check_finite(message.content, f"{where}.content")
         try:
             body = message.model_dump_json(warnings="error")
             copy = Message.model_validate_json(body)

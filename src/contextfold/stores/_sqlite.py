@@ -346,6 +346,19 @@ def _swap(
     return new
 
 
+_ENCODE_ON_LOOP = 16
+"""Messages a call encodes on the event loop; a larger batch is encoded in a worker thread."""
+
+
+async def _encode(
+    messages: Sequence[Message], tokens: Sequence[int], *, field: str = "messages"
+) -> list[tuple[str, int]]:
+    """``encode_messages``, off the event loop when the batch is large enough to stall it."""
+    if isinstance(messages, Sequence) and len(messages) > _ENCODE_ON_LOOP:
+        return await to_thread.run_sync(partial(encode_messages, messages, tokens, field=field))
+    return encode_messages(messages, tokens, field=field)
+
+
 def _tombstone(thread: str, row: tuple[Any, ...]) -> Tombstone:
     return Tombstone(
         thread=thread,
@@ -526,7 +539,7 @@ class SQLiteStore(AsyncResource):
         self, thread: str, messages: Sequence[Message], tokens: Sequence[int]
     ) -> list[StoredMessage]:
         check_thread(thread)
-        rows = encode_messages(messages, tokens)
+        rows = await _encode(messages, tokens)
 
         def run(conn: sqlite3.Connection) -> int:
             with _transaction(conn, "IMMEDIATE"):
@@ -627,7 +640,7 @@ class SQLiteStore(AsyncResource):
     ) -> ThreadStats:
         check_thread(thread)
         check_replace(through_seq, expected_version)
-        rows = encode_messages(replacement, tokens, field="replacement")
+        rows = await _encode(replacement, tokens, field="replacement")
 
         def run(conn: sqlite3.Connection) -> ThreadStats:
             with _transaction(conn, "IMMEDIATE"):
@@ -741,7 +754,7 @@ class SQLiteStore(AsyncResource):
     ) -> list[StoredMessage]:
         check_thread(thread)
         bodies = encode_episodes(episodes)
-        rows = encode_messages(messages, tokens)
+        rows = await _encode(messages, tokens)
         links = check_message_episodes(message_episodes, len(rows), len(bodies))
         when = datetime.now(UTC)
 
@@ -770,7 +783,7 @@ class SQLiteStore(AsyncResource):
         check_thread(thread)
         body = check_checkpoint(checkpoint)
         check_replace(through_seq, expected_version)
-        rows = encode_messages(replacement, tokens, field="replacement")
+        rows = await _encode(replacement, tokens, field="replacement")
         when = datetime.now(UTC)
 
         def run(conn: sqlite3.Connection) -> int:
