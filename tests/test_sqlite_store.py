@@ -128,6 +128,18 @@ def test_a_bad_path_is_a_config_error_before_any_file_is_made(
     assert list(tmp_path.iterdir()) == []
 
 
+class _BytesPath:
+    def __fspath__(self) -> bytes:
+        return b"agent.db"
+
+
+def test_a_path_object_giving_bytes_is_a_config_error() -> None:
+    """A path-like object whose path is bytes is refused with the fix (os.fsdecode)."""
+    with pytest.raises(ConfigError, match="fsdecode") as caught:
+        SQLiteStore(_BytesPath())  # type: ignore[arg-type]
+    assert caught.value.key == "path"
+
+
 def test_good_options_are_accepted_as_given(tmp_path: Path) -> None:
     """Whole-number seconds and either synchronous mode are accepted."""
     store = SQLiteStore(str(tmp_path / "ok.db"), busy_timeout=5, lease_seconds=0.25, synchronous="NORMAL")

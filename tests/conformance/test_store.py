@@ -691,3 +691,11 @@ async def test_nan_put_into_metadata_after_building_is_refused(store: Any) -> No
         assert caught.value.field == "messages[0].metadata.scores[1]"
     assert await store.stats("t") == ThreadStats()
     assert [r async for r in store.replay("t")] == []
+
+
+@pytest.mark.parametrize("episodes", [None, "said", said("not in a list")])
+async def test_record_and_append_needs_a_sequence_of_episodes(store: Any, episodes: Any) -> None:
+    """episodes must be a sequence of episodes; anything else is a ConfigError naming it, writing nothing."""
+    with pytest.raises(ConfigError, match="episodes"):
+        await store.record_and_append("t", episodes, [Message.user("a")], [1])
+    assert await store.stats("t") == ThreadStats()

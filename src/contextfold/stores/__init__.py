@@ -1,4 +1,9 @@
-"""Storage backends: the two protocols and their implementations.
+"""Storage backends: the protocols and their implementations.
+
+``ShortTermStore`` (the working context) and ``EpisodicStore`` (the
+append-only log) are the two memories; ``Store`` is both in one backend, where
+recording a step and folding a prefix are each one transaction. Every bundled
+backend is a ``Store``.
 
 ``PostgresStore`` needs the optional ``contextfold[postgres]`` extra; its
 module (and psycopg) is imported only when the name is first looked up.
