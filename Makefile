@@ -33,6 +33,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_stores.py
 	$(BIN)/python benchmarks/bench_summary_retention.py
 	$(BIN)/python benchmarks/bench_step.py
+	$(BIN)/python benchmarks/bench_agents.py
+	$(BIN)/python benchmarks/bench_prefix.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist

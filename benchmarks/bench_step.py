@@ -7,20 +7,32 @@
    ``SummarizationMiddleware.before_model`` with a model that must never be
    invoked (it re-counts the whole history on every call); our speed-up is
    printed per size. Needs the ``bench`` extra: ``pip install 'contextfold[bench]'``.
-3. The total hook time of a session growing to 5,000 messages with compaction
-   on, against the floor of tokenizing each of its messages exactly once.
+3. The whole session: one thread growing to 5,000 realistic messages (tool
+   results of 200-4,000 characters), one step per message (the hook, the
+   context the request sends, the append) at a 32k-token budget with an
+   instant summarizer, on memory, SQLite (``synchronous`` FULL and NORMAL) and
+   PostgreSQL, against the floor of tokenizing each message once with
+   tiktoken; beside it LangChain's ``SummarizationMiddleware`` with its state
+   in memory, and in a LangGraph graph with the SQLite and PostgreSQL
+   checkpointers as the persistent peers.
 
 Run it:  python benchmarks/bench_step.py [--sizes 100,1000,10000,100000] [--session 5000]
+PostgreSQL comes from ``--postgres-url`` or ``CONTEXTFOLD_TEST_POSTGRES_URL``; ``none`` skips it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +42,17 @@ from contextfold import (
     Compactor,
     Message,
     RunOptions,
-    StepLoop,
     SummarizeOptions,
     TiktokenCounter,
     ToolCall,
 )
-from contextfold._demo import run_session
 from contextfold.stores import MemoryStore, SQLiteStore
+from contextfold.summarizers import FunctionSummarizer
+from contextfold.testing import agent_session
 
-NEVER = RunOptions(
-    max_history_tokens=100_000, compaction=SummarizeOptions(trigger_token_budget=10**12)
-)
+DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
+
+NEVER = RunOptions(max_history_tokens=100_000, compaction=SummarizeOptions(trigger_token_budget=10**12))
 
 
 def history(size: int) -> list[Message]:
@@ -95,7 +107,6 @@ def langchain_check(messages: Sequence[Message], repeat: int) -> float | None:
     try:
         from langchain.agents.middleware import SummarizationMiddleware
         from langchain_core.language_models import BaseChatModel
-        from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
         from langchain_core.outputs import ChatResult
     except ImportError:
         return None
@@ -110,6 +121,111 @@ def langchain_check(messages: Sequence[Message], repeat: int) -> float | None:
         def _generate(self, *args: Any, **kwargs: Any) -> ChatResult:
             raise AssertionError("the summarization model was invoked")
 
+    converted = to_langchain(messages)
+    middleware = SummarizationMiddleware(model=NeverInvoked(), trigger=("tokens", 10**12))
+    state = {"messages": converted}
+
+    def check() -> None:
+        assert middleware.before_model(state, None) is None  # type: ignore[arg-type]
+
+    check()
+    return median_time(check, repeat=repeat)
+
+
+BUDGET = RunOptions(
+    max_history_tokens=128_000,
+    compaction=SummarizeOptions(trigger_token_budget=32_000, keep_recent_messages=8, max_summary_tokens=400),
+)
+"""The whole-session runs' 32k-token budget."""
+
+SUMMARY = "Summary: the agent fixed retry logic across several modules; all tests pass."
+
+
+async def instant(messages: Sequence[Message], previous: str | None, max_tokens: int) -> str:
+    """A summarizer that costs nothing, so the rows measure contextfold's own work."""
+    return SUMMARY
+
+
+@dataclass(frozen=True)
+class SessionRow:
+    """One run of the whole session: where its time went."""
+
+    run: str
+    hook: float
+    append: float
+    context: float
+    folds: int
+
+    @property
+    def total(self) -> float:
+        return self.hook + self.append + self.context
+
+
+def tokenize_once_floor(messages: Sequence[Message]) -> float:
+    """Seconds to tokenize each message's text exactly once with tiktoken: the floor of any counting."""
+    encode = TiktokenCounter().encoding.encode_ordinary
+    texts = [m.text + "".join(c.arguments for c in m.tool_calls) for m in messages]
+    started = time.perf_counter()
+    for text in texts:
+        encode(text)
+    return time.perf_counter() - started
+
+
+@asynccontextmanager
+async def open_backend(name: str, folder: Path, postgres_url: str | None) -> AsyncIterator[Any]:
+    """An open store of the named backend, its data thrown away afterwards."""
+    if name == "memory":
+        async with MemoryStore() as store:
+            yield store
+    elif name.startswith("sqlite"):
+        synchronous = "NORMAL" if name.endswith("NORMAL") else "FULL"
+        async with SQLiteStore(folder / f"{name}.db", synchronous=synchronous) as store:
+            yield store
+    else:
+        from contextfold.stores import PostgresStore
+
+        assert postgres_url is not None
+        schema = f"bench_{uuid.uuid4().hex[:10]}"
+        try:
+            async with PostgresStore(postgres_url, schema=schema) as store:
+                yield store
+        finally:
+            await drop_schema(postgres_url, schema)
+
+
+async def drop_schema(url: str, schema: str) -> None:
+    import psycopg
+
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+async def contextfold_session(store: Any, run: str, messages: Sequence[Message]) -> SessionRow:
+    """One step per message: the hook, the context the request would send, then the append."""
+    compactor = Compactor(
+        store, options=BUDGET, summarizer=FunctionSummarizer(instant), counter=TiktokenCounter()
+    )
+    clock = time.perf_counter
+    hook = append = context = 0.0
+    folds = 0
+    for message in messages:
+        started = clock()
+        result = await compactor.maybe_compact("session")
+        checked = clock()
+        await compactor.context("session")
+        loaded = clock()
+        await compactor.append("session", [message])
+        appended = clock()
+        hook += checked - started
+        context += loaded - checked
+        append += appended - loaded
+        folds += result is not None and result.compacted
+    return SessionRow(run, hook, append, context, folds)
+
+
+def to_langchain(messages: Sequence[Message]) -> list[Any]:
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+
     converted: list[Any] = []
     for m in messages:
         if m.role.value == "system":
@@ -121,67 +237,133 @@ def langchain_check(messages: Sequence[Message], repeat: int) -> float | None:
         else:
             calls = [{"id": c.id, "name": c.name, "args": c.parsed_arguments()} for c in m.tool_calls]
             converted.append(AIMessage(m.text, tool_calls=calls))
-    middleware = SummarizationMiddleware(model=NeverInvoked(), trigger=("tokens", 10**12))
-    state = {"messages": converted}
-
-    def check() -> None:
-        assert middleware.before_model(state, None) is None  # type: ignore[arg-type]
-
-    check()
-    return median_time(check, repeat=repeat)
+    return converted
 
 
-async def session_cost(target_messages: int) -> tuple[float, float, float, int, int]:
-    """Hook time of a compacting session versus tokenizing each of its messages once."""
-    counter = TiktokenCounter()
-    hook_time = 0.0
-    options = RunOptions(
-        max_history_tokens=24_000,
-        compaction=SummarizeOptions(trigger_token_budget=12_000, max_summary_tokens=800),
-    )
-    summarizer_time = 0.0
-    async with MemoryStore() as store:
-        compactor = Compactor(store, options=options, counter=counter)
-        original = compactor.maybe_compact
-        summarize = compactor.summarizer.summarize
+def langchain_middleware() -> Any:
+    """LangChain's SummarizationMiddleware at the same 32k budget and kept tail, with a fixed summary."""
+    from langchain.agents.middleware import SummarizationMiddleware
+    from langchain_core.language_models.fake_chat_models import FakeListChatModel
 
-        async def timed_summarize(*args: Any, **kwargs: Any) -> Any:
-            nonlocal summarizer_time
-            started = time.perf_counter()
-            try:
-                return await summarize(*args, **kwargs)
-            finally:
-                summarizer_time += time.perf_counter() - started
+    model = FakeListChatModel(responses=[SUMMARY])
+    return SummarizationMiddleware(model=model, trigger=("tokens", 32_000), keep=("messages", 8))
 
-        compactor.summarizer.summarize = timed_summarize  # type: ignore[method-assign]
 
-        async def timed(thread: str, **kwargs: Any) -> Any:
-            nonlocal hook_time
-            started = time.perf_counter()
-            try:
-                return await original(thread, **kwargs)
-            finally:
-                hook_time += time.perf_counter() - started
+def langchain_in_memory(messages: Sequence[Message]) -> SessionRow:
+    """The middleware's before_model on a list held in memory: LangChain's cheapest possible step."""
+    middleware = langchain_middleware()
+    state: dict[str, Any] = {"messages": []}
+    hook = append = 0.0
+    folds = 0
+    clock = time.perf_counter
+    for message in to_langchain(messages):
+        started = clock()
+        update = middleware.before_model(state, None)
+        checked = clock()
+        if update is not None:
+            state["messages"] = list(update["messages"][1:])  # after RemoveMessage(REMOVE_ALL_MESSAGES)
+            folds += 1
+        state["messages"].append(message)
+        hook += checked - started
+        append += clock() - checked
+    return SessionRow("langchain, state in memory", hook, append, 0.0, folds)
 
-        compactor.maybe_compact = timed  # type: ignore[method-assign]
-        loop = StepLoop(compactor)
-        steps = target_messages // 2
-        stats = await run_session(loop, "session", steps=steps, counter=counter)
-        messages = [r async for r in store.replay("session")]
-    from contextfold import conversation
 
-    originals = conversation(messages)
-    encode = counter.encoding.encode_ordinary
-    texts = [m.text + "".join(c.arguments for c in m.tool_calls) for m in originals]
+def langgraph_session(run: str, checkpointer: Any, messages: Sequence[Message]) -> SessionRow:
+    """One graph step per message (the middleware as the node), its state in ``checkpointer``."""
+    from langgraph.graph import END, START, MessagesState, StateGraph
+
+    middleware = langchain_middleware()
+    folds = 0
+
+    def summarize(state: MessagesState) -> dict[str, Any]:
+        nonlocal folds
+        update = middleware.before_model(state, None)  # type: ignore[arg-type]
+        folds += update is not None
+        return update or {}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("summarize", summarize)
+    graph.add_edge(START, "summarize")
+    graph.add_edge("summarize", END)
+    app = graph.compile(checkpointer=checkpointer)
+    config = {"configurable": {"thread_id": "session"}}
     started = time.perf_counter()
-    for text in texts:
-        encode(text)
-    floor = time.perf_counter() - started
-    folds = len([c for c in stats.compactions if c.compacted])
-    return hook_time, summarizer_time, floor, len(originals), folds
+    for message in to_langchain(messages):
+        app.invoke({"messages": [message]}, config)  # loads the state, appends, runs the hook, saves
+    return SessionRow(run, time.perf_counter() - started, 0.0, 0.0, folds)
 
 
-async def main_async(sizes: Sequence[int], session: int, repeat: int) -> None:
+def langgraph_runs(messages: Sequence[Message], folder: Path, postgres_url: str | None) -> list[SessionRow]:
+    """LangGraph's SQLite and PostgreSQL checkpointers as the persistent peers."""
+    rows: list[SessionRow] = []
+    try:
+        from langgraph.checkpoint.sqlite import SqliteSaver
+    except ImportError:
+        print("  (langgraph-checkpoint-sqlite missing: pip install 'contextfold[bench]')", file=sys.stderr)
+    else:
+        with SqliteSaver.from_conn_string(str(folder / "langgraph.db")) as saver:
+            rows.append(langgraph_session("langgraph, SqliteSaver", saver, messages))
+    if postgres_url is None:
+        return rows
+    try:
+        import psycopg
+        from langgraph.checkpoint.postgres import PostgresSaver
+        from psycopg.rows import dict_row
+    except ImportError:
+        print("  (langgraph-checkpoint-postgres missing: pip install 'contextfold[bench]')", file=sys.stderr)
+        return rows
+    schema = f"bench_lg_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute(f'CREATE SCHEMA "{schema}"')
+    try:
+        with psycopg.connect(
+            postgres_url,
+            autocommit=True,
+            prepare_threshold=0,
+            row_factory=dict_row,
+            options=f"-c search_path={schema}",
+        ) as conn:
+            saver = PostgresSaver(conn)  # type: ignore[arg-type]
+            saver.setup()
+            rows.append(langgraph_session("langgraph, PostgresSaver", saver, messages))
+    finally:
+        with psycopg.connect(postgres_url, autocommit=True) as admin:
+            admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    return rows
+
+
+async def whole_session(count: int, postgres_url: str | None) -> None:
+    """(a) One thread growing to ``count`` messages, one step each, against the tokenize-once floor."""
+    messages = agent_session(count)
+    TiktokenCounter().count(messages[0])  # load the encoding before anything is timed
+    floor = tokenize_once_floor(messages)
+    backends = ["memory", "sqlite FULL", "sqlite NORMAL"] + (["postgres"] if postgres_url else [])
+    rows: list[SessionRow] = []
+    with tempfile.TemporaryDirectory() as folder:
+        for backend in backends:
+            async with open_backend(backend, Path(folder), postgres_url) as store:
+                rows.append(await contextfold_session(store, f"contextfold {backend}", messages))
+        try:
+            rows.append(await anyio.to_thread.run_sync(langchain_in_memory, messages))
+            rows += await anyio.to_thread.run_sync(langgraph_runs, messages, Path(folder), postgres_url)
+        except ImportError:
+            print("  (LangChain missing: pip install 'contextfold[bench]' for its rows)", file=sys.stderr)
+    print(
+        f"\nwhole session: {count:,} messages, one step each, 32k-token budget, instant summarizer; "
+        f"floor (tokenize each message once) {floor * 1e3:.0f} ms"
+    )
+    print(f"{'run':<28} {'x floor':>13} {'hook s':>8} {'append s':>9} {'context s':>10} {'folds':>6}")
+    for row in rows:
+        split = row.append or row.context
+        print(
+            f"{row.run:<28} {row.total / floor:13.1f} {row.hook:8.2f} "
+            + (f"{row.append:9.2f} {row.context:10.2f}" if split else f"{'(in hook)':>9} {'(in hook)':>10}")
+            + f" {row.folds:6d}"
+        )
+
+
+async def main_async(sizes: Sequence[int], session: int, repeat: int, postgres_url: str | None) -> None:
     print(f"maybe_compact with no trigger firing (median of {repeat} calls)")
     print(
         f"{'messages':>9} {'memory µs':>11} {'sqlite µs':>11} {'langchain µs':>13} "
@@ -211,16 +393,7 @@ async def main_async(sizes: Sequence[int], session: int, repeat: int) -> None:
             f"sqlite {last['sqlite'] / first['sqlite']:.2f}"
         )
     if session:
-        hook, summarizing, floor, count, folds = await session_cost(session)
-        print(
-            f"session of {count:,} messages, {folds} compactions: hook time {hook * 1e3:.0f} ms "
-            f"(of which the extractive summarizer {summarizing * 1e3:.0f} ms), "
-            f"tokenizing each message once {floor * 1e3:.0f} ms"
-        )
-        print(
-            f"hook time / tokenize-once floor: {hook / floor:.2f} "
-            f"(without the summarizer's own work: {(hook - summarizing) / floor:.2f})"
-        )
+        await whole_session(session, postgres_url)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -228,9 +401,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--sizes", default="100,1000,5000,10000,100000")
     parser.add_argument("--session", type=int, default=5_000, help="messages in the session run (0 skips)")
     parser.add_argument("--repeat", type=int, default=200)
+    parser.add_argument(
+        "--postgres-url",
+        default=os.environ.get("CONTEXTFOLD_TEST_POSTGRES_URL", DEFAULT_POSTGRES_URL),
+        help="PostgreSQL for the session rows; 'none' skips them",
+    )
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    anyio.run(main_async, sizes, args.session, args.repeat)
+    postgres_url = None if args.postgres_url == "none" else args.postgres_url
+    anyio.run(main_async, sizes, args.session, args.repeat, postgres_url)
 
 
 if __name__ == "__main__":

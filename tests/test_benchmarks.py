@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+
+# The LangChain rows need the bench extra; make test installs only dev.
+HAS_LANGCHAIN = find_spec("langchain") is not None
+HAS_LANGGRAPH = (
+    find_spec("langgraph.checkpoint.sqlite") is not None
+    and find_spec("langgraph.checkpoint.postgres") is not None
+)
 
 
 def load(name: str) -> ModuleType:
@@ -21,14 +29,41 @@ def load(name: str) -> ModuleType:
     return module
 
 
-def test_step_benchmark_prints_flat_ratios_and_the_session_cost(capsys: pytest.CaptureFixture[str]) -> None:
-    """bench_step reports per-size costs, the largest/smallest ratio and the session's hook time."""
-    load("bench_step").main(["--sizes", "50,400", "--repeat", "5", "--session", "120"])
+def test_step_benchmark_prints_flat_ratios_and_the_whole_session_table(
+    capsys: pytest.CaptureFixture[str], postgres_url: str
+) -> None:
+    """bench_step reports per-size costs, the largest/smallest ratio and a session row per run."""
+    load("bench_step").main(
+        ["--sizes", "50,400", "--repeat", "5", "--session", "60", "--postgres-url", postgres_url]
+    )
     out = capsys.readouterr().out
     assert "ratio 400/50 messages: memory" in out
-    assert "hook time / tokenize-once floor" in out
     rows = [line.split() for line in out.splitlines() if line.strip().startswith(("50 ", "400 "))]
     assert len(rows) == 2
+    assert "floor (tokenize each message once)" in out
+    for run in (
+        "contextfold memory",
+        "contextfold sqlite FULL",
+        "contextfold sqlite NORMAL",
+        "contextfold postgres",
+        "langchain, state in memory",
+        "langgraph, SqliteSaver",
+        "langgraph, PostgresSaver",
+    ):
+        line = next(line for line in out.splitlines() if line.startswith(run))
+        assert float(line[len(run) :].split()[0]) > 0
+
+
+def test_agents_benchmark_reports_latency_and_loop_lag_per_backend(
+    capsys: pytest.CaptureFixture[str], postgres_url: str
+) -> None:
+    """bench_agents prints steps/s, hook percentiles and loop lag for each backend, with folds run."""
+    status = load("bench_agents").main(["--agents", "4", "--steps", "40", "--postgres-url", postgres_url])
+    out = capsys.readouterr().out
+    assert status == 0
+    for backend in ("memory", "sqlite", "postgres"):
+        cells = next(line for line in out.splitlines() if line.startswith(backend)).split()
+        assert len(cells) == 8 and float(cells[1]) > 0 and int(cells[7]) > 0
 
 
 def test_store_benchmark_covers_every_backend(capsys: pytest.CaptureFixture[str], postgres_url: str) -> None:
@@ -43,3 +78,13 @@ def test_store_benchmark_covers_every_backend(capsys: pytest.CaptureFixture[str]
         assert f"{backend} 600/300 ratio:" in " ".join(captured.out.split())
     bursts = [line for line in captured.out.splitlines() if "burst of 5 folds" in line]
     assert len(bursts) == 4 and all("errors 0," in line for line in bursts)
+
+
+def test_prefix_benchmark_compares_contextfold_with_langchain(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench_prefix prints the reused-prefix share of both runs on the same session."""
+    status = load("bench_prefix").main(["--session", "120"])
+    out = capsys.readouterr().out
+    assert status == 0
+    for run in ["contextfold"] + (["langchain SummarizationMiddleware"] if HAS_LANGCHAIN else []):
+        line = next(line for line in out.splitlines() if line.startswith(run + " "))
+        assert 0 < float(line[len(run) :].split()[0].rstrip("%")) <= 100

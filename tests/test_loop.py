@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import gc
+import logging
+import sys
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from contextlib import aclosing, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -276,3 +281,105 @@ async def test_run_records_the_model_and_usage_a_reply_carries() -> None:
         await loop.run("t", "hi", llm=llm)
         calls = [r.episode async for r in store.replay("t") if isinstance(r.episode, LlmCallEpisode)]
     assert [(c.model, c.usage) for c in calls] == [("m-1", Usage(input_tokens=7, output_tokens=2))]
+
+
+@contextmanager
+def generators_left_to_the_collector() -> Iterator[list[str]]:
+    """Collect the names of async generators that nobody closed, finalized by the garbage collector.
+
+    Such a generator is closed later in a task of the event loop's own (asyncio and
+    trio both do this), so a name here is a task left behind by its consumer.
+    """
+    firstiter, finalizer = sys.get_asyncgen_hooks()
+    left: list[str] = []
+
+    def on_finalize(generator: AsyncGenerator[Any, None]) -> None:
+        left.append(generator.__qualname__)
+        if finalizer is not None:
+            finalizer(generator)
+
+    sys.set_asyncgen_hooks(firstiter=firstiter, finalizer=on_finalize)
+    try:
+        yield left
+        gc.collect()
+    finally:
+        sys.set_asyncgen_hooks(firstiter=firstiter, finalizer=finalizer)
+
+
+async def test_run_closes_the_stream_it_drives() -> None:
+    """run() closes stream() itself, leaving no generator for the garbage collector to close elsewhere."""
+    async with MemoryStore() as store:
+        loop = make_loop(store)
+        with generators_left_to_the_collector() as left:
+            result = await loop.run("t", "hi", llm=ScriptedModel(agent), tools={"fetch": fetch})
+    assert result.reply.text.startswith("answered")
+    assert left == []
+
+
+async def test_stopping_a_stream_early_closes_the_models_stream_before_returning() -> None:
+    """Leaving aclosing(stream()) at the first text delta runs the model's finally before the block ends."""
+    log: list[str] = []
+
+    async def model(messages: list[Message]) -> AsyncIterator[str]:
+        try:
+            for word in ("one ", "two ", "three"):
+                yield word
+        finally:
+            log.append("model closed")
+
+    async with MemoryStore() as store:
+        loop = make_loop(store)
+        with generators_left_to_the_collector() as left:
+            async with aclosing(loop.stream("t", "go", llm=model)) as events:
+                async for event in events:
+                    if isinstance(event, TextDelta):
+                        break
+            closed_when_the_block_returned = list(log)
+    assert closed_when_the_block_returned == ["model closed"]
+    assert left == []
+
+
+async def test_a_tool_failure_is_logged_with_its_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """A raising tool's exception is logged with its traceback and still becomes an error result."""
+
+    async def explode(**_: Any) -> str:
+        raise ValueError("disk on fire")
+
+    model = ScriptedModel([tool_step("explode", "{}", call_id="x1"), Message.assistant("sorry")])
+    async with MemoryStore() as store:
+        loop = make_loop(store)
+        with caplog.at_level(logging.WARNING, logger="contextfold"):
+            result = await loop.run("t", "go", llm=model, tools={"explode": explode})
+        context = await loop.compactor.context("t")
+    failures = [r for r in caplog.records if r.exc_info is not None]
+    assert len(failures) == 1 and "explode" in failures[0].getMessage()
+    assert failures[0].exc_info is not None and failures[0].exc_info[0] is ValueError
+    assert "disk on fire" in caplog.text and "Traceback" in caplog.text
+    assert result.reply.text == "sorry"
+    assert [m.text for m in context if m.role.value == "tool"] == ["error: ValueError: disk on fire"]
+
+
+class CountingCompactor(Compactor):
+    """A real compactor that counts how often the step loop asks it for the context."""
+
+    context_calls = 0
+
+    async def context(self, thread: str) -> list[Message]:
+        self.context_calls += 1
+        return await super().context(thread)
+
+
+async def test_a_step_sends_the_compactors_context() -> None:
+    """step.messages is the compactor's context for the thread, asked for once per step."""
+    async with MemoryStore() as store:
+        compactor = CountingCompactor(store, options=OPTIONS, counter=ApproximateCounter())
+        loop = StepLoop(compactor)
+        await loop.append("t", Message.system("You are terse."), Message.user("hi"))
+        async with loop.step("t") as step:
+            assert compactor.context_calls == 1
+            sent = step.messages
+            await step.record(Message.assistant("hello"))
+        after = await compactor.context("t")
+    assert [m.text for m in sent] == ["You are terse.", "hi"]
+    assert step.request_tokens == sum(ApproximateCounter().count(m) for m in sent)
+    assert [m.text for m in after] == ["You are terse.", "hi", "hello"]

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 from ._compactor import CompactionResult, Compactor
 from ._episodes import ToolCallEpisode, Usage
@@ -51,6 +51,7 @@ __all__ = [
 
 logger = logging.getLogger("contextfold")
 
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,14 +201,6 @@ class StepLoop:
         self.hooks: tuple[Hook, ...] = (CompactionHook(compactor), *hooks)
         self._steps: dict[str, int] = {}
 
-    async def _call(self, hook: Hook, event: str, *args: Any) -> None:
-        try:
-            await getattr(hook, event)(*args)
-        except Exception:
-            if not hook.optional:
-                raise
-            logger.exception("optional hook %r failed in %s; continuing", hook, event)
-
     async def append(self, thread: str, *messages: Message) -> None:
         """Add messages that are not a step's output (the user's input, a system prompt)."""
         await self.compactor.append(thread, messages)
@@ -222,19 +215,18 @@ class StepLoop:
         self._steps[thread] = index + 1
         step = Step(thread, index, self.compactor)
         for hook in self.hooks:
-            await self._call(hook, "before_request", step)
-        window = await self.compactor.short_term.load(thread)
-        step.messages = window.plain
-        step.request_tokens = window.total_tokens
+            await _guarded(hook, "before_request", hook.before_request(step))
+        step.messages = await self.compactor.context(thread)
+        step.request_tokens = await _request_tokens(self.compactor, thread, step.messages)
         yield step
         for hook in reversed(self.hooks):
-            await self._call(hook, "after_response", step)
+            await _guarded(hook, "after_response", hook.after_response(step))
 
     async def complete_run(self, thread: str, *, clean: bool = True) -> None:
         """Record the end of a run (a clean end resets the unfinished-turns count)."""
         await self.compactor.complete_run(thread, clean=clean)
         for hook in reversed(self.hooks):
-            await self._call(hook, "on_run_completed", thread, clean)
+            await _guarded(hook, "on_run_completed", hook.on_run_completed(thread, clean))
 
     async def run(
         self,
@@ -251,11 +243,13 @@ class StepLoop:
             yield await llm(messages)
 
         compactions: list[CompactionResult] = []
-        async for event in self.stream(thread, user, llm=as_stream, tools=tools, max_steps=max_steps):
-            if isinstance(event, Compacted):
-                compactions.append(event.result)
-            elif isinstance(event, RunFinished):
-                return RunResult(event.reply, event.steps, event.clean, tuple(compactions))
+        events = self.stream(thread, user, llm=as_stream, tools=tools, max_steps=max_steps)
+        async with aclosing(events):
+            async for event in events:
+                if isinstance(event, Compacted):
+                    compactions.append(event.result)
+                elif isinstance(event, RunFinished):
+                    return RunResult(event.reply, event.steps, event.clean, tuple(compactions))
         raise AssertionError("stream() always ends with RunFinished")  # pragma: no cover
 
     async def stream(
@@ -266,8 +260,13 @@ class StepLoop:
         llm: StreamingLLM,
         tools: Mapping[str, Tool] | None = None,
         max_steps: int = 16,
-    ) -> AsyncIterator[StepEvent]:
-        """Like :meth:`run`, yielding events as they happen (text deltas included)."""
+    ) -> AsyncGenerator[StepEvent, None]:
+        """Like :meth:`run`, yielding events as they happen (text deltas included).
+
+        To stop early, consume it inside ``async with contextlib.aclosing(loop.stream(...))``:
+        leaving that block closes the model's stream before it returns, so the
+        model's own clean-up runs in your task rather than later in another one.
+        """
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
             raise ConfigError("max_steps", "must be a whole number >= 1", value=max_steps)
         tools = tools or {}
@@ -283,16 +282,17 @@ class StepLoop:
                 whole: Message | None = None
                 model: str | None = None
                 usage: Usage | None = None
-                async for chunk in llm(step.messages):
-                    if isinstance(chunk, str):
-                        text.append(chunk)
-                        yield TextDelta(chunk)
-                    elif isinstance(chunk, ToolCall):
-                        calls.append(chunk)
-                    elif isinstance(chunk, Reply):
-                        whole, model, usage = chunk.message, chunk.model, chunk.usage
-                    else:
-                        whole = chunk
+                async with _closing(llm(step.messages)) as chunks:
+                    async for chunk in chunks:
+                        if isinstance(chunk, str):
+                            text.append(chunk)
+                            yield TextDelta(chunk)
+                        elif isinstance(chunk, ToolCall):
+                            calls.append(chunk)
+                        elif isinstance(chunk, Reply):
+                            whole, model, usage = chunk.message, chunk.model, chunk.usage
+                        else:
+                            whole = chunk
                 if whole is None:
                     whole = Message.assistant("".join(text) or None, tool_calls=calls)
                 reply = whole
@@ -314,6 +314,28 @@ class StepLoop:
         yield RunFinished(reply, max_steps, clean=False)
 
 
+async def _guarded(hook: Hook, event: str, call: Awaitable[None]) -> None:
+    """Await one hook event; an optional hook's failure is logged instead of raised."""
+    try:
+        await call
+    except Exception:
+        if not hook.optional:
+            raise
+        logger.exception("optional hook %r failed in %s; continuing", hook, event)
+
+
+async def _request_tokens(compactor: Compactor, thread: str, messages: list[Message]) -> int:
+    """Tokens of the working context a step sends (the store's running total)."""
+    return (await compactor.short_term.stats(thread)).total_tokens
+
+
+def _closing(stream: AsyncIterator[_T]) -> AbstractAsyncContextManager[AsyncIterator[_T]]:
+    """Close a model's stream on the way out when it can be closed (async generators can)."""
+    if isinstance(stream, AsyncGenerator):
+        return aclosing(stream)
+    return nullcontext(stream)
+
+
 async def _run_tool(tools: Mapping[str, Tool], call: ToolCall) -> Message:
     """Run one tool call; a missing tool or a tool's exception becomes an error result for the model."""
     tool = tools.get(call.name)
@@ -324,7 +346,10 @@ async def _run_tool(tools: Mapping[str, Tool], call: ToolCall) -> Message:
     try:
         output = await (tool(**arguments) if isinstance(arguments, dict) else tool(arguments))
     except Exception as exc:
-        logger.info("tool %r failed: %r", call.name, exc)
+        # The model gets the error as the tool's result; the traceback is for whoever runs the agent.
+        logger.warning(
+            "tool %r (call %s) failed; the model gets an error result", call.name, call.id, exc_info=True
+        )
         return Message.tool(call.id, f"error: {type(exc).__name__}: {exc}", is_error=True)
     if isinstance(output, Message):
         return output

@@ -1,0 +1,168 @@
+"""Many agents on one store: throughput, hook latency and event-loop lag while folds run.
+
+``--agents`` agents (50) share one store per backend (memory, SQLite, PostgreSQL),
+each stepping its own thread ``--steps`` times (200): the hook, the context the
+request would send, the append of the session's next message (tool results of
+200-4,000 characters). The budget is small enough that every thread folds
+several times during the run. A ticker task sleeps 5 ms at a time and records
+how late it wakes: that is the event-loop lag every other coroutine sees.
+
+Printed per backend: steps/s, hook p50/p99, the no-op hook's p99 (the checks
+where no trigger fired), loop-lag p99 and max, and the folds that ran.
+
+Run it:  python benchmarks/bench_agents.py [--agents 50] [--steps 200] [--backends memory,sqlite,postgres]
+PostgreSQL comes from ``--postgres-url`` or ``CONTEXTFOLD_TEST_POSTGRES_URL``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from contextfold import Compactor, Message, RunOptions, SummarizeOptions, TiktokenCounter
+from contextfold.stores import MemoryStore, SQLiteStore
+from contextfold.summarizers import FunctionSummarizer
+from contextfold.testing import agent_session
+
+DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
+TICK = 0.005
+
+OPTIONS = RunOptions(
+    max_history_tokens=32_000,
+    compaction=SummarizeOptions(trigger_token_budget=8_000, keep_recent_messages=8, max_summary_tokens=300),
+)
+
+
+async def instant(messages: Sequence[Message], previous: str | None, max_tokens: int) -> str:
+    return "Summary: the agent fixed retry logic in several modules; all tests pass."
+
+
+@dataclass
+class Measured:
+    hooks: list[float] = field(default_factory=list)
+    noop_hooks: list[float] = field(default_factory=list)
+    lags: list[float] = field(default_factory=list)
+    folds: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    if not samples:
+        return float("nan")
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@asynccontextmanager
+async def open_backend(name: str, folder: Path, postgres_url: str) -> AsyncIterator[Any]:
+    if name == "memory":
+        async with MemoryStore() as store:
+            yield store
+    elif name == "sqlite":
+        async with SQLiteStore(folder / "agents.db", synchronous="NORMAL") as store:
+            yield store
+    else:
+        import psycopg
+
+        from contextfold.stores import PostgresStore
+
+        schema = f"bench_{uuid.uuid4().hex[:10]}"
+        try:
+            async with PostgresStore(postgres_url, schema=schema) as store:
+                yield store
+        finally:
+            async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as conn:
+                await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+async def agent(compactor: Compactor, thread: str, messages: Sequence[Message], out: Measured) -> None:
+    clock = time.perf_counter
+    for message in messages:
+        started = clock()
+        result = await compactor.maybe_compact(thread)
+        took = clock() - started
+        out.hooks.append(took)
+        if result is None or not result.compacted:
+            out.noop_hooks.append(took)
+        else:
+            out.folds += 1
+        await compactor.context(thread)
+        await compactor.append(thread, [message])
+        out.steps += 1
+
+
+async def ticker(out: Measured, stop: anyio.Event) -> None:
+    clock = time.perf_counter
+    while not stop.is_set():
+        started = clock()
+        await anyio.sleep(TICK)
+        out.lags.append(max(0.0, clock() - started - TICK))
+
+
+async def run_backend(backend: str, agents: int, steps: int, folder: Path, postgres_url: str) -> Measured:
+    out = Measured()
+    counter = TiktokenCounter()
+    sessions = [agent_session(steps, seed=n) for n in range(agents)]
+    counter.count(sessions[0][0])  # load the encoding before anything is timed
+    async with open_backend(backend, folder, postgres_url) as store:
+        compactor = Compactor(store, options=OPTIONS, summarizer=FunctionSummarizer(instant), counter=counter)
+        stop = anyio.Event()
+        started = time.perf_counter()
+        async with anyio.create_task_group() as outer:
+            outer.start_soon(ticker, out, stop)
+            async with anyio.create_task_group() as group:
+                for n, messages in enumerate(sessions):
+                    group.start_soon(agent, compactor, f"agent-{n}", messages, out)
+            out.seconds = time.perf_counter() - started
+            stop.set()
+    return out
+
+
+async def main_async(agents: int, steps: int, backends: Sequence[str], postgres_url: str) -> int:
+    print(f"{agents} agents x {steps} steps on one store, 8k-token trigger, instant summarizer")
+    print(
+        f"{'backend':<8} {'steps/s':>8} {'hook p50 ms':>12} {'hook p99 ms':>12} {'no-op p99 ms':>13} "
+        f"{'lag p99 ms':>11} {'lag max ms':>11} {'folds':>6}"
+    )
+    with tempfile.TemporaryDirectory() as folder:
+        for backend in backends:
+            try:
+                m = await run_backend(backend, agents, steps, Path(folder), postgres_url)
+            except OSError as exc:
+                print(f"{backend:<8} skipped: {exc}", file=sys.stderr)
+                continue
+            print(
+                f"{backend:<8} {m.steps / m.seconds:8.0f} {statistics.median(m.hooks) * 1e3:12.2f} "
+                f"{percentile(m.hooks, 0.99) * 1e3:12.2f} {percentile(m.noop_hooks, 0.99) * 1e3:13.2f} "
+                f"{percentile(m.lags, 0.99) * 1e3:11.2f} {max(m.lags, default=0.0) * 1e3:11.2f} {m.folds:6d}"
+            )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--agents", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--backends", default="memory,sqlite,postgres")
+    parser.add_argument(
+        "--postgres-url", default=os.environ.get("CONTEXTFOLD_TEST_POSTGRES_URL", DEFAULT_POSTGRES_URL)
+    )
+    args = parser.parse_args(argv)
+    return anyio.run(main_async, args.agents, args.steps, args.backends.split(","), args.postgres_url)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
