@@ -1,0 +1,304 @@
+"""Compaction events: their types, the dispatcher, the hook adapter and the log lines."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+
+import pytest
+
+from contextfold._episodes import Usage
+from contextfold._errors import ConfigError
+from contextfold._events import (
+    LOG_KEYS,
+    BackgroundSummaryApplied,
+    BackgroundSummaryDiscarded,
+    BackgroundSummaryStarted,
+    CompactionEvent,
+    CompactionEventHook,
+    EventDispatcher,
+    FoldApplied,
+    FoldConflict,
+    FoldStalled,
+    SummaryDegraded,
+    event_line,
+    hook_subscriber,
+    log_event,
+)
+from contextfold._loop import Hook
+
+COMMON = {"thread": "t-1", "reason": "token_count", "tokens_before": 900, "tokens_after": 250}
+
+
+def applied(**overrides: object) -> FoldApplied:
+    fields = {
+        **COMMON,
+        "messages_folded": 12,
+        "summarizer_model": "recorder",
+        "usage": Usage(input_tokens=700, output_tokens=80),
+        "duration_s": 0.25,
+        "checkpoint_seq": 41,
+        "through_seq": 17,
+        **overrides,
+    }
+    return FoldApplied(**fields)  # type: ignore[arg-type]
+
+
+def one_of_each() -> list[CompactionEvent]:
+    return [
+        BackgroundSummaryStarted(**COMMON, messages_folded=12, through_seq=17),
+        SummaryDegraded(
+            **COMMON,
+            messages_folded=12,
+            summarizer_model="gpt-x",
+            fallback_model="extractive",
+            error_type="contextfold.SummarizerError",
+            error="HTTP 503",
+        ),
+        applied(degraded=True),
+        BackgroundSummaryApplied(**COMMON, messages_folded=12, waited_s=0.5),
+        FoldStalled(
+            **{**COMMON, "tokens_after": 900}, detail="the kept tail alone is too big", skipped_checks=3
+        ),
+        FoldConflict(**{**COMMON, "tokens_after": 900}, attempt=2, will_retry=True),
+        BackgroundSummaryDiscarded(**{**COMMON, "tokens_after": 900}, cause="prefix_changed", through_seq=17),
+    ]
+
+
+def parse_line(line: str) -> tuple[str, dict[str, object]]:
+    """Split a log line back into its name and its JSON-literal values."""
+    name, _, rest = line.partition(" ")
+    values: dict[str, object] = {}
+    decoder = json.JSONDecoder()
+    while rest:
+        key, _, rest = rest.partition("=")
+        value, end = decoder.raw_decode(rest)
+        values[key] = value
+        rest = rest[end:].removeprefix(" ")
+    return name, values
+
+
+def test_events_are_frozen_and_slotted() -> None:
+    """An event cannot be changed after it was emitted, and carries no per-instance dict."""
+    for event in one_of_each():
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            event.thread = "other"  # type: ignore[misc]
+        assert not hasattr(event, "__dict__")
+
+
+def test_every_event_carries_the_common_figures() -> None:
+    """Each event names thread, reason, tokens before and after, messages folded, model, usage, duration."""
+    common = ("thread", "reason", "tokens_before", "tokens_after", "messages_folded")
+    common += ("summarizer_model", "usage", "duration_s")
+    for event in one_of_each():
+        names = [f.name for f in dataclasses.fields(event)]
+        assert tuple(names[: len(common)]) == common, type(event).__name__
+
+
+def test_background_fold_is_a_fold() -> None:
+    """A fold applied from a background summary matches ``FoldApplied``, so fold counters see it once."""
+    event = BackgroundSummaryApplied(**COMMON, messages_folded=3, waited_s=0.1)
+    assert isinstance(event, FoldApplied)
+    assert event.name == "background_applied"
+    assert event.tokens_saved == 650
+
+
+async def test_subscribers_receive_events_in_registration_order() -> None:
+    """Sync and async subscribers get every event, in the order they subscribed."""
+    seen: list[tuple[str, str]] = []
+
+    def first(event: CompactionEvent) -> None:
+        seen.append(("first", event.name))
+
+    async def second(event: CompactionEvent) -> None:
+        seen.append(("second", event.name))
+
+    def third(event: CompactionEvent) -> None:
+        seen.append(("third", event.name))
+
+    dispatcher = EventDispatcher([first, second], log_events=False)
+    dispatcher.subscribe(third)
+    await dispatcher.emit(applied())
+    await dispatcher.emit(FoldStalled(**COMMON, detail="x"))
+    assert seen == [
+        ("first", "fold"),
+        ("second", "fold"),
+        ("third", "fold"),
+        ("first", "fold_stalled"),
+        ("second", "fold_stalled"),
+        ("third", "fold_stalled"),
+    ]
+
+
+async def test_failing_subscriber_is_logged_and_the_others_still_run(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A subscriber that raises is logged with its traceback; emit returns and later subscribers run."""
+    later: list[CompactionEvent] = []
+
+    async def broken(event: CompactionEvent) -> None:
+        raise RuntimeError("exporter down")
+
+    dispatcher = EventDispatcher([broken, later.append], log_events=False)
+    event = applied()
+    with caplog.at_level(logging.ERROR, logger="contextfold.events"):
+        await dispatcher.emit(event)
+    assert later == [event]
+    [record] = [r for r in caplog.records if r.name == "contextfold.events"]
+    assert record.levelno == logging.ERROR
+    assert record.exc_info is not None and isinstance(record.exc_info[1], RuntimeError)
+    assert "broken" in record.getMessage() and "'t-1'" in record.getMessage()
+
+
+async def test_cancellation_in_a_subscriber_propagates() -> None:
+    """A BaseException such as a cancellation is not swallowed by the dispatcher."""
+
+    class Stop(BaseException):
+        pass
+
+    def cancel(event: CompactionEvent) -> None:
+        raise Stop
+
+    later: list[CompactionEvent] = []
+    dispatcher = EventDispatcher([cancel, later.append], log_events=False)
+    with pytest.raises(Stop):
+        await dispatcher.emit(applied())
+    assert later == []
+
+
+async def test_unsubscribe_stops_delivery_even_during_an_emit() -> None:
+    """A subscriber may unsubscribe itself while an event is delivered; the others still get that event."""
+    seen: list[str] = []
+
+    def once(event: CompactionEvent) -> None:
+        seen.append("once")
+        remove()
+
+    dispatcher = EventDispatcher(log_events=False)
+    remove = dispatcher.subscribe(once)
+    dispatcher.subscribe(lambda event: seen.append("always"))
+    await dispatcher.emit(applied())
+    await dispatcher.emit(applied())
+    assert seen == ["once", "always", "always"]
+    remove()  # a second removal is harmless
+    assert len(dispatcher.subscribers) == 1
+
+
+def test_subscribing_a_non_callable_names_the_fix() -> None:
+    """Subscribing something that cannot be called fails at once with a ConfigError on ``subscriber``."""
+    with pytest.raises(ConfigError) as caught:
+        EventDispatcher(["print"], log_events=False)  # type: ignore[list-item]
+    assert caught.value.key == "subscriber"
+    assert "'print'" in str(caught.value) and "callable" in str(caught.value)
+
+
+class Observer(Hook):
+    """A step-loop hook that also watches compactions."""
+
+    optional = True
+
+    def __init__(self) -> None:
+        self.events: list[CompactionEvent] = []
+
+    async def on_compaction_event(self, event: CompactionEvent) -> None:
+        self.events.append(event)
+
+
+async def test_a_step_loop_hook_receives_events_through_the_adapter() -> None:
+    """``hook_subscriber`` hands each event to the hook's ``on_compaction_event``, in order."""
+    hook = Observer()
+    assert isinstance(hook, CompactionEventHook)
+    assert not isinstance(Hook(), CompactionEventHook)
+    dispatcher = EventDispatcher([hook_subscriber(hook)], log_events=False)
+    events = one_of_each()
+    for event in events:
+        await dispatcher.emit(event)
+    assert hook.events == events
+
+
+def test_log_line_keys_are_stable() -> None:
+    """The fold line's keys are the documented ones, in the documented order."""
+    assert LOG_KEYS["fold"] == (
+        "thread",
+        "reason",
+        "tokens_before",
+        "tokens_after",
+        "messages_folded",
+        "summarizer_model",
+        "input_tokens",
+        "output_tokens",
+        "duration_s",
+        "degraded",
+        "masked_messages",
+        "truncated_messages",
+        "checkpoint_seq",
+        "through_seq",
+    )
+    assert LOG_KEYS["fold_stalled"][-2:] == ("detail", "skipped_checks")
+    assert set(LOG_KEYS) == {event.name for event in one_of_each()}
+
+
+def test_log_line_is_name_then_json_values_in_key_order() -> None:
+    """Every event renders as its name and one ``key=<JSON literal>`` per documented key."""
+    for event in one_of_each():
+        name, values = parse_line(event_line(event))
+        assert name == event.name
+        assert tuple(values) == LOG_KEYS[event.name]
+        assert values["thread"] == "t-1" and values["tokens_before"] == 900
+    line = event_line(applied())
+    assert line.startswith('fold thread="t-1" reason="token_count" tokens_before=900 tokens_after=250 ')
+    assert " input_tokens=700 output_tokens=80 duration_s=0.250 degraded=false " in line
+
+
+def test_log_line_stays_one_line_whatever_the_thread_id_holds() -> None:
+    """Quotes, spaces and newlines in a value are escaped, so an event is always exactly one line."""
+    thread = 'user "7"\nsession = 2'
+    line = event_line(FoldStalled(**{**COMMON, "thread": thread}, detail="raise the budget\nor not"))
+    assert "\n" not in line
+    assert parse_line(line)[1]["thread"] == thread
+
+
+async def test_default_dispatcher_logs_each_event_exactly_once(caplog: pytest.LogCaptureFixture) -> None:
+    """With the default subscriber every event becomes one record on ``contextfold.compactor``."""
+    dispatcher = EventDispatcher()
+    events = one_of_each()
+    with caplog.at_level(logging.DEBUG, logger="contextfold"):
+        for event in events:
+            await dispatcher.emit(event)
+    records = [r for r in caplog.records if r.name.startswith("contextfold")]
+    assert [r.name for r in records] == ["contextfold.compactor"] * len(events)
+    assert [r.getMessage() for r in records] == [event_line(e) for e in events]
+    assert [r.contextfold_event for r in records] == events  # type: ignore[attr-defined]
+
+
+def test_log_levels_follow_what_needs_attention(caplog: pytest.LogCaptureFixture) -> None:
+    """Stalls, degraded summaries, a last failed attempt and a failed background summary are warnings."""
+    events: list[CompactionEvent] = [
+        *one_of_each(),
+        FoldConflict(**COMMON, attempt=5, will_retry=False),
+        BackgroundSummaryDiscarded(**COMMON, cause="summarizer_failed", error="timeout"),
+    ]
+    with caplog.at_level(logging.DEBUG, logger="contextfold.compactor"):
+        for event in events:
+            log_event(event)
+    levels = {re.sub(r" .*", "", r.getMessage()) + f"/{r.levelname}" for r in caplog.records}
+    assert levels == {
+        "background_started/DEBUG",
+        "summary_degraded/WARNING",
+        "fold/INFO",
+        "background_applied/INFO",
+        "fold_stalled/WARNING",
+        "fold_conflict/INFO",
+        "fold_conflict/WARNING",
+        "background_discarded/INFO",
+        "background_discarded/WARNING",
+    }
+
+
+async def test_without_the_log_subscriber_nothing_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """``log_events=False`` leaves logging to the caller: no record is written."""
+    with caplog.at_level(logging.DEBUG, logger="contextfold"):
+        await EventDispatcher(log_events=False).emit(applied())
+    assert [r for r in caplog.records if r.name.startswith("contextfold")] == []
