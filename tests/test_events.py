@@ -6,10 +6,18 @@ import dataclasses
 import json
 import logging
 import re
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 
-from contextfold._episodes import Usage
+from contextfold._compactor import Compactor
+from contextfold._config import RunOptions, SummarizeOptions
+from contextfold._episodes import SummaryCheckpoint, Usage
 from contextfold._errors import ConfigError
 from contextfold._events import (
     LOG_KEYS,
@@ -27,7 +35,12 @@ from contextfold._events import (
     hook_subscriber,
     log_event,
 )
-from contextfold._loop import Hook
+from contextfold._loop import Hook, StepLoop
+from contextfold._messages import Message
+from contextfold._telemetry import Telemetry
+from contextfold._tokens import ApproximateCounter
+from contextfold.stores import MemoryStore, SQLiteStore
+from contextfold.summarizers import FunctionSummarizer, Summary
 
 COMMON = {"thread": "t-1", "reason": "token_count", "tokens_before": 900, "tokens_after": 250}
 
@@ -210,7 +223,6 @@ async def test_a_step_loop_hook_receives_events_through_the_adapter() -> None:
     """``hook_subscriber`` hands each event to the hook's ``on_compaction_event``, in order."""
     hook = Observer()
     assert isinstance(hook, CompactionEventHook)
-    assert not isinstance(Hook(), CompactionEventHook)
     dispatcher = EventDispatcher([hook_subscriber(hook)], log_events=False)
     events = one_of_each()
     for event in events:
@@ -302,3 +314,171 @@ async def test_without_the_log_subscriber_nothing_is_logged(caplog: pytest.LogCa
     with caplog.at_level(logging.DEBUG, logger="contextfold"):
         await EventDispatcher(log_events=False).emit(applied())
     assert [r for r in caplog.records if r.name.startswith("contextfold")] == []
+
+
+# The compactor's side: these run once the Compactor emits events (``Compactor.subscribe``).
+
+wired = pytest.mark.skipif(not hasattr(Compactor, "subscribe"), reason="the Compactor emits no events yet")
+THREAD = "t-1"
+
+
+@pytest.fixture
+async def store() -> AsyncIterator[MemoryStore]:
+    async with MemoryStore() as backend:
+        yield backend
+
+
+def fold_options(budget: int = 400) -> RunOptions:
+    compaction = SummarizeOptions(
+        trigger_token_budget=budget, max_summary_tokens=min(60, budget // 4), keep_recent_messages=2
+    )
+    return RunOptions(max_history_tokens=budget * 2, compaction=compaction)
+
+
+def counting_summarizer(model: str = "recorder") -> FunctionSummarizer:
+    async def summarize(messages: Sequence[Message], previous: str | None, limit: int) -> Summary:
+        return Summary(text=f"{len(messages)} messages", model=f"{model}-1", usage=Usage(input_tokens=99))
+
+    return FunctionSummarizer(summarize, model=model)
+
+
+def wired_compactor(store: Any, seen: list[CompactionEvent], **overrides: Any) -> Compactor:
+    settings: dict[str, Any] = {
+        "options": fold_options(),
+        "summarizer": counting_summarizer(),
+        "counter": ApproximateCounter(),
+        "subscribers": [seen.append],
+        "telemetry": Telemetry.disabled(),
+        **overrides,
+    }
+    return Compactor(store, **settings)
+
+
+async def fill(compactor: Compactor, count: int = 8) -> None:
+    for n in range(count):
+        await compactor.append(THREAD, [Message.user(f"task {n}: " + "word " * 40)])
+
+
+@wired
+async def test_a_fold_emits_one_event_matching_the_context_it_left(store: MemoryStore) -> None:
+    """``maybe_compact`` emits one FoldApplied with the figures of the stored context and checkpoint."""
+    seen: list[CompactionEvent] = []
+    compactor = wired_compactor(store, seen)
+    await fill(compactor)
+    before = await store.stats(THREAD)
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.compacted
+    [event] = seen
+    assert type(event) is FoldApplied
+    after = await store.stats(THREAD)
+    assert (event.tokens_before, event.tokens_after) == (before.total_tokens, after.total_tokens)
+    assert event.messages_folded == before.message_count - after.message_count + 1
+    assert (event.summarizer_model, event.usage) == ("recorder-1", Usage(input_tokens=99))
+    checkpoints = [r async for r in store.replay(THREAD) if isinstance(r.episode, SummaryCheckpoint)]
+    assert [c.seq for c in checkpoints] == [event.checkpoint_seq]
+    assert (await compactor.context(THREAD))[0].text.endswith(f"{event.messages_folded} messages")
+
+
+@wired
+async def test_a_stall_is_one_event_and_one_log_line(
+    store: MemoryStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fold with nothing to fold emits one FoldStalled, and the stall is logged exactly once."""
+    seen: list[CompactionEvent] = []
+    compactor = wired_compactor(store, seen, options=fold_options(budget=40))
+    await fill(compactor, count=1)
+    with caplog.at_level(logging.DEBUG, logger="contextfold"):
+        result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.stalled
+    [event] = seen
+    assert isinstance(event, FoldStalled) and event.detail == result.detail
+    assert event.tokens_after == event.tokens_before == (await store.stats(THREAD)).total_tokens
+    mentions = [r for r in caplog.records if "nothing can be folded" in r.getMessage()]
+    assert [r.getMessage() for r in mentions] == [event_line(event)]
+
+
+@wired
+async def test_a_failing_summarizer_emits_degraded_then_the_fold(store: MemoryStore) -> None:
+    """With the fallback, a summarizer error is a SummaryDegraded naming the error, then a degraded fold."""
+
+    async def broken(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        raise TimeoutError("provider timed out")
+
+    seen: list[CompactionEvent] = []
+    compactor = wired_compactor(store, seen, summarizer=FunctionSummarizer(broken, model="gpt-x"))
+    await fill(compactor)
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.degraded
+    degraded, fold = seen
+    assert isinstance(degraded, SummaryDegraded) and isinstance(fold, FoldApplied)
+    assert (degraded.summarizer_model, degraded.error_type) == ("gpt-x", "TimeoutError")
+    assert degraded.error == "provider timed out"
+    assert degraded.fallback_model == fold.summarizer_model == result.summarizer_model
+    assert fold.degraded and fold.tokens_after == (await store.stats(THREAD)).total_tokens
+
+
+@wired
+async def test_a_conflict_is_discarded_then_the_retry_applies(store: MemoryStore) -> None:
+    """A fold whose thread changed underneath is reported discarded, and the retry's fold is applied."""
+    calls = 0
+
+    async def interfering(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        nonlocal calls
+        calls += 1
+        if calls == 1:  # another worker rewrites the thread while this summary is computed
+            window = await store.load(THREAD)
+            first = window.messages[0]
+            await store.replace_prefix(
+                THREAD,
+                through_seq=first.seq,
+                expected_version=window.version,
+                replacement=[first.message],
+                tokens=[first.tokens],
+            )
+        return f"summary {calls}"
+
+    seen: list[CompactionEvent] = []
+    compactor = wired_compactor(store, seen, summarizer=FunctionSummarizer(interfering))
+    await fill(compactor)
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.compacted
+    conflict, fold = seen
+    assert isinstance(conflict, FoldConflict) and isinstance(fold, FoldApplied)
+    assert (conflict.cause, conflict.attempt, conflict.will_retry) == ("conflict", 1, True)
+    assert conflict.tokens_after == conflict.tokens_before
+    assert conflict.messages_folded == fold.messages_folded > 0
+    assert (await compactor.context(THREAD))[0].text.endswith("summary 2")
+
+
+@wired
+async def test_a_step_loop_hook_receives_the_compactors_events(store: MemoryStore) -> None:
+    """A StepLoop hook with ``on_compaction_event`` is given the fold its step triggered."""
+    hook = Observer()
+    compactor = wired_compactor(store, [])
+    loop = StepLoop(compactor, hooks=[hook])
+    await fill(compactor)
+    async with loop.step(THREAD) as step:
+        assert step.compaction is not None and step.compaction.compacted
+    [event] = hook.events
+    assert isinstance(event, FoldApplied) and event.tokens_after == step.compaction.tokens_after
+
+
+@wired
+def test_the_cli_says_a_stall_once(tmp_path: Path) -> None:
+    """``contextfold compact`` on a thread with nothing to fold says so once, not again as a warning."""
+
+    async def seed() -> None:
+        async with SQLiteStore(tmp_path / "cf.db") as backend:
+            await Compactor(backend, options=fold_options()).append(THREAD, [Message.user("hello " * 50)])
+
+    anyio.run(seed)
+    cli = "from contextfold.cli import main; main()"
+    done = subprocess.run(
+        [sys.executable, "-c", cli, "compact", str(tmp_path / "cf.db"), THREAD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    output = " ".join((done.stdout + done.stderr).split())
+    assert output.count("nothing can be folded") == 1

@@ -414,3 +414,38 @@ async def test_create_without_providers_uses_the_global_ones() -> None:
             call.record(Usage(input_tokens=1))
         span.record(applied())
     telemetry.record_event(applied())
+
+
+@pytest.mark.skipif(not hasattr(Compactor, "subscribe"), reason="the Compactor emits no events yet")
+async def test_a_compactor_traces_its_folds_and_summarizer_calls(otel: Otel, store: MemoryStore) -> None:
+    """A Compactor given telemetry opens a fold span with its summarizer span inside and counts the fold."""
+
+    async def summarize(messages: Sequence[Message], previous: str | None, limit: int) -> Summary:
+        return Summary(text="s", model="recorder-1", usage=Usage(input_tokens=321, output_tokens=7))
+
+    options = RunOptions(
+        max_history_tokens=800,
+        compaction=SummarizeOptions(trigger_token_budget=400, max_summary_tokens=60, keep_recent_messages=2),
+    )
+    compactor = Compactor(  # type: ignore[call-arg]
+        store,
+        options=options,
+        summarizer=FunctionSummarizer(summarize, model="recorder"),
+        counter=ApproximateCounter(),
+        telemetry=otel.telemetry,
+    )
+    for n in range(8):
+        await compactor.append(THREAD, [Message.user(f"task {n}: " + "word " * 40)])
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.compacted
+    stats = await store.stats(THREAD)
+    spans = otel.spans()
+    fold, summarize_span = spans["contextfold.fold"], spans["summarize recorder"]
+    assert summarize_span.parent is not None and summarize_span.parent.span_id == fold.context.span_id
+    attributes = dict(fold.attributes or {})
+    assert attributes["contextfold.thread"] == THREAD
+    assert attributes["contextfold.tokens_after"] == stats.total_tokens
+    assert attributes["contextfold.stalled"] is False
+    assert dict(summarize_span.attributes or {})["gen_ai.usage.output_tokens"] == 7
+    [folds] = otel.points(METRIC_FOLDS)
+    assert folds.value == 1

@@ -148,7 +148,11 @@ class FoldStalled(_EventFields):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SummaryDegraded(_EventFields):
-    """The summarizer failed and the fallback's summary was used; emitted just before its ``FoldApplied``."""
+    """The summarizer failed and the fallback's summary was used; emitted just before its ``FoldApplied``.
+
+    ``summarizer_model`` names the summarizer that failed, ``fallback_model``
+    the one whose summary was folded in, and ``usage`` is the fallback's.
+    """
 
     name: ClassVar[str] = "summary_degraded"
     _level: ClassVar[int] = logging.WARNING
@@ -295,7 +299,8 @@ class EventDispatcher:
     With ``log_events`` (the default) :func:`log_event` is the first
     subscriber, so every event is logged once, by this one path. Subscribers
     run inline, one after the other, inside the fold: keep them cheap, and hand
-    slow work (a network export) to a queue or a task of your own.
+    slow work (a network export) to a queue or a task of your own. Events of a
+    background summary are delivered from the task that computes it.
     """
 
     def __init__(self, subscribers: Iterable[Subscriber] = (), *, log_events: bool = True) -> None:
