@@ -398,7 +398,9 @@ async def test_a_stall_is_one_event_and_one_log_line(
 
 
 @wired
-async def test_a_failing_summarizer_emits_degraded_then_the_fold(store: MemoryStore) -> None:
+async def test_a_failing_summarizer_emits_degraded_then_the_fold(
+    store: MemoryStore, caplog: pytest.LogCaptureFixture
+) -> None:
     """With the fallback, a summarizer error is a SummaryDegraded naming the error, then a degraded fold."""
 
     async def broken(messages: Sequence[Message], previous: str | None, limit: int) -> str:
@@ -407,14 +409,45 @@ async def test_a_failing_summarizer_emits_degraded_then_the_fold(store: MemorySt
     seen: list[CompactionEvent] = []
     compactor = wired_compactor(store, seen, summarizer=FunctionSummarizer(broken, model="gpt-x"))
     await fill(compactor)
-    result = await compactor.maybe_compact(THREAD)
+    with caplog.at_level(logging.DEBUG, logger="contextfold"):
+        result = await compactor.maybe_compact(THREAD)
     assert result is not None and result.degraded
+    mentions = [r.getMessage() for r in caplog.records if "provider timed out" in r.getMessage()]
+    assert mentions == [event_line(seen[0])]
     degraded, fold = seen
     assert isinstance(degraded, SummaryDegraded) and isinstance(fold, FoldApplied)
     assert (degraded.summarizer_model, degraded.error_type) == ("gpt-x", "TimeoutError")
     assert degraded.error == "provider timed out"
     assert degraded.fallback_model == fold.summarizer_model == result.summarizer_model
     assert fold.degraded and fold.tokens_after == (await store.stats(THREAD)).total_tokens
+
+
+@wired
+async def test_a_skipped_summary_is_one_stall_naming_the_error(
+    store: MemoryStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With ``on_summarizer_error="skip"`` a summarizer error is one FoldStalled, logged once, naming it."""
+
+    async def broken(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        raise TimeoutError("provider timed out")
+
+    options = fold_options()
+    assert options.compaction is not None
+    options = options.model_copy(
+        update={"compaction": options.compaction.model_copy(update={"on_summarizer_error": "skip"})}
+    )
+    seen: list[CompactionEvent] = []
+    compactor = wired_compactor(store, seen, options=options, summarizer=FunctionSummarizer(broken))
+    await fill(compactor)
+    before = await store.stats(THREAD)
+    with caplog.at_level(logging.DEBUG, logger="contextfold"):
+        result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.stalled
+    [event] = seen
+    assert isinstance(event, FoldStalled) and "TimeoutError: provider timed out" in event.detail
+    assert await store.stats(THREAD) == before
+    mentions = [r for r in caplog.records if "provider timed out" in r.getMessage()]
+    assert [r.getMessage() for r in mentions] == [event_line(event)]
 
 
 @wired
