@@ -330,7 +330,7 @@ async def store() -> AsyncIterator[MemoryStore]:
 
 def fold_options(budget: int = 400) -> RunOptions:
     compaction = SummarizeOptions(
-        trigger_token_budget=budget, max_summary_tokens=min(60, budget // 4), keep_recent_messages=2
+        trigger_token_budget=budget, max_summary_tokens=min(60, budget // 4), min_recent_messages=2
     )
     return RunOptions(max_history_tokens=budget * 2, compaction=compaction)
 

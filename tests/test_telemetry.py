@@ -367,7 +367,7 @@ async def test_a_real_fold_traced_end_to_end(otel: Otel, store: MemoryStore) -> 
     summarizer = FunctionSummarizer(summarize, model="recorder")
     options = RunOptions(
         max_history_tokens=800,
-        compaction=SummarizeOptions(trigger_token_budget=400, max_summary_tokens=60, keep_recent_messages=2),
+        compaction=SummarizeOptions(trigger_token_budget=400, max_summary_tokens=60, min_recent_messages=2),
     )
     compactor = Compactor(
         store,
@@ -425,7 +425,7 @@ async def test_a_compactor_traces_its_folds_and_summarizer_calls(otel: Otel, sto
 
     options = RunOptions(
         max_history_tokens=800,
-        compaction=SummarizeOptions(trigger_token_budget=400, max_summary_tokens=60, keep_recent_messages=2),
+        compaction=SummarizeOptions(trigger_token_budget=400, max_summary_tokens=60, min_recent_messages=2),
     )
     compactor = Compactor(  # type: ignore[call-arg]
         store,
