@@ -75,7 +75,7 @@ def one_of_each() -> list[CompactionEvent]:
         FoldStalled(
             **{**COMMON, "tokens_after": 900}, detail="the kept tail alone is too big", skipped_checks=3
         ),
-        FoldConflict(**{**COMMON, "tokens_after": 900}, attempt=2, will_retry=True),
+        FoldConflict(**{**COMMON, "tokens_after": 900}),
         BackgroundSummaryDiscarded(**{**COMMON, "tokens_after": 900}, cause="prefix_changed", through_seq=17),
     ]
 
@@ -286,10 +286,9 @@ async def test_default_dispatcher_logs_each_event_exactly_once(caplog: pytest.Lo
 
 
 def test_log_levels_follow_what_needs_attention(caplog: pytest.LogCaptureFixture) -> None:
-    """Stalls, degraded summaries, a last failed attempt and a failed background summary are warnings."""
+    """Stalls, degraded summaries and a failed background summary are warnings; a conflict is not."""
     events: list[CompactionEvent] = [
         *one_of_each(),
-        FoldConflict(**COMMON, attempt=5, will_retry=False),
         BackgroundSummaryDiscarded(**COMMON, cause="summarizer_failed", error="timeout"),
     ]
     with caplog.at_level(logging.DEBUG, logger="contextfold.compactor"):
@@ -303,7 +302,6 @@ def test_log_levels_follow_what_needs_attention(caplog: pytest.LogCaptureFixture
         "background_applied/INFO",
         "fold_stalled/WARNING",
         "fold_conflict/INFO",
-        "fold_conflict/WARNING",
         "background_discarded/INFO",
         "background_discarded/WARNING",
     }
@@ -451,36 +449,34 @@ async def test_a_skipped_summary_is_one_stall_naming_the_error(
 
 
 @wired
-async def test_a_conflict_is_discarded_then_the_retry_applies(store: MemoryStore) -> None:
-    """A fold whose thread changed underneath is reported discarded, and the retry's fold is applied."""
-    calls = 0
+async def test_a_conflicting_fold_is_one_discard_and_writes_nothing(store: MemoryStore) -> None:
+    """A fold whose thread changed underneath is reported discarded with its cost, and nothing is folded."""
 
-    async def interfering(messages: Sequence[Message], previous: str | None, limit: int) -> str:
-        nonlocal calls
-        calls += 1
-        if calls == 1:  # another worker rewrites the thread while this summary is computed
-            window = await store.load(THREAD)
-            first = window.messages[0]
-            await store.replace_prefix(
-                THREAD,
-                through_seq=first.seq,
-                expected_version=window.version,
-                replacement=[first.message],
-                tokens=[first.tokens],
-            )
-        return f"summary {calls}"
+    async def interfering(messages: Sequence[Message], previous: str | None, limit: int) -> Summary:
+        # Another worker rewrites the thread while this summary is computed.
+        window = await store.load(THREAD)
+        first = window.messages[0]
+        await store.replace_prefix(
+            THREAD,
+            through_seq=first.seq,
+            expected_version=window.version,
+            replacement=[first.message],
+            tokens=[first.tokens],
+        )
+        return Summary(text="lost", model="recorder-1", usage=Usage(input_tokens=77))
 
     seen: list[CompactionEvent] = []
     compactor = wired_compactor(store, seen, summarizer=FunctionSummarizer(interfering))
     await fill(compactor)
-    result = await compactor.maybe_compact(THREAD)
-    assert result is not None and result.compacted
-    conflict, fold = seen
-    assert isinstance(conflict, FoldConflict) and isinstance(fold, FoldApplied)
-    assert (conflict.cause, conflict.attempt, conflict.will_retry) == ("conflict", 1, True)
-    assert conflict.tokens_after == conflict.tokens_before
-    assert conflict.messages_folded == fold.messages_folded > 0
-    assert (await compactor.context(THREAD))[0].text.endswith("summary 2")
+    before = await store.stats(THREAD)
+    assert await compactor.maybe_compact(THREAD) is None
+    [conflict] = seen
+    assert isinstance(conflict, FoldConflict) and conflict.cause == "conflict"
+    assert conflict.tokens_after == conflict.tokens_before == before.total_tokens
+    assert conflict.messages_folded > 0 and conflict.usage == Usage(input_tokens=77)
+    after = await store.stats(THREAD)
+    assert (after.message_count, after.total_tokens) == (before.message_count, before.total_tokens)
+    assert [r async for r in store.replay(THREAD) if isinstance(r.episode, SummaryCheckpoint)] == []
 
 
 @wired

@@ -125,10 +125,10 @@ def test_fold_span_carries_the_folds_figures(otel: Otel) -> None:
     assert dict(event.attributes or {})["gen_ai.request.model"] == "recorder"
 
 
-def test_fold_span_records_a_stall_and_each_discarded_attempt(otel: Otel) -> None:
+def test_fold_span_records_a_conflict_and_a_stall(otel: Otel) -> None:
     """Conflicts become span events and the final stall marks the span stalled with nothing folded."""
     with otel.telemetry.fold_span(THREAD) as span:
-        span.record(FoldConflict(**{**COMMON, "tokens_after": 900}, attempt=1))
+        span.record(FoldConflict(**{**COMMON, "tokens_after": 900}))
         span.record(FoldStalled(**{**COMMON, "tokens_after": 900}, detail="kept tail too big"))
     fold = otel.spans()["contextfold.fold"]
     attributes = dict(fold.attributes or {})

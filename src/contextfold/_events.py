@@ -166,20 +166,17 @@ class SummaryDegraded(_EventFields):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FoldConflict(_EventFields):
-    """A computed fold was discarded because the thread changed underneath it."""
+    """A computed fold was discarded because the thread changed underneath it.
+
+    Another worker's fold of the same prefix stands; nothing was written and
+    the same messages are not summarized again. ``usage`` is what the
+    discarded summary cost.
+    """
 
     name: ClassVar[str] = "fold_conflict"
     _level: ClassVar[int] = logging.INFO
 
     cause: DiscardCause = "conflict"
-    attempt: int = 1
-    """Which attempt of this step's fold was discarded, from 1."""
-    will_retry: bool = True
-    """False when this was the last attempt and the step gives up folding."""
-
-    @property
-    def level(self) -> int:
-        return logging.INFO if self.will_retry else logging.WARNING
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
