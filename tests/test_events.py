@@ -511,3 +511,60 @@ def test_the_cli_says_a_stall_once(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     output = " ".join((done.stdout + done.stderr).split())
     assert output.count("nothing can be folded") == 1
+
+
+def background_options() -> RunOptions:
+    compaction = SummarizeOptions(
+        trigger_token_budget=2_000, max_summary_tokens=100, min_recent_messages=2, background_at=0.6
+    )
+    return RunOptions(max_history_tokens=8_000, compaction=compaction)
+
+
+def gated_summarizer(gate: anyio.Event, started: anyio.Event) -> FunctionSummarizer:
+    async def summarize(messages: Sequence[Message], previous: str | None, limit: int) -> Summary:
+        started.set()
+        await gate.wait()
+        return Summary(text=f"{len(messages)} messages", model="recorder-1", usage=Usage(input_tokens=5))
+
+    return FunctionSummarizer(summarize, model="recorder")
+
+
+@wired
+async def test_a_background_summary_is_started_then_applied_as_a_fold(store: MemoryStore) -> None:
+    """Crossing background_at emits BackgroundSummaryStarted; the fold that applies it is one FoldApplied."""
+    gate, started = anyio.Event(), anyio.Event()
+    seen: list[CompactionEvent] = []
+    settings = {"options": background_options(), "summarizer": gated_summarizer(gate, started)}
+    async with wired_compactor(store, seen, **settings) as compactor:
+        while not started.is_set():
+            await compactor.append(THREAD, [Message.user("word " * 150)])
+            assert await compactor.maybe_compact(THREAD) is None
+        [begun] = seen
+        assert isinstance(begun, BackgroundSummaryStarted) and begun.thread == THREAD
+        gate.set()
+        result = None
+        while result is None:  # applied as soon as it is ready, or waited for at the hard trigger
+            await compactor.append(THREAD, [Message.user("word " * 150)])
+            result = await compactor.maybe_compact(THREAD)
+    applied = seen[1:]
+    assert [type(e) for e in applied] == [BackgroundSummaryApplied]
+    event = applied[0]
+    assert isinstance(event, FoldApplied) and result.background
+    assert event.tokens_after == result.tokens_after and event.checkpoint_seq == result.checkpoint_seq
+    assert (await compactor.context(THREAD))[0].text.endswith(f"{event.messages_folded} messages")
+
+
+@wired
+async def test_a_background_summary_unapplied_at_close_is_discarded(store: MemoryStore) -> None:
+    """Closing the compactor while its background summary runs emits a BackgroundSummaryDiscarded, closed."""
+    gate, started = anyio.Event(), anyio.Event()
+    seen: list[CompactionEvent] = []
+    settings = {"options": background_options(), "summarizer": gated_summarizer(gate, started)}
+    async with wired_compactor(store, seen, **settings) as compactor:
+        while not started.is_set():
+            await compactor.append(THREAD, [Message.user("word " * 150)])
+            assert await compactor.maybe_compact(THREAD) is None
+    begun, discarded = seen
+    assert isinstance(begun, BackgroundSummaryStarted)
+    assert isinstance(discarded, BackgroundSummaryDiscarded) and discarded.cause == "closed"
+    assert [r async for r in store.replay(THREAD) if isinstance(r.episode, SummaryCheckpoint)] == []
