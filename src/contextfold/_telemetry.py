@@ -1,0 +1,386 @@
+"""OpenTelemetry spans and metrics for folds, when ``contextfold[otel]`` is installed.
+
+Traces: one ``contextfold.fold`` span per fold attempt, and inside it one span
+per summarizer call named ``summarize {model}`` after the OpenTelemetry GenAI
+semantic conventions (``gen_ai.operation.name``, ``gen_ai.request.model``,
+``gen_ai.response.model``, ``gen_ai.usage.input_tokens`` / ``output_tokens``,
+``error.type``). The fold span carries contextfold's own attributes, see
+``ATTR_*``.
+
+Metrics (see ``METRIC_*``): folds, stalls, degraded and discarded summaries,
+tokens saved and fold duration come from the events (:meth:`Telemetry.record_event`
+is a subscriber); summarizer latency and token usage use the GenAI metrics
+``gen_ai.client.operation.duration`` and ``gen_ai.client.token.usage``.
+Metric attributes stay low-cardinality: the reason and the model, never the thread.
+
+Without ``opentelemetry-api`` every object here is a no-op and nothing is
+imported: ``import contextfold`` never imports opentelemetry.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib import metadata
+from typing import TYPE_CHECKING, Any, Final
+
+from ._episodes import Usage
+from ._events import (
+    BackgroundSummaryApplied,
+    BackgroundSummaryDiscarded,
+    CompactionEvent,
+    FoldApplied,
+    FoldConflict,
+    FoldStalled,
+    SummaryDegraded,
+)
+
+if TYPE_CHECKING:
+    from opentelemetry.metrics import Counter, Histogram, MeterProvider
+    from opentelemetry.trace import Span, Tracer, TracerProvider
+
+__all__ = [
+    "ATTR_BACKGROUND",
+    "ATTR_CAUSE",
+    "ATTR_DEGRADED",
+    "ATTR_MESSAGES_FOLDED",
+    "ATTR_REASON",
+    "ATTR_STALLED",
+    "ATTR_THREAD",
+    "ATTR_TOKENS_AFTER",
+    "ATTR_TOKENS_BEFORE",
+    "FOLD_SPAN_NAME",
+    "METRIC_DEGRADED",
+    "METRIC_DISCARDED",
+    "METRIC_FOLDS",
+    "METRIC_FOLD_DURATION",
+    "METRIC_STALLS",
+    "METRIC_SUMMARIZER_DURATION",
+    "METRIC_SUMMARIZER_TOKENS",
+    "METRIC_TOKENS_SAVED",
+    "SUMMARIZE_OPERATION",
+    "FoldSpan",
+    "SummarizerCall",
+    "Telemetry",
+    "error_type",
+]
+
+INSTRUMENTATION_NAME: Final = "contextfold"
+FOLD_SPAN_NAME: Final = "contextfold.fold"
+SUMMARIZE_OPERATION: Final = "summarize"
+
+ATTR_THREAD: Final = "contextfold.thread"
+ATTR_REASON: Final = "contextfold.reason"
+ATTR_TOKENS_BEFORE: Final = "contextfold.tokens_before"
+ATTR_TOKENS_AFTER: Final = "contextfold.tokens_after"
+ATTR_MESSAGES_FOLDED: Final = "contextfold.messages_folded"
+ATTR_DEGRADED: Final = "contextfold.degraded"
+ATTR_STALLED: Final = "contextfold.stalled"
+ATTR_BACKGROUND: Final = "contextfold.background"
+ATTR_CAUSE: Final = "contextfold.discard_cause"
+ATTR_CANCELLED: Final = "contextfold.cancelled"
+
+GEN_AI_OPERATION: Final = "gen_ai.operation.name"
+GEN_AI_PROVIDER: Final = "gen_ai.provider.name"
+GEN_AI_REQUEST_MODEL: Final = "gen_ai.request.model"
+GEN_AI_REQUEST_MAX_TOKENS: Final = "gen_ai.request.max_tokens"
+GEN_AI_RESPONSE_MODEL: Final = "gen_ai.response.model"
+GEN_AI_INPUT_TOKENS: Final = "gen_ai.usage.input_tokens"
+GEN_AI_OUTPUT_TOKENS: Final = "gen_ai.usage.output_tokens"
+GEN_AI_TOKEN_TYPE: Final = "gen_ai.token.type"
+ERROR_TYPE: Final = "error.type"
+
+METRIC_FOLDS: Final = "contextfold.folds"
+METRIC_STALLS: Final = "contextfold.stalls"
+METRIC_DEGRADED: Final = "contextfold.degraded_summaries"
+METRIC_DISCARDED: Final = "contextfold.discarded_summaries"
+METRIC_TOKENS_SAVED: Final = "contextfold.tokens_saved"
+METRIC_FOLD_DURATION: Final = "contextfold.fold.duration"
+METRIC_SUMMARIZER_DURATION: Final = "gen_ai.client.operation.duration"
+METRIC_SUMMARIZER_TOKENS: Final = "gen_ai.client.token.usage"
+
+# The bucket boundaries the GenAI semantic conventions recommend for these two histograms.
+_DURATION_BUCKETS: Final = tuple(round(0.01 * 2**n, 2) for n in range(14))
+_TOKEN_BUCKETS: Final = tuple(float(4**n) for n in range(14))
+
+
+def error_type(exc: BaseException) -> str:
+    """The ``error.type`` of an exception: its fully qualified class name, public names for contextfold's."""
+    cls = type(exc)
+    module = cls.__module__
+    if module == "builtins":
+        return cls.__qualname__
+    if module.startswith("contextfold."):
+        module = "contextfold"
+    return f"{module}.{cls.__qualname__}"
+
+
+def _version() -> str:
+    try:
+        return metadata.version("contextfold")
+    except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+        return "0"
+
+
+class _Metrics:
+    """The instruments, made once per meter."""
+
+    __slots__ = (
+        "degraded",
+        "discarded",
+        "fold_duration",
+        "folds",
+        "stalls",
+        "summarizer_duration",
+        "summarizer_tokens",
+        "tokens_saved",
+    )
+
+    def __init__(self, meter_provider: MeterProvider | None) -> None:
+        from opentelemetry import metrics
+
+        meter = metrics.get_meter(INSTRUMENTATION_NAME, _version(), meter_provider=meter_provider)
+        self.folds: Counter = meter.create_counter(METRIC_FOLDS, "{fold}", "Folds applied")
+        self.stalls: Counter = meter.create_counter(
+            METRIC_STALLS, "{stall}", "Triggers that fired with nothing to fold"
+        )
+        self.degraded: Counter = meter.create_counter(
+            METRIC_DEGRADED, "{summary}", "Summaries made by the fallback because the summarizer failed"
+        )
+        self.discarded: Counter = meter.create_counter(
+            METRIC_DISCARDED, "{summary}", "Computed summaries thrown away unapplied"
+        )
+        self.tokens_saved: Counter = meter.create_counter(
+            METRIC_TOKENS_SAVED, "{token}", "Tokens removed from working contexts by folds"
+        )
+        self.fold_duration: Histogram = meter.create_histogram(
+            METRIC_FOLD_DURATION,
+            "s",
+            "Wall time of applied folds",
+            explicit_bucket_boundaries_advisory=_DURATION_BUCKETS,
+        )
+        self.summarizer_duration: Histogram = meter.create_histogram(
+            METRIC_SUMMARIZER_DURATION,
+            "s",
+            "GenAI operation duration",
+            explicit_bucket_boundaries_advisory=_DURATION_BUCKETS,
+        )
+        self.summarizer_tokens: Histogram = meter.create_histogram(
+            METRIC_SUMMARIZER_TOKENS,
+            "{token}",
+            "Number of input and output tokens used",
+            explicit_bucket_boundaries_advisory=_TOKEN_BUCKETS,
+        )
+
+
+class FoldSpan:
+    """The open ``contextfold.fold`` span; a no-op without OpenTelemetry."""
+
+    __slots__ = ("_span",)
+
+    def __init__(self, span: Span | None) -> None:
+        self._span = span
+
+    def record(self, event: CompactionEvent) -> None:
+        """Note ``event`` on the span: a span event always; the fold's figures for a fold or a stall.
+
+        Call it with each event the fold emits; the last ``FoldApplied`` or
+        ``FoldStalled`` sets the span's attributes.
+        """
+        span = self._span
+        if span is None or not span.is_recording():
+            return
+        span.add_event(event.name, _event_attributes(event))
+        if isinstance(event, FoldApplied | FoldStalled):
+            span.set_attributes(
+                {
+                    ATTR_REASON: event.reason,
+                    ATTR_TOKENS_BEFORE: event.tokens_before,
+                    ATTR_TOKENS_AFTER: event.tokens_after,
+                    ATTR_MESSAGES_FOLDED: event.messages_folded,
+                    ATTR_DEGRADED: isinstance(event, FoldApplied) and event.degraded,
+                    ATTR_STALLED: isinstance(event, FoldStalled),
+                }
+            )
+            if isinstance(event, BackgroundSummaryApplied):
+                span.set_attribute(ATTR_BACKGROUND, True)
+
+
+class SummarizerCall:
+    """The open summarizer span; :meth:`record` the summary's usage before it closes."""
+
+    __slots__ = ("_attributes", "_metrics", "_span")
+
+    def __init__(self, span: Span | None, metrics: _Metrics | None, attributes: dict[str, Any]) -> None:
+        self._span = span
+        self._metrics = metrics
+        self._attributes = attributes
+
+    def record(self, usage: Usage, *, response_model: str | None = None) -> None:
+        """The tokens the call consumed and the model that answered."""
+        if response_model is not None:
+            # Shared with the duration histogram, which is recorded when the span closes.
+            self._attributes[GEN_AI_RESPONSE_MODEL] = response_model
+        span = self._span
+        if span is not None and span.is_recording():
+            span.set_attributes(
+                {GEN_AI_INPUT_TOKENS: usage.input_tokens, GEN_AI_OUTPUT_TOKENS: usage.output_tokens}
+            )
+            if response_model is not None:
+                span.set_attribute(GEN_AI_RESPONSE_MODEL, response_model)
+        if self._metrics is not None:
+            tokens = self._metrics.summarizer_tokens
+            tokens.record(usage.input_tokens, {**self._attributes, GEN_AI_TOKEN_TYPE: "input"})
+            tokens.record(usage.output_tokens, {**self._attributes, GEN_AI_TOKEN_TYPE: "output"})
+
+
+def _event_attributes(event: CompactionEvent) -> dict[str, str | int | float | bool]:
+    attributes: dict[str, str | int | float | bool] = {
+        ATTR_REASON: event.reason,
+        ATTR_TOKENS_BEFORE: event.tokens_before,
+        ATTR_TOKENS_AFTER: event.tokens_after,
+        ATTR_MESSAGES_FOLDED: event.messages_folded,
+    }
+    if event.summarizer_model is not None:
+        attributes[GEN_AI_REQUEST_MODEL] = event.summarizer_model
+    if isinstance(event, FoldConflict | BackgroundSummaryDiscarded):
+        attributes[ATTR_CAUSE] = event.cause
+    if isinstance(event, SummaryDegraded) and event.error_type:
+        attributes[ERROR_TYPE] = event.error_type
+    return attributes
+
+
+@contextmanager
+def _marked(span: Span) -> Iterator[None]:
+    """Mark how the block ended: ``error.type`` for an error, a flag for a cancellation."""
+    try:
+        yield
+    except Exception as exc:
+        span.set_attribute(ERROR_TYPE, error_type(exc))
+        raise
+    except BaseException:
+        # Cancellation is how a task group stops work, not a failure of the fold.
+        span.set_attribute(ATTR_CANCELLED, True)
+        raise
+
+
+class Telemetry:
+    """Spans and metrics for one compactor; every method is a no-op when OpenTelemetry is absent.
+
+    Build it with :meth:`create` (the global providers unless given) or
+    :meth:`disabled`.
+    """
+
+    __slots__ = ("_metrics", "_tracer")
+
+    def __init__(self, tracer: Tracer | None = None, metrics: _Metrics | None = None) -> None:
+        self._tracer = tracer
+        self._metrics = metrics
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        tracer_provider: TracerProvider | None = None,
+        meter_provider: MeterProvider | None = None,
+    ) -> Telemetry:
+        """Telemetry on these providers (the global ones by default); disabled without OpenTelemetry."""
+        try:
+            from opentelemetry import trace
+        except ImportError:
+            return cls.disabled()
+        tracer = trace.get_tracer(INSTRUMENTATION_NAME, _version(), tracer_provider=tracer_provider)
+        return cls(tracer, _Metrics(meter_provider))
+
+    @classmethod
+    def disabled(cls) -> Telemetry:
+        """Telemetry that records nothing and costs next to nothing."""
+        return cls()
+
+    @property
+    def enabled(self) -> bool:
+        """OpenTelemetry is installed; whether anything is exported is up to its providers."""
+        return self._tracer is not None
+
+    @contextmanager
+    def fold_span(
+        self, thread: str, reason: str | None = None, *, background: bool = False
+    ) -> Iterator[FoldSpan]:
+        """Open the ``contextfold.fold`` span for one fold attempt; it becomes the current span."""
+        if self._tracer is None:
+            yield FoldSpan(None)
+            return
+        from opentelemetry.trace import SpanKind
+
+        attributes: dict[str, str | bool] = {ATTR_THREAD: thread, ATTR_BACKGROUND: background}
+        if reason is not None:
+            attributes[ATTR_REASON] = reason
+        with (
+            self._tracer.start_as_current_span(
+                FOLD_SPAN_NAME, kind=SpanKind.INTERNAL, attributes=attributes
+            ) as span,
+            _marked(span),
+        ):
+            yield FoldSpan(span)
+
+    @contextmanager
+    def summarizer_span(
+        self, model: str | None, *, max_tokens: int | None = None, provider: str | None = None
+    ) -> Iterator[SummarizerCall]:
+        """Open a GenAI ``summarize {model}`` span around one summarizer call, and time it.
+
+        The duration lands in ``gen_ai.client.operation.duration`` (with
+        ``error.type`` when the call raised); a cancelled call is marked on the
+        span and left out of the histogram, since it measured no latency.
+        """
+        attributes: dict[str, Any] = {GEN_AI_OPERATION: SUMMARIZE_OPERATION}
+        if model is not None:
+            attributes[GEN_AI_REQUEST_MODEL] = model
+        if provider is not None:
+            attributes[GEN_AI_PROVIDER] = provider
+        if self._tracer is None or self._metrics is None:
+            yield SummarizerCall(None, None, attributes)
+            return
+        from opentelemetry.trace import SpanKind
+
+        name = f"{SUMMARIZE_OPERATION} {model}" if model else SUMMARIZE_OPERATION
+        span_attributes = dict(attributes)
+        if max_tokens is not None:
+            span_attributes[GEN_AI_REQUEST_MAX_TOKENS] = max_tokens
+        duration = self._metrics.summarizer_duration
+        started = time.perf_counter()
+        with (
+            self._tracer.start_as_current_span(
+                name, kind=SpanKind.CLIENT, attributes=span_attributes
+            ) as span,
+            _marked(span),
+        ):
+            try:
+                yield SummarizerCall(span, self._metrics, attributes)
+            except Exception as exc:
+                duration.record(time.perf_counter() - started, {**attributes, ERROR_TYPE: error_type(exc)})
+                raise
+            duration.record(time.perf_counter() - started, attributes)
+
+    def record_event(self, event: CompactionEvent) -> None:
+        """A subscriber: count the event in the fold metrics."""
+        metrics = self._metrics
+        if metrics is None:
+            return
+        attributes: dict[str, str | bool] = {ATTR_REASON: event.reason}
+        if isinstance(event, FoldApplied):
+            background = isinstance(event, BackgroundSummaryApplied)
+            metrics.folds.add(1, {**attributes, ATTR_DEGRADED: event.degraded, ATTR_BACKGROUND: background})
+            metrics.tokens_saved.add(event.tokens_saved, attributes)
+            metrics.fold_duration.record(event.duration_s, {**attributes, ATTR_BACKGROUND: background})
+        elif isinstance(event, FoldStalled):
+            metrics.stalls.add(1, attributes)
+        elif isinstance(event, SummaryDegraded):
+            if event.summarizer_model is not None:
+                attributes[GEN_AI_REQUEST_MODEL] = event.summarizer_model
+            if event.error_type:
+                attributes[ERROR_TYPE] = event.error_type
+            metrics.degraded.add(1, attributes)
+        elif isinstance(event, FoldConflict | BackgroundSummaryDiscarded):
+            metrics.discarded.add(1, {**attributes, ATTR_CAUSE: event.cause})
