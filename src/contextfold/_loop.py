@@ -52,7 +52,6 @@ __all__ = [
 logger = logging.getLogger("contextfold")
 
 
-
 @dataclass(frozen=True, slots=True)
 class Reply:
     """An assistant reply with what the provider said about the call: its model and usage.

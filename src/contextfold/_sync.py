@@ -170,6 +170,7 @@ async def sync(
     messages: Sequence[Message],
     *,
     ids: Sequence[str | None] | None = None,
+    compact: bool = True,
 ) -> list[Message] | None:
     """Record the messages of ``messages`` not yet recorded, compact if due, return the changed context.
 
@@ -178,7 +179,8 @@ async def sync(
     Returns the working context when it differs from ``messages`` (after a
     fold, say), ``None`` when the framework's list already is the context.
     Every message returned carries its key under ``contextfold.key``; a
-    summary's key starts with ``contextfold.summary:``.
+    summary's key starts with ``contextfold.summary:``. With ``compact=False``
+    the messages are only recorded (at the end of a run, say).
     """
     if ids is not None and len(ids) != len(messages):
         raise ConfigError(
@@ -206,7 +208,8 @@ async def sync(
         if new:
             await compactor.append(thread, new)
             await _catch_up(compactor, thread, seen)
-        await compactor.maybe_compact(thread)
+        if compact:
+            await compactor.maybe_compact(thread)
         context = [_keyed(message) for message in await compactor.context(thread)]
     if [content_hash(m) for m in context] == [content_hash(m) for m in messages]:
         return None

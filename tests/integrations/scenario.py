@@ -75,18 +75,21 @@ def agent(messages: Sequence[Message]) -> Message:
     )
 
 
+def summary_of(text: str) -> str:
+    """What the fake summarizers write: every record code in ``text``, once, in order."""
+    return "Codes seen: " + " ".join(dict.fromkeys(CODE.findall(text)))
+
+
 async def _summarize(messages: Sequence[Message], previous: str | None, limit: int) -> str:
-    """Keep every record code seen so far (identifiers survive, as a good summary keeps them)."""
-    codes = CODE.findall(previous or "") + [c for m in messages for c in CODE.findall(m.text)]
-    return "Codes seen: " + " ".join(dict.fromkeys(codes))
+    return summary_of((previous or "") + " ".join(m.text for m in messages))
 
 
-def summarizer() -> FunctionSummarizer:
+def codes_summarizer() -> FunctionSummarizer:
     return FunctionSummarizer(_summarize, model="codes")
 
 
-def compactor(store: Any) -> Compactor:
-    return Compactor(store, options=OPTIONS, summarizer=summarizer(), counter=COUNTER)
+def compactor(store: Any, summarizer: Any = None) -> Compactor:
+    return Compactor(store, options=OPTIONS, summarizer=summarizer or codes_summarizer(), counter=COUNTER)
 
 
 def transcript(turns: range) -> list[str]:
@@ -106,7 +109,7 @@ async def check_log(c: Compactor, thread: str, turns: range, *, system: str | No
     records = [record async for record in c.episodic.replay(thread)]
     texts = [text_of(m) for m in conversation(records)]
     expected = ([system] if system else []) + transcript(turns)
-    assert texts == expected
+    assert texts == expected, [t[:30] for t in texts]
     assert any(isinstance(r.episode, SummaryCheckpoint) for r in records)
 
 

@@ -530,9 +530,7 @@ class SQLiteStore(AsyncResource):
 
         def release(conn: sqlite3.Connection) -> None:
             with _transaction(conn, "IMMEDIATE"):
-                conn.execute(
-                    "DELETE FROM compaction_leases WHERE thread = ? AND owner = ?", (thread, owner)
-                )
+                conn.execute("DELETE FROM compaction_leases WHERE thread = ? AND owner = ?", (thread, owner))
             self._leases.discard((thread, owner))
 
         if not await self._call(take):
@@ -547,9 +545,7 @@ class SQLiteStore(AsyncResource):
 
     # episodic -------------------------------------------------------------
 
-    async def record(
-        self, thread: str, episode: Episode, *, at: datetime | None = None
-    ) -> EpisodeRecord:
+    async def record(self, thread: str, episode: Episode, *, at: datetime | None = None) -> EpisodeRecord:
         check_thread(thread)
         when = utc(at, "at")
         body = encode_episode(episode)
