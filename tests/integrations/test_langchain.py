@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
+from pydantic import Field
 
 from contextfold import ConfigError, Message
 from contextfold._sync import SUMMARY_KEY_PREFIX
@@ -24,14 +26,14 @@ from .scenario import (
 
 pytest.importorskip("langchain")
 
-from langchain.agents import create_agent  # noqa: E402
-from langchain_core.language_models.fake_chat_models import GenericFakeChatModel  # noqa: E402
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage  # noqa: E402
-from langchain_core.outputs import ChatGeneration, ChatResult  # noqa: E402
-from langchain_core.tools import tool  # noqa: E402
-from langgraph.checkpoint.memory import InMemorySaver  # noqa: E402
+from langchain.agents import create_agent
+from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
+from langchain_core.outputs import ChatGeneration, ChatResult
+from langchain_core.tools import tool
+from langgraph.checkpoint.memory import InMemorySaver
 
-from contextfold.integrations.langchain import (  # noqa: E402
+from contextfold.integrations.langchain import (
     CompactionMiddleware,
     LangChainSummarizer,
     from_langchain,
@@ -42,7 +44,7 @@ from contextfold.integrations.langchain import (  # noqa: E402
 class ScriptedChatModel(GenericFakeChatModel):
     """LangChain's fake chat model, answering from the scenario's script and recording each request."""
 
-    requests: list[list[BaseMessage]] = []
+    requests: list[list[BaseMessage]] = Field(default_factory=list)
     summarizes: bool = False
 
     def bind_tools(self, tools: Any, **kwargs: Any) -> Any:
@@ -69,8 +71,8 @@ def lookup(n: int) -> str:
 
 
 def build(store: Any, saver: InMemorySaver) -> tuple[Any, ScriptedChatModel]:
-    model = ScriptedChatModel(messages=iter(()), requests=[])
-    summarizer = LangChainSummarizer(ScriptedChatModel(messages=iter(()), requests=[], summarizes=True))
+    model = ScriptedChatModel(messages=iter(()))
+    summarizer = LangChainSummarizer(ScriptedChatModel(messages=iter(()), summarizes=True))
     middleware = CompactionMiddleware(compactor(store, summarizer))
     return create_agent(model, [lookup], middleware=[middleware], checkpointer=saver), model
 
@@ -84,7 +86,9 @@ async def test_a_long_session_folds_under_invoke_and_ainvoke_and_resumes(tmp_pat
     async with SQLiteStore(path) as store:
         graph, model = build(store, saver)
         for n in range(half):
-            await anyio_to_thread(lambda n=n: graph.invoke({"messages": [HumanMessage(question(n))]}, config))
+            await anyio.to_thread.run_sync(
+                lambda n=n: graph.invoke({"messages": [HumanMessage(question(n))]}, config)
+            )
         requests += [[from_langchain(m) for m in r] for r in model.requests]
     async with SQLiteStore(path) as store:
         graph, model = build(store, saver)
@@ -96,12 +100,6 @@ async def test_a_long_session_folds_under_invoke_and_ainvoke_and_resumes(tmp_pat
         check_requests(requests)
     state = (await graph.aget_state(config)).values["messages"]
     assert state[0].id.startswith(SUMMARY_KEY_PREFIX)
-
-
-async def anyio_to_thread(fn: Any) -> Any:
-    import anyio
-
-    return await anyio.to_thread.run_sync(fn)
 
 
 async def test_a_missing_thread_id_names_the_fix() -> None:
@@ -128,7 +126,7 @@ def test_messages_convert_both_ways() -> None:
 
 async def test_the_summarizer_uses_the_incremental_prompt() -> None:
     """LangChainSummarizer sends the previous summary and the new messages, and reads usage back."""
-    model = ScriptedChatModel(messages=iter(()), requests=[], summarizes=True)
+    model = ScriptedChatModel(messages=iter(()), summarizes=True)
     summary = await LangChainSummarizer(model).summarize(
         [Message.tool("c", "record 7: code-0007")],
         previous_summary="Codes seen: code-0001",
