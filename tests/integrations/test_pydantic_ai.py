@@ -90,16 +90,17 @@ async def test_a_long_session_folds_and_resumes(tmp_path: Path) -> None:
 
 
 async def test_rebuilt_history_is_not_recorded_again() -> None:
-    """History rebuilt from JSON (new objects, no ids) leads to no duplicate in the log."""
+    """History rebuilt from JSON keeps its conversation_id as the thread and adds no duplicate."""
     from pydantic_ai.messages import ModelMessagesTypeAdapter
 
     async with MemoryStore() as store:
-        bot = make_agent(store, Scripted(), thread="t")
-        history: list[ModelMessage] = []
-        for n in range(3):
-            result = await bot.run(question(n), message_history=history)
+        bot = make_agent(store, Scripted())
+        result = await bot.run(question(0), conversation_id="conv-1")
+        for n in range(1, 3):
             history = ModelMessagesTypeAdapter.validate_json(result.all_messages_json())
-        await check_log_without_fold(compactor(store), "t", 3)
+            result = await bot.run(question(n), message_history=history)
+        assert result.conversation_id == "conv-1"
+        await check_log_without_fold(compactor(store), "conv-1", 3)
 
 
 async def check_log_without_fold(c: Any, thread: str, turns: int) -> None:

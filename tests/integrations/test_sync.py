@@ -108,17 +108,21 @@ async def test_a_restarted_process_resumes_without_duplicates(tmp_path: Path) ->
         assert [m.text for m in await logged(c, "t")] == [m.text for m in history]
 
 
-async def test_a_fold_returns_the_context_with_a_keyed_summary(store: Any) -> None:
-    """After a fold the new context comes back with a keyed summary; writing it back records nothing."""
-    c = compactor(store, SMALL)
+async def sync_until_a_fold(c: Compactor) -> list[Message]:
+    """Sync a growing history turn by turn until a fold hands back a new context."""
     history: list[Message] = []
-    returned: list[Message] | None = None
     for n in range(12):
         history += turn(n, filler=60)
         returned = await sync(c, "t", history)
         if returned is not None:
-            break
-    assert returned is not None
+            return returned
+    raise AssertionError("twelve turns did not fold")
+
+
+async def test_a_fold_returns_the_context_with_a_keyed_summary(store: Any) -> None:
+    """After a fold the new context comes back with a keyed summary; writing it back records nothing."""
+    c = compactor(store, SMALL)
+    returned = await sync_until_a_fold(c)
     assert returned[0].is_summary
     assert returned[0].metadata[KEY_METADATA_KEY].startswith(SUMMARY_KEY_PREFIX)
     assert [m.text for m in returned] == [m.text for m in await c.context("t")]
@@ -139,14 +143,7 @@ async def test_a_fold_returns_the_context_with_a_keyed_summary(store: Any) -> No
 async def test_a_context_without_keys_resumes_by_content(store: Any) -> None:
     """A framework that keeps no ids and passes the folded context back still records only the new turn."""
     c = compactor(store, SMALL)
-    history: list[Message] = []
-    returned: list[Message] | None = None
-    for n in range(12):
-        history += turn(n, filler=60)
-        returned = await sync(c, "t", history)
-        if returned is not None:
-            break
-    assert returned is not None
+    returned = await sync_until_a_fold(c)
     before = await logged(c, "t")
     plain = [
         Message(role=m.role, content=m.content, tool_calls=m.tool_calls, tool_call_id=m.tool_call_id)
