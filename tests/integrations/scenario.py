@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,6 +141,7 @@ class FakeProvider:
     """
 
     api: str  # "openai" or "anthropic"
+    script: Callable[[Sequence[Message]], Message] = agent
     requests: list[list[Message]] = field(default_factory=list)
     bodies: list[dict[str, Any]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -154,7 +155,7 @@ class FakeProvider:
         with self._lock:
             self.requests.append(messages)
             self.bodies.append(body)
-        reply = agent(messages)
+        reply = self.script(messages)
         usage = (sum(COUNTER.count(m) for m in messages), COUNTER.count(reply))
         if self.api == "openai":
             chunks = _openai_stream(reply, usage) if body.get("stream") else None

@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
 import pytest
 from pytest_httpserver import HTTPServer
 
-from contextfold import conversation
+from contextfold import Message, ToolCall, conversation
 from contextfold.stores import MemoryStore, SQLiteStore
 
-from .scenario import MODEL, TURNS, FakeProvider, check_log, check_requests, compactor, question, record_text
+from .scenario import (
+    BUDGET,
+    COUNTER,
+    MODEL,
+    TURNS,
+    FakeProvider,
+    agent,
+    check_log,
+    check_requests,
+    compactor,
+    question,
+    record_text,
+)
 
 pytest.importorskip("agents")
 
@@ -37,8 +50,8 @@ def make_agent(server: HTTPServer) -> Agent[Any]:
     )
 
 
-def serve(server: HTTPServer) -> FakeProvider:
-    provider = FakeProvider("openai")
+def serve(server: HTTPServer, script: Any = agent) -> FakeProvider:
+    provider = FakeProvider("openai", script)
     server.expect_request("/v1/chat/completions", method="POST").respond_with_handler(provider)
     return provider
 
@@ -122,3 +135,42 @@ async def test_without_the_filter_a_run_compacts_only_between_runs(httpserver: H
         c = compactor(store)
         await run_turns(CompactingSession("s", c), httpserver, range(12), per_call=False)
         await check_log(c, "s", range(12))
+
+
+def researcher(calls: int) -> Any:
+    """A model that looks up ``calls`` records in a row within one run, then answers."""
+    made = itertools.count()
+
+    def script(messages: Any) -> Message:
+        n = next(made)
+        if n % (calls + 1) == calls:
+            return Message.assistant("Read them all.")
+        return Message.assistant(
+            None, tool_calls=[ToolCall(id=f"call_{n}", name="lookup", arguments=f'{{"n": {n}}}')]
+        )
+
+    return script
+
+
+@pytest.mark.parametrize("per_call", [True, False], ids=["filter", "no-filter"])
+async def test_the_filter_keeps_a_long_run_under_budget(httpserver: HTTPServer, per_call: bool) -> None:
+    """Within one run of 24 tool calls, only the model input filter keeps every request under budget."""
+    provider = serve(httpserver, researcher(24))
+    async with MemoryStore() as store:
+        session = CompactingSession("s", compactor(store))
+        bot = make_agent(httpserver)
+        config = RunConfig(
+            tracing_disabled=True, call_model_input_filter=session.model_input_filter if per_call else None
+        )
+        await Runner.run(bot, "Read records 0 to 23.", session=session, run_config=config, max_turns=30)
+    largest = max(
+        sum(COUNTER.count(m) for m in request if m.role.value != "system") for request in provider.requests
+    )
+    assert (largest <= BUDGET) is per_call
+    check_requests_whole(provider.requests)
+
+
+def check_requests_whole(requests: Any) -> None:
+    for request in requests:
+        calls = sorted(call.id for m in request for call in m.tool_calls)
+        assert calls == sorted(m.tool_call_id for m in request if m.tool_call_id)
