@@ -34,7 +34,7 @@ from contextfold.testing import ScriptedModel, tool_step
 
 OPTIONS = RunOptions(
     max_history_tokens=1_200,
-    compaction=SummarizeOptions(trigger_token_budget=300, max_summary_tokens=60, keep_recent_messages=2),
+    compaction=SummarizeOptions(trigger_token_budget=300, max_summary_tokens=60, min_recent_messages=2),
 )
 
 
