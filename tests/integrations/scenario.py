@@ -35,7 +35,7 @@ TURNS = 40
 BUDGET = 1_000
 OPTIONS = RunOptions(
     max_history_tokens=4_000,
-    compaction=SummarizeOptions(trigger_token_budget=BUDGET, max_summary_tokens=300, keep_recent_messages=4),
+    compaction=SummarizeOptions(trigger_token_budget=BUDGET, max_summary_tokens=300, min_recent_messages=4),
 )
 CODE = re.compile(r"code-\d{4}")
 COUNTER = ApproximateCounter()

@@ -25,7 +25,7 @@ from contextfold.stores import MemoryStore, SQLiteStore
 QUIET = RunOptions(max_history_tokens=100_000)
 SMALL = RunOptions(
     max_history_tokens=1_600,
-    compaction=SummarizeOptions(trigger_token_budget=400, max_summary_tokens=80, keep_recent_messages=2),
+    compaction=SummarizeOptions(trigger_token_budget=400, max_summary_tokens=80, min_recent_messages=2),
 )
 
 
