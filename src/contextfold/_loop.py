@@ -53,7 +53,6 @@ logger = logging.getLogger("contextfold")
 
 _T = TypeVar("_T")
 
-
 @dataclass(frozen=True, slots=True)
 class Reply:
     """An assistant reply with what the provider said about the call: its model and usage.

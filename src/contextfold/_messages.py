@@ -327,12 +327,14 @@ def _openai_calls(message: Message) -> list[JsonDict]:
     return calls
 
 
-def to_openai(messages: Iterable[Message]) -> list[JsonDict]:
+def to_openai(messages: Iterable[Message], *, omit_nulls: bool = False) -> list[JsonDict]:
     """Render messages as OpenAI Chat Completions ``messages``.
 
     What a parsed message carried beyond the model — the ``developer`` role,
     keys such as ``refusal`` or ``audio``, extra keys of a tool call, an
-    omitted ``content`` — is restored from ``metadata``.
+    omitted ``content`` — is restored from ``metadata``. With ``omit_nulls``
+    no key is sent with a null value (a parsed ``"refusal": null``, a
+    tool-calling reply's ``"content": null``), which some servers reject.
     """
     out: list[JsonDict] = []
     for message in messages:
@@ -353,6 +355,8 @@ def to_openai(messages: Iterable[Message]) -> list[JsonDict]:
         extra = metadata.get(_OPENAI_EXTRA_KEY)
         if isinstance(extra, Mapping):
             item.update((key, value) for key, value in extra.items() if key not in item)
+        if omit_nulls:
+            item = {key: value for key, value in item.items() if value is not None}
         out.append(item)
     # A caller that edits the payload (moving a cache mark, say) must not edit the messages.
     payload: list[JsonDict] = _json_copy(out)
@@ -381,10 +385,26 @@ def _openai_call(raw: Any, field: str) -> tuple[ToolCall, JsonDict]:
     return call, extra
 
 
-def from_openai(payload: Iterable[Mapping[str, Any]]) -> list[Message]:
-    """Parse OpenAI Chat Completions ``messages``; malformed input names its field."""
+def _sdk_data(payload: Any) -> Any:
+    """``payload`` with the SDKs' own message objects (pydantic models) as their JSON data.
+
+    Fields the SDK left unset or null (``refusal``, ``audio``, ``function_call``,
+    a block's ``citations``) are left out, so they are not sent back.
+    """
+    if isinstance(payload, BaseModel):
+        return payload.model_dump(mode="json", exclude_none=True)
+    if isinstance(payload, str | bytes | Mapping) or not isinstance(payload, Iterable):
+        return payload
+    return [_sdk_data(item) if isinstance(item, BaseModel) else item for item in payload]
+
+
+def from_openai(payload: Iterable[Mapping[str, Any] | BaseModel]) -> list[Message]:
+    """Parse OpenAI Chat Completions ``messages``; malformed input names its field.
+
+    Items may be the OpenAI SDK's own objects (a reply's ``ChatCompletionMessage``).
+    """
     messages: list[Message] = []
-    for index, raw_item in enumerate(_items(payload, "messages")):
+    for index, raw_item in enumerate(_items(_sdk_data(payload), "messages")):
         field = f"messages[{index}]"
         item = _mapping(raw_item, field)
         role = _require(item, "role", field)
@@ -648,9 +668,15 @@ def _anthropic_user(content: list[Any], field: str) -> list[Message]:
 
 
 def from_anthropic(
-    payload: Iterable[Mapping[str, Any]], *, system: str | Sequence[Mapping[str, Any]] | None = None
+    payload: Iterable[Mapping[str, Any] | BaseModel],
+    *,
+    system: str | Sequence[Mapping[str, Any]] | None = None,
 ) -> list[Message]:
-    """Parse Anthropic Messages ``messages`` (and the ``system`` parameter)."""
+    """Parse Anthropic Messages ``messages`` (and the ``system`` parameter).
+
+    Items may be the Anthropic SDK's own objects (a reply's ``Message``, whose
+    ``id``, ``model``, ``usage`` and stop fields are not part of the turn).
+    """
     messages: list[Message] = []
     if system is not None:
         if isinstance(system, str):
@@ -659,7 +685,7 @@ def from_anthropic(
             listed = _items(system, "system", "a string or a list of blocks")
             blocks = [dict(_mapping(b, f"system[{n}]")) for n, b in enumerate(listed)]
             messages.append(_build("system", Role.SYSTEM, blocks))
-    for index, raw_item in enumerate(_items(payload, "messages")):
+    for index, raw_item in enumerate(_items(_sdk_data(payload), "messages")):
         field = f"messages[{index}]"
         item = _mapping(raw_item, field)
         role = _require(item, "role", field)

@@ -205,9 +205,7 @@ class Tombstone(BaseModel):
 class EpisodicStore(_Resource, Protocol):
     """The append-only audit trail of every thread."""
 
-    async def record(
-        self, thread: str, episode: Episode, *, at: datetime | None = None
-    ) -> EpisodeRecord:
+    async def record(self, thread: str, episode: Episode, *, at: datetime | None = None) -> EpisodeRecord:
         """Append one episode (``at`` defaults to now, UTC); return it with its seq."""
         ...
 

@@ -256,9 +256,7 @@ class MemoryStore(AsyncResource):
 
     # episodic -------------------------------------------------------------
 
-    async def record(
-        self, thread: str, episode: Episode, *, at: datetime | None = None
-    ) -> EpisodeRecord:
+    async def record(self, thread: str, episode: Episode, *, at: datetime | None = None) -> EpisodeRecord:
         await self._enter()
         check_thread(thread)
         when = utc(at, "at")

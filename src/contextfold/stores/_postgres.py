@@ -991,9 +991,7 @@ class PostgresStore(AsyncResource):
 
     # episodic ----------------------------------------------------------------
 
-    async def record(
-        self, thread: str, episode: Episode, *, at: datetime | None = None
-    ) -> EpisodeRecord:
+    async def record(self, thread: str, episode: Episode, *, at: datetime | None = None) -> EpisodeRecord:
         """Append one episode (``at`` defaults to the server's clock) and update the pressure counters."""
         check_thread(thread)
         when = None if at is None else utc(at, "at")

@@ -381,9 +381,7 @@ class PressureCounters:
             )
         return new
 
-    def pressure(
-        self, now: datetime, estimated_context_tokens: int | None
-    ) -> EpisodicCompactionPressure:
+    def pressure(self, now: datetime, estimated_context_tokens: int | None) -> EpisodicCompactionPressure:
         return EpisodicCompactionPressure(
             estimated_context_tokens=estimated_context_tokens,
             user_messages_since_boundary=self.user_messages_since_boundary,

@@ -548,8 +548,12 @@ class ExtractiveSummarizer:
                     rows.setdefault((True, ln.label), []).append(ln.ids[0])
                 else:
                     rows[False, ln.text] = []
-            body = "\n".join(
-                f"- {row}: {', '.join(ids)}" if listed else f"- {row}" for (listed, row), ids in rows.items()
-            ) or "- none"
+            body = (
+                "\n".join(
+                    f"- {row}: {', '.join(ids)}" if listed else f"- {row}"
+                    for (listed, row), ids in rows.items()
+                )
+                or "- none"
+            )
             blocks.append(f"## {heading}\n{body}")
         return "\n\n".join(blocks)

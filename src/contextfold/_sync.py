@@ -1,0 +1,226 @@
+"""Syncing a framework's message list with a thread: record what is new, fold, hand back the context.
+
+A framework (LangChain, pydantic-ai, the Agents SDK) keeps its own list of a
+conversation's messages and passes it whole before each model call. :func:`sync`
+records exactly the messages of that list that the thread does not hold yet,
+runs the compaction check, and returns the working context when it differs
+from the list the framework holds, so the adapter can send (or store) it instead.
+
+A message is known by a key:
+
+* a stable id, passed in ``ids`` or found under ``contextfold.key`` in its
+  metadata (every message ``sync`` records carries its key there, so the context
+  it hands back is known again when the framework returns it);
+* otherwise its content. Messages known only by content are matched against the
+  end of the recorded conversation after the newest message the list shares by
+  id: the longest run of the list that repeats the recorded end is old, what
+  follows it is new. So a repeated "continue" is recorded again, while a list
+  that carries the whole history again is not.
+
+What was recorded is read from the episodic log (once per thread and process,
+then only the episodes added since), so a restarted process resumes a thread
+without recording anything twice. A summary coming back from the framework
+(marked as one, keyed by ``sync``, or opening with the summary prefix) is never
+recorded as a conversation message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import anyio
+
+from ._compactor import SUMMARY_PREFIX, Compactor
+from ._episodes import (
+    HistoryClearedEpisode,
+    LlmCallEpisode,
+    MessagesRetractedEpisode,
+    SystemMessageEpisode,
+    ToolResultEpisode,
+    UserMessageEpisode,
+)
+from ._errors import ConfigError
+from ._messages import SUMMARY_METADATA_KEY, Message
+
+__all__ = ["KEY_METADATA_KEY", "SUMMARY_KEY_PREFIX", "content_hash", "message_key", "sync"]
+
+KEY_METADATA_KEY = "contextfold.key"
+"""Metadata key under which a synced message keeps the key it is known by."""
+
+SUMMARY_KEY_PREFIX = "contextfold.summary:"
+"""Prefix of the key ``sync`` gives a summary it hands back; such a message is never recorded."""
+
+
+def content_hash(message: Message) -> str:
+    """A digest of what a model sees of ``message`` (its metadata left out)."""
+    body = {
+        "role": message.role.value,
+        "content": message.content,
+        "calls": [[call.id, call.name, call.arguments] for call in message.tool_calls],
+        "call_id": message.tool_call_id,
+        "name": message.name,
+    }
+    text = json.dumps(body, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def message_key(message: Message) -> str | None:
+    """The key ``message`` carries in its metadata, if any."""
+    key = message.metadata.get(KEY_METADATA_KEY)
+    return key if isinstance(key, str) and key else None
+
+
+def _is_summary(message: Message, key: str | None) -> bool:
+    if message.is_summary or (key is not None and key.startswith(SUMMARY_KEY_PREFIX)):
+        return True
+    return message.text.startswith(SUMMARY_PREFIX)
+
+
+@dataclass(slots=True)
+class _Seen:
+    """What one thread's log holds, as far as this process has read it."""
+
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
+    next_seq: int = 0
+    keys: list[str] = field(default_factory=list)
+    hashes: list[str] = field(default_factory=list)
+
+    def add(self, message: Message) -> None:
+        digest = content_hash(message)
+        self.keys.append(message_key(message) or f"c:{digest}")
+        self.hashes.append(digest)
+
+    def retract(self, count: int) -> None:
+        keep = max(0, len(self.keys) - count)
+        del self.keys[keep:], self.hashes[keep:]
+
+
+_SEEN: weakref.WeakKeyDictionary[Compactor, dict[str, _Seen]] = weakref.WeakKeyDictionary()
+
+
+def _seen(compactor: Compactor, thread: str) -> _Seen:
+    return _SEEN.setdefault(compactor, {}).setdefault(thread, _Seen())
+
+
+async def _catch_up(compactor: Compactor, thread: str, seen: _Seen) -> None:
+    """Read the episodes recorded since the last read (all of them on first sight of the thread)."""
+    async for record in compactor.episodic.replay(thread, from_seq=seen.next_seq):
+        seen.next_seq = record.seq + 1
+        episode = record.episode
+        if isinstance(episode, UserMessageEpisode | SystemMessageEpisode | ToolResultEpisode):
+            seen.add(episode.message)
+        elif isinstance(episode, LlmCallEpisode):
+            seen.add(episode.reply)
+        elif isinstance(episode, MessagesRetractedEpisode):
+            seen.retract(episode.count)
+        elif isinstance(episode, HistoryClearedEpisode):
+            seen.retract(len(seen.keys))
+
+
+def _overlap(head: list[str], tail: list[str]) -> int:
+    """The length of the longest prefix of ``head`` that is a suffix of ``tail`` (KMP, linear)."""
+    tail = tail[-len(head) :] if head else []
+    joined: list[str | None] = [*head, None, *tail]
+    border = [0] * len(joined)
+    for i in range(1, len(joined)):
+        k = border[i - 1]
+        while k and joined[i] != joined[k]:
+            k = border[k - 1]
+        if joined[i] == joined[k]:
+            k += 1
+        border[i] = k
+    return border[-1] if joined else 0
+
+
+def _new_messages(seen: _Seen, messages: Sequence[Message], keys: Sequence[str | None]) -> list[int]:
+    """Indexes of the messages the log does not hold yet, in order."""
+    known = set(seen.keys)
+    position = {key: n for n, key in enumerate(seen.keys)}
+    anchor_index = -1  # in ``messages``: the newest message shared by key
+    anchor_position = -1  # in the log
+    for index, key in enumerate(keys):
+        if key is not None and key in known:
+            anchor_index, anchor_position = index, max(anchor_position, position[key])
+    fresh: list[int] = []
+    loose: list[int] = []
+    hashed = set(seen.hashes)
+    for index, (message, key) in enumerate(zip(messages, keys, strict=True)):
+        if _is_summary(message, key):
+            continue
+        if key is not None:
+            if key not in known:
+                fresh.append(index)
+        elif index > anchor_index:
+            loose.append(index)
+        elif content_hash(message) not in hashed:
+            fresh.append(index)  # an unkeyed message the log never saw, before the anchor
+    digests = [content_hash(messages[index]) for index in loose]
+    old = _overlap(digests, seen.hashes[anchor_position + 1 :])
+    return sorted(fresh + loose[old:])
+
+
+async def sync(
+    compactor: Compactor,
+    thread: str,
+    messages: Sequence[Message],
+    *,
+    ids: Sequence[str | None] | None = None,
+    compact: bool = True,
+) -> list[Message] | None:
+    """Record the messages of ``messages`` not yet recorded, compact if due, return the changed context.
+
+    ``messages`` is the framework's whole current list for ``thread``;
+    ``ids[i]``, when given, is the framework's stable id of ``messages[i]``.
+    Returns the working context when it differs from ``messages`` (after a
+    fold, say), ``None`` when the framework's list already is the context.
+    Every message returned carries its key under ``contextfold.key``; a
+    summary's key starts with ``contextfold.summary:``. With ``compact=False``
+    the messages are only recorded (at the end of a run, say).
+    """
+    if ids is not None and len(ids) != len(messages):
+        raise ConfigError(
+            "ids",
+            f"must hold one id (or None) per message: got {len(ids)} ids for {len(messages)} messages",
+        )
+    keys: list[str | None] = [
+        (ids[index] if ids is not None and ids[index] else None) or message_key(message)
+        for index, message in enumerate(messages)
+    ]
+    seen = _seen(compactor, thread)
+    async with seen.lock:
+        await _catch_up(compactor, thread, seen)
+        new = [
+            messages[index].model_copy(
+                update={
+                    "metadata": {
+                        **messages[index].metadata,
+                        KEY_METADATA_KEY: keys[index] or f"c:{uuid.uuid4().hex}",
+                    }
+                }
+            )
+            for index in _new_messages(seen, messages, keys)
+        ]
+        if new:
+            await compactor.append(thread, new)
+            await _catch_up(compactor, thread, seen)
+        if compact:
+            await compactor.maybe_compact(thread)
+        context = [_keyed(message) for message in await compactor.context(thread)]
+    if [content_hash(m) for m in context] == [content_hash(m) for m in messages]:
+        return None
+    return context
+
+
+def _keyed(message: Message) -> Message:
+    """``message`` with its key in metadata; a summary gets one derived from its text."""
+    if message_key(message) is not None:
+        return message
+    if message.metadata.get(SUMMARY_METADATA_KEY):
+        key = SUMMARY_KEY_PREFIX + content_hash(message)
+        return message.model_copy(update={"metadata": {**message.metadata, KEY_METADATA_KEY: key}})
+    return message

@@ -1,0 +1,116 @@
+"""An ``AsyncOpenAI`` client as a contextfold model callable (``StepLoop.run`` and ``stream``).
+
+::
+
+    llm = chat_llm(AsyncOpenAI(), "gpt-4o-mini", tools=tools)
+    await loop.run(thread, "hi", llm=llm, tools=tools)          # blocking
+    async for event in loop.stream(thread, "hi", llm=llm.stream, tools=tools): ...
+
+Each reply is a :class:`~contextfold._loop.Reply` carrying the model that
+answered and its token usage, which the step loop records in the log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from .._episodes import Usage
+from .._loop import Reply
+from .._messages import Message, ToolCall, from_openai, to_openai
+from ._tools import Tools, ToolSpec, tool_specs
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
+
+__all__ = ["OpenAIChatLLM", "chat_llm"]
+
+
+def _schema(spec: ToolSpec) -> dict[str, Any]:
+    if spec.raw is not None:
+        return dict(spec.raw)
+    return {
+        "type": "function",
+        "function": {"name": spec.name, "description": spec.description, "parameters": spec.parameters},
+    }
+
+
+def _usage(usage: Any) -> Usage | None:
+    if usage is None:
+        return None
+    return Usage(input_tokens=usage.prompt_tokens or 0, output_tokens=usage.completion_tokens or 0)
+
+
+class OpenAIChatLLM:
+    """Calls Chat Completions with the request's messages and the tool schemas.
+
+    Use the instance as ``llm=`` of ``StepLoop.run`` and :meth:`stream` as
+    ``llm=`` of ``StepLoop.stream``.
+    """
+
+    def __init__(
+        self, client: AsyncOpenAI, model: str, *, tools: Tools | None, create_kwargs: Mapping[str, Any]
+    ) -> None:
+        self.client = client
+        self.model = model
+        self.tools = [_schema(spec) for spec in tool_specs(tools)]
+        self.create_kwargs = dict(create_kwargs)
+
+    def _request(self, messages: list[Message]) -> dict[str, Any]:
+        request: dict[str, Any] = {
+            "model": self.model,
+            "messages": to_openai(messages, omit_nulls=True),
+            **self.create_kwargs,
+        }
+        if self.tools:
+            request["tools"] = self.tools
+        return request
+
+    async def __call__(self, messages: list[Message]) -> Reply:
+        completion = await self.client.chat.completions.create(**self._request(messages))
+        [reply] = from_openai([completion.choices[0].message])
+        return Reply(reply, model=completion.model, usage=_usage(completion.usage))
+
+    async def stream(self, messages: list[Message]) -> AsyncIterator[str | ToolCall | Reply]:
+        """The reply as text deltas, then the whole reply with its model and usage."""
+        request = self._request(messages)
+        request["stream"] = True
+        request.setdefault("stream_options", {"include_usage": True})
+        text: list[str] = []
+        calls: dict[int, dict[str, str]] = {}
+        model: str | None = None
+        usage: Usage | None = None
+        chunks = await self.client.chat.completions.create(**request)
+        async with chunks:
+            async for chunk in chunks:
+                model = chunk.model or model
+                usage = _usage(chunk.usage) or usage
+                for choice in chunk.choices:
+                    delta = choice.delta
+                    if delta.content:
+                        text.append(delta.content)
+                        yield delta.content
+                    for part in delta.tool_calls or ():
+                        call = calls.setdefault(part.index, {"id": "", "name": "", "arguments": ""})
+                        call["id"] = part.id or call["id"]
+                        if part.function is not None:
+                            call["name"] += part.function.name or ""
+                            call["arguments"] += part.function.arguments or ""
+        tool_calls = [
+            ToolCall(id=call["id"], name=call["name"], arguments=call["arguments"] or "{}")
+            for _, call in sorted(calls.items())
+        ]
+        reply = Message.assistant("".join(text) or None, tool_calls=tool_calls)
+        yield Reply(reply, model=model, usage=usage)
+
+
+def chat_llm(
+    client: AsyncOpenAI, model: str, *, tools: Tools | None = None, **create_kwargs: Any
+) -> OpenAIChatLLM:
+    """A model callable over ``client.chat.completions.create``; extra keywords go to every request.
+
+    ``tools`` is the ``{name: fn}`` mapping you give ``StepLoop.run`` (schemas
+    are made from the functions' signatures and docstrings), a list of
+    functions, or a list of Chat Completions tool dicts sent as they are.
+    """
+    return OpenAIChatLLM(client, model, tools=tools, create_kwargs=create_kwargs)

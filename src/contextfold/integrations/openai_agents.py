@@ -1,0 +1,238 @@
+"""The OpenAI Agents SDK: a ``Session`` over contextfold stores that compacts before every model call.
+
+::
+
+    session = CompactingSession("user-42", compactor)
+    config = RunConfig(call_model_input_filter=session.model_input_filter)
+    result = await Runner.run(agent, "hi", session=session, run_config=config)
+
+The SDK reads a session once per ``Runner.run``; ``model_input_filter``
+records the items each model call is about to send, compacts when due and
+sends the working context instead, so a long run stays under budget too.
+``pop_item`` and ``clear_session`` are recorded in the log
+(``MessagesRetractedEpisode``, ``HistoryClearedEpisode``), so replaying the
+log with ``contextfold.conversation()`` gives back exactly the session.
+
+Items are Responses-API items. A run of model output items (reasoning,
+an assistant message, its ``function_call`` items) becomes one assistant
+message, each ``*_call_output`` a tool result, and every item is kept
+verbatim in metadata, so what the session hands back is what it was given.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+from agents import TResponseInputItem
+from agents.memory import SessionSettings
+from agents.run_config import CallModelData, ModelInputData
+
+from .._compactor import TRUNCATED_METADATA_KEY, Compactor
+from .._episodes import HistoryClearedEpisode, MessagesRetractedEpisode, episode_for
+from .._errors import ConfigError
+from .._messages import Message, Role, ToolCall
+from .._sync import sync
+
+__all__ = ["CompactingSession", "from_items", "to_items"]
+
+_ITEMS_KEY = "openai_agents.items"
+_INPUT_ROLES = {"user": Role.USER, "system": Role.SYSTEM, "developer": Role.SYSTEM}
+
+
+def _kind(item: Mapping[str, Any]) -> str:
+    kind = item.get("type")
+    if kind is None and "role" in item:
+        return "message"  # an easy input message: {"role": ..., "content": ...}
+    return str(kind)
+
+
+def _is_output(item: Mapping[str, Any]) -> bool:
+    return _kind(item).endswith("_call_output")
+
+
+def _is_model_output(item: Mapping[str, Any]) -> bool:
+    """Items the model produced: reasoning, its messages, its tool calls (hosted ones too)."""
+    kind = _kind(item)
+    if kind == "message":
+        return item.get("role") == "assistant"
+    return kind == "reasoning" or (kind.endswith("_call") and not _is_output(item))
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(
+            str(part.get("text", part.get("refusal", "")))
+            for part in content
+            if isinstance(part, Mapping)
+            and part.get("type") in ("input_text", "output_text", "text", "refusal")
+        )
+    return ""
+
+
+def _plain(item: Any) -> dict[str, Any]:
+    data = item.model_dump(mode="json", exclude_none=True) if hasattr(item, "model_dump") else item
+    copied: dict[str, Any] = json.loads(json.dumps(data, default=str))
+    return copied
+
+
+def _assistant(group: list[dict[str, Any]]) -> tuple[Message, str | None]:
+    texts = [_text(item.get("content")) for item in group if _kind(item) == "message"]
+    calls = [
+        ToolCall(
+            id=item["call_id"],
+            name=str(item.get("name") or _kind(item)),
+            arguments=item["arguments"]
+            if isinstance(item.get("arguments"), str) and item["arguments"]
+            else json.dumps(item.get("action", item.get("input", {}))),
+        )
+        for item in group
+        if item.get("call_id") and not _is_output(item)
+    ]
+    text = "\n".join(t for t in texts if t) or (None if calls else "")
+    message = Message(
+        role=Role.ASSISTANT, content=text, tool_calls=tuple(calls), metadata={_ITEMS_KEY: group}
+    )
+    return message, ("openai_agents.calls:" + ",".join(c.id for c in calls)) if calls else None
+
+
+def from_items(items: Sequence[Any]) -> tuple[list[Message], list[str | None]]:
+    """Responses-API items as contextfold messages, and the id each is known by (``None``: by content)."""
+    messages: list[Message] = []
+    ids: list[str | None] = []
+    group: list[dict[str, Any]] = []
+
+    def flush() -> None:
+        if group:
+            message, key = _assistant(list(group))
+            messages.append(message)
+            ids.append(key)
+            group.clear()
+
+    for raw in items:
+        item = _plain(raw)
+        if _is_model_output(item):
+            group.append(item)
+            continue
+        flush()
+        metadata = {_ITEMS_KEY: [item]}
+        if _is_output(item) and item.get("call_id"):
+            output = item.get("output", "")
+            text = output if isinstance(output, str) else json.dumps(output, ensure_ascii=False)
+            messages.append(
+                Message(role=Role.TOOL, content=text, tool_call_id=item["call_id"], metadata=metadata)
+            )
+            ids.append(f"openai_agents.output:{item['call_id']}")
+        elif _kind(item) == "message" and item.get("role") in _INPUT_ROLES:
+            role = _INPUT_ROLES[str(item["role"])]
+            messages.append(Message(role=role, content=_text(item.get("content")), metadata=metadata))
+            ids.append(None)
+        else:
+            # An item kind this module does not know: kept verbatim, read by the summarizer as text.
+            messages.append(
+                Message(role=Role.USER, content=json.dumps(item, ensure_ascii=False), metadata=metadata)
+            )
+            ids.append(None)
+    flush()
+    return messages, ids
+
+
+def _fresh(message: Message) -> list[dict[str, Any]]:
+    """Items for a message the SDK never gave us (a summary) or that contextfold changed."""
+    if message.role is Role.TOOL:
+        return [{"type": "function_call_output", "call_id": message.tool_call_id, "output": message.text}]
+    if message.role is Role.ASSISTANT:
+        items: list[dict[str, Any]] = [{"role": "assistant", "content": message.text}] if message.text else []
+        items += [
+            {"type": "function_call", "call_id": call.id, "name": call.name, "arguments": call.arguments}
+            for call in message.tool_calls
+        ]
+        return items
+    return [{"role": message.role.value, "content": message.text}]
+
+
+def to_items(messages: Sequence[Message]) -> list[TResponseInputItem]:
+    """contextfold messages as Responses-API items, the SDK's own items where they were kept."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        kept = message.metadata.get(_ITEMS_KEY)
+        if not isinstance(kept, list) or message.metadata.get(TRUNCATED_METADATA_KEY):
+            out += _fresh(message)
+        else:
+            out += [dict(item) for item in kept]
+    return cast(list[TResponseInputItem], out)
+
+
+class CompactingSession:
+    """An Agents SDK ``Session`` whose history is a contextfold thread (named ``session_id``)."""
+
+    session_settings: SessionSettings | None = None
+
+    def __init__(self, session_id: str, compactor: Compactor) -> None:
+        if not isinstance(session_id, str) or not session_id:
+            raise ConfigError(
+                "session_id", "must be a non-empty string (the thread's name)", value=session_id
+            )
+        if not isinstance(compactor, Compactor):
+            raise ConfigError("compactor", "must be a contextfold.Compactor", value=compactor)
+        self.session_id = session_id
+        self.compactor = compactor
+
+    async def get_items(self, limit: int | None = None) -> list[TResponseInputItem]:
+        """The working context as items (the newest ``limit`` of them when given)."""
+        items = to_items(await self.compactor.context(self.session_id))
+        return items[-limit:] if limit else items
+
+    async def add_items(self, items: list[TResponseInputItem]) -> None:
+        """Record the items not yet recorded (a model input filter may have recorded some), then compact."""
+        context = await self.compactor.context(self.session_id)
+        new, new_ids = from_items(items)
+        await sync(self.compactor, self.session_id, [*context, *new], ids=[None] * len(context) + new_ids)
+
+    async def pop_item(self) -> TResponseInputItem | None:
+        """Remove the newest item; the log records the retraction."""
+        window = await self.compactor.short_term.load(self.session_id)
+        if not window.messages or window.messages[-1].message.is_summary:
+            return None
+        last = window.messages[-1]
+        items = to_items([last.message])
+        if not items:
+            return None
+        popped = items[-1]
+        rest, _ = from_items(items[:-1])
+        await self.compactor.episodic.record(self.session_id, MessagesRetractedEpisode(count=1))
+        for message in rest:
+            await self.compactor.episodic.record(self.session_id, episode_for(message))
+        await self.compactor.short_term.replace_prefix(
+            self.session_id,
+            through_seq=last.seq,
+            expected_version=window.version,
+            replacement=[stored.message for stored in window.messages[:-1]] + rest,
+            tokens=[stored.tokens for stored in window.messages[:-1]]
+            + [self.compactor.counter.count(m) for m in rest],
+        )
+        return popped
+
+    async def clear_session(self) -> None:
+        """Empty the session; the log keeps every item and records the clear."""
+        stats = await self.compactor.short_term.stats(self.session_id)
+        await self.compactor.episodic.record(self.session_id, HistoryClearedEpisode())
+        if stats.message_count:
+            await self.compactor.short_term.replace_prefix(
+                self.session_id,
+                through_seq=stats.last_seq,
+                expected_version=stats.version,
+                replacement=[],
+                tokens=[],
+            )
+
+    async def model_input_filter(self, data: CallModelData[Any]) -> ModelInputData:
+        """For ``RunConfig(call_model_input_filter=...)``: record the input, compact, send the context."""
+        messages, ids = from_items(data.model_data.input)
+        context = await sync(self.compactor, self.session_id, messages, ids=ids)
+        if context is None:
+            return data.model_data
+        return ModelInputData(input=to_items(context), instructions=data.model_data.instructions)

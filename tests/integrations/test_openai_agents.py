@@ -1,0 +1,176 @@
+"""CompactingSession with the real Agents SDK Runner, over a fake Chat Completions server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pytest_httpserver import HTTPServer
+
+from contextfold import Message, ToolCall, conversation
+from contextfold.stores import MemoryStore, SQLiteStore
+
+from .scenario import (
+    BUDGET,
+    COUNTER,
+    MODEL,
+    TURNS,
+    FakeProvider,
+    agent,
+    check_log,
+    check_requests,
+    compactor,
+    question,
+    record_text,
+)
+
+pytest.importorskip("agents")
+
+from agents import Agent, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool
+from openai import AsyncOpenAI
+
+from contextfold.integrations.openai_agents import CompactingSession, from_items, to_items
+
+
+@function_tool
+def lookup(n: int) -> str:
+    """Look a record up by its number."""
+    return record_text(n)
+
+
+def make_agent(server: HTTPServer) -> Agent[Any]:
+    client = AsyncOpenAI(base_url=server.url_for("/v1"), api_key="sk-test", max_retries=0)
+    return Agent(
+        name="records",
+        instructions="Look records up.",
+        tools=[lookup],
+        model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+    )
+
+
+def serve(server: HTTPServer, script: Any = agent) -> FakeProvider:
+    provider = FakeProvider("openai", script)
+    server.expect_request("/v1/chat/completions", method="POST").respond_with_handler(provider)
+    return provider
+
+
+async def run_turns(
+    session: CompactingSession, server: HTTPServer, turns: range, *, per_call: bool = True
+) -> None:
+    bot = make_agent(server)
+    config = RunConfig(
+        tracing_disabled=True, call_model_input_filter=session.model_input_filter if per_call else None
+    )
+    for n in turns:
+        await Runner.run(bot, question(n), session=session, run_config=config)
+
+
+async def test_a_long_session_folds_before_every_model_call_and_resumes(
+    httpserver: HTTPServer, tmp_path: Path
+) -> None:
+    """Forty turns fold before model calls, every request stays whole and small, and a new session resumes."""
+    provider = serve(httpserver)
+    path = tmp_path / "agents.db"
+    async with SQLiteStore(path) as store:
+        await run_turns(CompactingSession("s", compactor(store)), httpserver, range(TURNS // 2))
+    async with SQLiteStore(path) as store:
+        c = compactor(store)
+        await run_turns(CompactingSession("s", c), httpserver, range(TURNS // 2, TURNS))
+        await check_log(c, "s", range(TURNS))
+    requests = [[m for m in r if m.role.value != "system"] for r in provider.requests]
+    check_requests(requests)
+
+
+async def test_pop_and_clear_are_replayed_from_the_log(httpserver: HTTPServer) -> None:
+    """After pop_item and clear_session, replaying the log gives back exactly the session's items."""
+    serve(httpserver)
+    async with MemoryStore() as store:
+        c = compactor(store)
+        session = CompactingSession("s", c)
+        await run_turns(session, httpserver, range(2))
+        popped = await session.pop_item()
+        assert popped is not None and popped.get("role") == "assistant"
+        replayed = conversation([r async for r in c.episodic.replay("s")])
+        assert to_items(replayed) == await session.get_items()
+        assert len(await session.get_items()) == 7
+        await session.clear_session()
+        assert await session.get_items() == []
+        await run_turns(session, httpserver, range(5, 6))
+        replayed = conversation([r async for r in c.episodic.replay("s")])
+        assert to_items(replayed) == await session.get_items()
+        assert replayed[0].text == question(5)
+
+
+def test_items_convert_both_ways() -> None:
+    """Reasoning, a message, two function calls and their outputs come back as the same items."""
+    items: list[Any] = [
+        {"role": "user", "content": "hi"},
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "think"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}", "id": "fc_1"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": '{"a": 1}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "one"},
+        {"type": "function_call_output", "call_id": "c2", "output": "two"},
+        {
+            "type": "message",
+            "role": "assistant",
+            "id": "m1",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": "done", "annotations": []}],
+        },
+        {"type": "item_reference", "id": "ref_1"},
+    ]
+    messages, ids = from_items(items)
+    assert [m.role.value for m in messages] == ["user", "assistant", "tool", "tool", "assistant", "user"]
+    assert [c.id for c in messages[1].tool_calls] == ["c1", "c2"]
+    assert ids[1] == "openai_agents.calls:c1,c2" and ids[2] == "openai_agents.output:c1"
+    assert to_items(messages) == items
+
+
+async def test_without_the_filter_a_run_compacts_only_between_runs(httpserver: HTTPServer) -> None:
+    """Without model_input_filter the session still records every item once and folds on add_items."""
+    serve(httpserver)
+    async with MemoryStore() as store:
+        c = compactor(store)
+        await run_turns(CompactingSession("s", c), httpserver, range(12), per_call=False)
+        await check_log(c, "s", range(12))
+
+
+def researcher(calls: int) -> Any:
+    """A model that looks up ``calls`` records in a row within one run, then answers."""
+    made = itertools.count()
+
+    def script(messages: Any) -> Message:
+        n = next(made)
+        if n % (calls + 1) == calls:
+            return Message.assistant("Read them all.")
+        return Message.assistant(
+            None, tool_calls=[ToolCall(id=f"call_{n}", name="lookup", arguments=f'{{"n": {n}}}')]
+        )
+
+    return script
+
+
+@pytest.mark.parametrize("per_call", [True, False], ids=["filter", "no-filter"])
+async def test_the_filter_keeps_a_long_run_under_budget(httpserver: HTTPServer, per_call: bool) -> None:
+    """Within one run of 24 tool calls, only the model input filter keeps every request under budget."""
+    provider = serve(httpserver, researcher(24))
+    async with MemoryStore() as store:
+        session = CompactingSession("s", compactor(store))
+        bot = make_agent(httpserver)
+        config = RunConfig(
+            tracing_disabled=True, call_model_input_filter=session.model_input_filter if per_call else None
+        )
+        await Runner.run(bot, "Read records 0 to 23.", session=session, run_config=config, max_turns=30)
+    largest = max(
+        sum(COUNTER.count(m) for m in request if m.role.value != "system") for request in provider.requests
+    )
+    assert (largest <= BUDGET) is per_call
+    check_requests_whole(provider.requests)
+
+
+def check_requests_whole(requests: Any) -> None:
+    for request in requests:
+        calls = sorted(call.id for m in request for call in m.tool_calls)
+        assert calls == sorted(m.tool_call_id for m in request if m.tool_call_id)

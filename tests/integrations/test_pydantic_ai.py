@@ -1,0 +1,164 @@
+"""CompactionCapability with a real pydantic-ai Agent and its FunctionModel."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from contextfold import Message
+from contextfold.stores import MemoryStore, SQLiteStore
+
+from .scenario import TURNS, agent, check_log, check_requests, compactor, question, record_text
+
+pytest.importorskip("pydantic_ai")
+
+from pydantic_ai import Agent
+from pydantic_ai.messages import (
+    CompactionPart,
+    ModelMessage,
+    ModelRequest,
+    ModelResponse,
+    SystemPromptPart,
+    TextPart,
+    ThinkingPart,
+    ToolCallPart,
+    ToolReturnPart,
+    UserPromptPart,
+)
+from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+from contextfold.integrations.pydantic_ai import (
+    CompactionCapability,
+    from_pydantic_ai,
+    to_pydantic_ai,
+)
+
+
+class Scripted:
+    """A FunctionModel body playing the scenario's agent; records what each request carried."""
+
+    def __init__(self) -> None:
+        self.requests: list[list[Message]] = []
+
+    def __call__(self, messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        converted, _ = from_pydantic_ai(messages)
+        self.requests.append(converted)
+        reply = agent([m for m in converted if m.role.value != "system"])
+        if reply.tool_calls:
+            call = reply.tool_calls[0]
+            return ModelResponse(parts=[ToolCallPart(call.name, call.arguments, tool_call_id=call.id)])
+        return ModelResponse(parts=[TextPart(reply.text)])
+
+
+def make_agent(store: Any, script: Scripted, thread: str | None = None) -> Agent[None, str]:
+    bot: Agent[None, str] = Agent(
+        FunctionModel(script),
+        instructions="Look records up.",
+        capabilities=[CompactionCapability(compactor(store), thread=thread)],
+    )
+
+    @bot.tool_plain
+    def lookup(n: int) -> str:
+        """Look a record up by its number."""
+        return record_text(n)
+
+    return bot
+
+
+async def test_a_long_session_folds_and_resumes(tmp_path: Path) -> None:
+    """Forty turns over the run's conversation_id fold, and a new agent over the same file resumes them."""
+    path = tmp_path / "pai.db"
+    history: list[ModelMessage] = []
+    requests: list[list[Message]] = []
+    conversation_id = None
+    for first, last in ((0, TURNS // 2), (TURNS // 2, TURNS)):
+        async with SQLiteStore(path) as store:
+            script = Scripted()
+            bot = make_agent(store, script)
+            for n in range(first, last):
+                result = await bot.run(question(n), message_history=history, conversation_id=conversation_id)
+                history, conversation_id = result.all_messages(), result.conversation_id
+            requests += script.requests
+            c = compactor(store)
+            if last == TURNS:
+                await check_log(c, conversation_id, range(TURNS))
+    check_requests(requests)
+    assert any("Codes seen:" in m.text for m in from_pydantic_ai(history)[0][:1])
+
+
+async def test_rebuilt_history_is_not_recorded_again() -> None:
+    """History rebuilt from JSON keeps its conversation_id as the thread and adds no duplicate."""
+    from pydantic_ai.messages import ModelMessagesTypeAdapter
+
+    async with MemoryStore() as store:
+        bot = make_agent(store, Scripted())
+        result = await bot.run(question(0), conversation_id="conv-1")
+        for n in range(1, 3):
+            history = ModelMessagesTypeAdapter.validate_json(result.all_messages_json())
+            result = await bot.run(question(n), message_history=history)
+        assert result.conversation_id == "conv-1"
+        await check_log_without_fold(compactor(store), "conv-1", 3)
+
+
+async def check_log_without_fold(c: Any, thread: str, turns: int) -> None:
+    from contextfold import conversation
+
+    from .scenario import text_of, transcript
+
+    texts = [text_of(m) for m in conversation([r async for r in c.episodic.replay(thread)])]
+    assert texts == transcript(range(turns))
+
+
+def test_every_part_kind_converts_both_ways() -> None:
+    """System, user, tool-return, retried, thinking and text parts come back equal after a round trip."""
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    messages: list[ModelMessage] = [
+        ModelRequest(parts=[SystemPromptPart("sys", timestamp=at), UserPromptPart("hi", timestamp=at)]),
+        ModelResponse(
+            parts=[
+                ThinkingPart("hmm", signature="s1"),
+                TextPart("x"),
+                ToolCallPart("f", {"a": 1}, tool_call_id="c1"),
+            ],
+            timestamp=at,
+        ),
+        ModelRequest(
+            parts=[
+                ToolReturnPart("f", "result", tool_call_id="c1", timestamp=at),
+                ToolReturnPart("f", "bad args", tool_call_id="c2", outcome="retried", timestamp=at),
+            ]
+        ),
+    ]
+    converted, ids = from_pydantic_ai(messages)
+    assert [m.role.value for m in converted] == ["system", "user", "assistant", "tool", "tool"]
+    assert ids[2] == "pydantic_ai.calls:c1" and ids[3] == "pydantic_ai.result:c1"
+    assert converted[4].metadata["is_error"] is True
+    assert to_pydantic_ai(converted) == messages
+
+
+def test_a_part_kind_without_a_branch_is_kept() -> None:
+    """A request part this module has no branch for (a CompactionPart of other code) survives a round trip."""
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    messages: list[ModelMessage] = [
+        ModelRequest(
+            parts=[CompactionPart(content="earlier: code-0001"), UserPromptPart("go on", timestamp=at)]
+        )
+    ]
+    converted, _ = from_pydantic_ai(messages)
+    assert [m.role.value for m in converted] == ["user", "user"] and "code-0001" in converted[0].text
+    assert not converted[0].is_summary
+    assert to_pydantic_ai(converted) == messages
+
+
+def test_the_summary_goes_back_as_a_marked_compaction_part() -> None:
+    """A contextfold summary becomes a CompactionPart that converts back to a summary, never a user turn."""
+    summary = Message.user(
+        "[compacted summary of earlier turns]\nCodes seen: code-0001", metadata={"contextfold.summary": True}
+    )
+    [request] = to_pydantic_ai([summary, Message.user("next")])
+    assert isinstance(request, ModelRequest) and isinstance(request.parts[0], CompactionPart)
+    back, _ = from_pydantic_ai([request])
+    assert back[0].is_summary and back[0].text == summary.text

@@ -1,0 +1,174 @@
+"""sync(): a framework's whole message list in, only the unrecorded messages recorded, the context out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from contextfold import (
+    ApproximateCounter,
+    Compactor,
+    ConfigError,
+    Message,
+    RunOptions,
+    SummarizeOptions,
+    ToolCall,
+    conversation,
+)
+from contextfold._episodes import HistoryClearedEpisode, MessagesRetractedEpisode
+from contextfold._sync import KEY_METADATA_KEY, SUMMARY_KEY_PREFIX, sync
+from contextfold.stores import MemoryStore, SQLiteStore
+
+QUIET = RunOptions(max_history_tokens=100_000)
+SMALL = RunOptions(
+    max_history_tokens=1_600,
+    compaction=SummarizeOptions(trigger_token_budget=400, max_summary_tokens=80, min_recent_messages=2),
+)
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    if request.param == "memory":
+        async with MemoryStore() as memory:
+            yield memory
+    else:
+        async with SQLiteStore(tmp_path / "sync.db") as sqlite:
+            yield sqlite
+
+
+def compactor(store: Any, options: RunOptions = QUIET) -> Compactor:
+    return Compactor(store, options=options, counter=ApproximateCounter())
+
+
+async def logged(c: Compactor, thread: str) -> list[Message]:
+    return conversation([record async for record in c.episodic.replay(thread)])
+
+
+def turn(n: int, filler: int = 0) -> list[Message]:
+    call = ToolCall(id=f"call-{n}", name="lookup", arguments=f'{{"n": {n}}}')
+    return [
+        Message.user(f"question {n}"),
+        Message.assistant(None, tool_calls=[call]),
+        Message.tool(f"call-{n}", f"answer {n} " + "data " * filler),
+        Message.assistant(f"done {n}"),
+    ]
+
+
+async def test_a_growing_list_records_each_message_once(store: Any) -> None:
+    """Passing the whole list after every turn records each message exactly once, in order."""
+    c = compactor(store)
+    history: list[Message] = []
+    for n in range(5):
+        history += turn(n)
+        assert await sync(c, "t", history) is None
+    assert [m.text for m in await logged(c, "t")] == [m.text for m in history]
+
+
+async def test_repeated_content_is_recorded_again(store: Any) -> None:
+    """A message that repeats an earlier one word for word is a new message and is recorded."""
+    c = compactor(store)
+    history = [Message.user("continue"), Message.assistant("ok")]
+    await sync(c, "t", history)
+    history += [Message.user("continue"), Message.assistant("ok")]
+    await sync(c, "t", history)
+    await sync(c, "t", history)
+    assert [m.text for m in await logged(c, "t")] == ["continue", "ok", "continue", "ok"]
+
+
+async def test_framework_ids_decide_what_is_new(store: Any) -> None:
+    """With ids, a message already recorded under its id is not recorded again, even if reordered."""
+    c = compactor(store)
+    first = [Message.user("a"), Message.assistant("b")]
+    await sync(c, "t", first, ids=["m1", "m2"])
+    await sync(c, "t", [first[1], first[0], Message.user("c")], ids=["m2", "m1", "m3"])
+    records = await logged(c, "t")
+    assert [m.text for m in records] == ["a", "b", "c"]
+    assert [m.metadata[KEY_METADATA_KEY] for m in records] == ["m1", "m2", "m3"]
+
+
+async def test_ids_must_match_the_messages(store: Any) -> None:
+    """An ids list of the wrong length is refused with a ConfigError naming ids."""
+    with pytest.raises(ConfigError, match="ids"):
+        await sync(compactor(store), "t", [Message.user("a")], ids=["x", "y"])
+
+
+async def test_a_restarted_process_resumes_without_duplicates(tmp_path: Path) -> None:
+    """A new compactor over the same SQLite file reads the recorded keys back and records only what is new."""
+    path = tmp_path / "resume.db"
+    history = turn(0) + turn(1)
+    async with SQLiteStore(path) as first:
+        await sync(compactor(first), "t", history)
+    history += turn(2)
+    async with SQLiteStore(path) as second:
+        c = compactor(second)
+        await sync(c, "t", history)
+        assert [m.text for m in await logged(c, "t")] == [m.text for m in history]
+
+
+async def sync_until_a_fold(c: Compactor) -> list[Message]:
+    """Sync a growing history turn by turn until a fold hands back a new context."""
+    history: list[Message] = []
+    for n in range(12):
+        history += turn(n, filler=60)
+        returned = await sync(c, "t", history)
+        if returned is not None:
+            return returned
+    raise AssertionError("twelve turns did not fold")
+
+
+async def test_a_fold_returns_the_context_with_a_keyed_summary(store: Any) -> None:
+    """After a fold the new context comes back with a keyed summary; writing it back records nothing."""
+    c = compactor(store, SMALL)
+    returned = await sync_until_a_fold(c)
+    assert returned[0].is_summary
+    assert returned[0].metadata[KEY_METADATA_KEY].startswith(SUMMARY_KEY_PREFIX)
+    assert [m.text for m in returned] == [m.text for m in await c.context("t")]
+    before = await logged(c, "t")
+    # The framework stores the context it was given, losing the summary's mark but keeping ids.
+    written_back = [
+        m.model_copy(update={"metadata": {KEY_METADATA_KEY: m.metadata[KEY_METADATA_KEY]}}) for m in returned
+    ]
+    assert await sync(c, "t", written_back) is None
+    following = turn(99)
+    await sync(c, "t", written_back + following)
+    after = await logged(c, "t")
+    assert after == before + after[len(before) :]
+    assert [m.text for m in after[len(before) :]] == [m.text for m in following]
+    assert not any(m.is_summary or m.text.startswith("[compacted") for m in after)
+
+
+async def test_a_context_without_keys_resumes_by_content(store: Any) -> None:
+    """A framework that keeps no ids and passes the folded context back still records only the new turn."""
+    c = compactor(store, SMALL)
+    returned = await sync_until_a_fold(c)
+    before = await logged(c, "t")
+    plain = [
+        Message(role=m.role, content=m.content, tool_calls=m.tool_calls, tool_call_id=m.tool_call_id)
+        for m in returned
+    ]
+    await sync(c, "t", plain + turn(100))
+    after = await logged(c, "t")
+    assert [m.text for m in after[len(before) :]] == [m.text for m in turn(100)]
+
+
+async def test_retractions_and_clears_are_followed(store: Any) -> None:
+    """After a retraction or a clear in the log, the withdrawn messages count as unrecorded again."""
+    c = compactor(store)
+    await sync(c, "t", [Message.user("a"), Message.assistant("b")])
+    await c.episodic.record("t", MessagesRetractedEpisode(count=1))
+    await sync(c, "t", [Message.user("a"), Message.assistant("b")])
+    assert [m.text for m in await logged(c, "t")] == ["a", "b"]
+    await c.episodic.record("t", HistoryClearedEpisode())
+    await sync(c, "t", [Message.user("a")])
+    assert [m.text for m in await logged(c, "t")] == ["a"]
+
+
+async def test_messages_appended_directly_are_known(store: Any) -> None:
+    """Messages recorded with Compactor.append, not through sync, are not recorded a second time."""
+    c = compactor(store)
+    await c.append("t", [Message.system("be brief"), Message.user("hi")])
+    await sync(c, "t", [Message.system("be brief"), Message.user("hi"), Message.assistant("hello")])
+    assert [m.text for m in await logged(c, "t")] == ["be brief", "hi", "hello"]
