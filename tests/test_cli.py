@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -89,15 +90,23 @@ def serve(httpserver: HTTPServer, handler: Callable[[Request], Response]) -> lis
 
 @pytest.fixture(scope="module")
 def demo_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One 120-step demo thread 'shared' that the read-only tests inspect."""
+    """One 120-step demo thread 't', read by the inspect tests and copied by ``thread_db``."""
     db = tmp_path_factory.mktemp("demo") / "demo.db"
-    ok(cli("demo", "--db", str(db), "--thread", "shared", "--steps", "120", "--budget", "6000"))
+    ok(cli("demo", "--db", str(db), "--thread", "t", "--steps", "120", "--budget", "6000"))
     return db
+
+
+@pytest.fixture
+def thread_db(demo_db: Path, tmp_path: Path) -> Path:
+    """A copy of ``demo_db`` of the test's own, to change."""
+    for path in demo_db.parent.glob("demo.db*"):
+        shutil.copy(path, tmp_path / path.name)
+    return tmp_path / "demo.db"
 
 
 def test_demo_defaults_to_a_temporary_file_it_names(tmp_path: Path) -> None:
     """demo without --db writes to a new temporary file and prints its path."""
-    out = ok(cli("demo", "--steps", "60", "--budget", "4000", tmp=tmp_path))
+    out = ok(cli("demo", "--steps", "30", "--budget", "3000", tmp=tmp_path))
     db, thread = written(out)
     assert db.parent == tmp_path and db.is_file()
     assert row(out, "compactions") > 0 and row(out, "degraded summaries") == 0
@@ -130,14 +139,14 @@ def test_two_demo_runs_write_two_threads(tmp_path: Path) -> None:
 
 def test_inspect_pages_the_context_and_the_log(demo_db: Path) -> None:
     """inspect shows the newest 20 rows of each by default, --last N the newest N, --full all of them."""
-    window, log = anyio_run_load(demo_db, "shared")
-    default = ok(cli("inspect", str(demo_db), "shared"))
+    window, log = anyio_run_load(demo_db, "t")
+    default = ok(cli("inspect", str(demo_db), "t"))
     assert f"the last 20 of {len(log)} episodes" in default
     assert _log_seqs(default) == [r.seq for r in log[-20:]]
-    three = ok(cli("inspect", str(demo_db), "shared", "--last", "3"))
+    three = ok(cli("inspect", str(demo_db), "t", "--last", "3"))
     assert _log_seqs(three) == [r.seq for r in log[-3:]]
     assert f"the last 3 of {len(window)} messages" in three
-    full = ok(cli("inspect", str(demo_db), "shared", "--full"))
+    full = ok(cli("inspect", str(demo_db), "t", "--full"))
     assert _log_seqs(full) == [r.seq for r in log]
     assert "--full for more" not in full
     assert len(default.splitlines()) * 5 < len(full.splitlines())
@@ -161,19 +170,19 @@ def anyio_run_load(db: Path, thread: str) -> tuple[list[Any], list[EpisodeRecord
 
 def test_inspect_json_is_what_the_store_holds(demo_db: Path) -> None:
     """inspect --json --full prints the whole working context and log exactly as stored."""
-    window, log = anyio_run_load(demo_db, "shared")
-    document = json.loads(ok(cli("inspect", str(demo_db), "shared", "--json", "--full")))
+    window, log = anyio_run_load(demo_db, "t")
+    document = json.loads(ok(cli("inspect", str(demo_db), "t", "--json", "--full")))
     assert document["context"]["messages"] == [m.model_dump(mode="json") for m in window]
     assert document["log"]["records"] == [r.model_dump(mode="json") for r in log]
-    paged = json.loads(ok(cli("inspect", str(demo_db), "shared", "--json", "--last", "2")))
+    paged = json.loads(ok(cli("inspect", str(demo_db), "t", "--json", "--last", "2")))
     assert [m["seq"] for m in paged["context"]["messages"]] == [m.seq for m in window[-2:]]
     assert paged["log"]["episodes"] == len(log)
 
 
 def test_inspect_shows_summaries_whole(demo_db: Path) -> None:
     """The working context's summary and the newest checkpoint's summary appear line for line, uncut."""
-    window, log = anyio_run_load(demo_db, "shared")
-    out = ok(cli("inspect", str(demo_db), "shared", "--last", str(len(window))))
+    window, log = anyio_run_load(demo_db, "t")
+    out = ok(cli("inspect", str(demo_db), "t", "--last", str(len(window))))
     summary = next(m.message for m in window if m.message.is_summary)
     checkpoint = [r.episode for r in log if isinstance(r.episode, SummaryCheckpoint)][-1]
     assert len(summary.text) > 200
@@ -203,10 +212,9 @@ async def test_inspect_names_the_log_seqs_a_checkpoint_covers(tmp_path: Path) ->
     assert "FIRST LINE" in out and "SECOND LINE" in out
 
 
-def test_compact_twice_reports_one_true_stall_and_fails(tmp_path: Path) -> None:
+def test_compact_twice_reports_one_true_stall_and_fails(thread_db: Path) -> None:
     """A second compact of a folded thread fails with one line saying its tokens are within the budget."""
-    db = tmp_path / "d.db"
-    ok(cli("demo", "--db", str(db), "--thread", "t", "--steps", "40"))
+    db = thread_db
     first = cli("compact", str(db), "t", "--manual-recovery")
     assert "manual_recovery" in ok(first)
     kinds = [r.episode.kind for r in await_records(db, "t")]
@@ -220,10 +228,9 @@ def test_compact_twice_reports_one_true_stall_and_fails(tmp_path: Path) -> None:
     assert [r.episode.kind for r in await_records(db, "t")] == kinds
 
 
-def test_compact_uses_the_summarizer_options(tmp_path: Path, httpserver: HTTPServer) -> None:
+def test_compact_uses_the_summarizer_options(thread_db: Path, httpserver: HTTPServer) -> None:
     """compact --summarizer openai --model --base-url folds with that server's summary."""
-    db = tmp_path / "d.db"
-    ok(cli("demo", "--db", str(db), "--thread", "t", "--steps", "40"))
+    db = thread_db
     seen = serve(httpserver, lambda request: chat_reply("SERVER-SUMMARY"))
     out = ok(
         cli(
@@ -237,10 +244,9 @@ def test_compact_uses_the_summarizer_options(tmp_path: Path, httpserver: HTTPSer
     assert checkpoint.summary == "SERVER-SUMMARY" and checkpoint.model == "local-model"
 
 
-def test_compact_with_a_failing_summarizer_exits_non_zero(tmp_path: Path) -> None:
+def test_compact_with_a_failing_summarizer_exits_non_zero(thread_db: Path) -> None:
     """compact whose summarizer is unreachable applies a degraded fold and exits 1 saying so."""
-    db = tmp_path / "d.db"
-    ok(cli("demo", "--db", str(db), "--thread", "t", "--steps", "40"))
+    db = thread_db
     result = cli(
         "compact", str(db), "t", "--manual-recovery", "--summarizer", "openai", "--model", "m",
         "--base-url", f"http://127.0.0.1:{free_port()}/v1",

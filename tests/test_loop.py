@@ -34,7 +34,7 @@ from contextfold.testing import ScriptedModel, tool_step
 
 OPTIONS = RunOptions(
     max_history_tokens=1_200,
-    compaction=SummarizeOptions(trigger_token_budget=300, max_summary_tokens=60, keep_recent_messages=2),
+    compaction=SummarizeOptions(trigger_token_budget=300, max_summary_tokens=60, min_recent_messages=2),
 )
 
 
@@ -259,3 +259,18 @@ async def test_max_steps_must_be_positive() -> None:
         loop = make_loop(store)
         with pytest.raises(ConfigError, match="max_steps"):
             await loop.run("t", "hi", llm=ScriptedModel([]), max_steps=0)
+
+
+async def test_run_records_the_model_and_usage_a_reply_carries() -> None:
+    """A model callable returning a Reply has its model and usage recorded with the reply in the log."""
+    from contextfold import LlmCallEpisode, MemoryStore, RunOptions, Usage
+    from contextfold._loop import Reply
+
+    async def llm(messages: list[Message]) -> Reply:
+        return Reply(Message.assistant("done"), model="m-1", usage=Usage(input_tokens=7, output_tokens=2))
+
+    async with MemoryStore() as store:
+        loop = StepLoop(Compactor(store, options=RunOptions.without_compaction()))
+        await loop.run("t", "hi", llm=llm)
+        calls = [r.episode async for r in store.replay("t") if isinstance(r.episode, LlmCallEpisode)]
+    assert [(c.model, c.usage) for c in calls] == [("m-1", Usage(input_tokens=7, output_tokens=2))]

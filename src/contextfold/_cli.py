@@ -602,8 +602,9 @@ def compact(
             await stack.enter_async_context(store)
             await _require_thread(store, thread)
             compactor = Compactor(store, options=options, summarizer=chosen)
-            reason = "manual_recovery" if manual_recovery else "manual"
-            return await compactor.compact_now(thread, reason=reason)
+            if manual_recovery:
+                return await compactor.manual_recovery(thread)
+            return await compactor.compact_now(thread)
 
     with _collect_problems() as problems:
         result = _run(fold)
@@ -627,20 +628,23 @@ def compact(
 
 
 def _stall_line(result: CompactionResult, options: RunOptions) -> str:
+    """Why a manual compaction folded nothing, in the command's terms."""
     opts = options.compaction
     assert opts is not None
     kept = (
-        f"the newest turns compaction always keeps ({opts.min_recent_turns} turns, "
-        f"{opts.keep_recent_messages} messages)"
+        f"the newest turns always kept ({opts.min_recent_turns} turns, {opts.min_recent_messages} messages)"
     )
     if result.tokens_before <= opts.trigger_token_budget:
         return (
             f"nothing to fold in {result.thread!r}: its {result.tokens_before:,} tokens are within the "
-            f"{opts.trigger_token_budget:,}-token --budget and are {kept}; --manual-recovery folds those too"
+            f"{opts.trigger_token_budget:,}-token --budget, and a fold would keep all of them (they fit "
+            f"the {opts.effective_target_tokens:,}-token target a fold aims for, or are {kept}); "
+            "--manual-recovery folds every turn into the summary"
         )
-    if result.detail and "nothing can be folded" not in result.detail:
-        return f"nothing folded in {result.thread!r}: {result.detail}"
+    if result.detail == "the summarizer failed":
+        return f"nothing folded in {result.thread!r}: the summarizer failed (see the warning above)"
     return (
-        f"nothing to fold in {result.thread!r}: {kept} alone hold {result.tokens_before:,} tokens, over the "
-        f"{opts.trigger_token_budget:,}-token --budget; raise --budget or use --manual-recovery"
+        f"nothing to fold in {result.thread!r}: {kept} alone hold most of its {result.tokens_before:,} "
+        f"tokens, over the {opts.trigger_token_budget:,}-token --budget; raise --budget or use "
+        "--manual-recovery"
     )

@@ -35,6 +35,7 @@ __all__ = [
     "Compacted",
     "CompactionHook",
     "Hook",
+    "Reply",
     "RunFinished",
     "RunResult",
     "Step",
@@ -50,11 +51,27 @@ __all__ = [
 
 logger = logging.getLogger("contextfold")
 
-LLM: TypeAlias = Callable[[list[Message]], Awaitable[Message]]
-"""A blocking model: the request's messages in, the assistant's reply out."""
 
-StreamingLLM: TypeAlias = Callable[[list[Message]], AsyncIterator["str | ToolCall | Message"]]
-"""A streaming model: yields text deltas and finished tool calls (or one whole ``Message``)."""
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """An assistant reply with what the provider said about the call: its model and usage.
+
+    A model callable may return a ``Reply`` instead of a bare ``Message`` (a
+    streaming one may yield it last); the step loop then records the model and
+    the usage in the episodic log with the reply.
+    """
+
+    message: Message
+    model: str | None = None
+    usage: Usage | None = None
+
+
+LLM: TypeAlias = Callable[[list[Message]], Awaitable["Message | Reply"]]
+"""A blocking model: the request's messages in, the assistant's reply (or a ``Reply``) out."""
+
+StreamingLLM: TypeAlias = Callable[[list[Message]], AsyncIterator["str | ToolCall | Message | Reply"]]
+"""A streaming model: yields text deltas and finished tool calls (or one whole ``Message`` or ``Reply``)."""
 
 Tool: TypeAlias = Callable[..., Awaitable[Any]]
 """A tool: called with the call's JSON arguments as keyword arguments; its result becomes text."""
@@ -230,7 +247,7 @@ class StepLoop:
     ) -> RunResult:
         """Drive ``llm`` and ``tools`` until the assistant answers without calling a tool."""
 
-        async def as_stream(messages: list[Message]) -> AsyncIterator[Message]:
+        async def as_stream(messages: list[Message]) -> AsyncIterator[Message | Reply]:
             yield await llm(messages)
 
         compactions: list[CompactionResult] = []
@@ -264,12 +281,16 @@ class StepLoop:
                 text: list[str] = []
                 calls: list[ToolCall] = []
                 whole: Message | None = None
+                model: str | None = None
+                usage: Usage | None = None
                 async for chunk in llm(step.messages):
                     if isinstance(chunk, str):
                         text.append(chunk)
                         yield TextDelta(chunk)
                     elif isinstance(chunk, ToolCall):
                         calls.append(chunk)
+                    elif isinstance(chunk, Reply):
+                        whole, model, usage = chunk.message, chunk.model, chunk.usage
                     else:
                         whole = chunk
                 if whole is None:
@@ -277,7 +298,7 @@ class StepLoop:
                 reply = whole
                 if reply.role is not Role.ASSISTANT:
                     raise ConfigError("llm", "must reply with an assistant message", value=reply.role)
-                await step.record(reply)
+                await step.record(reply, model=model, usage=usage)
                 for call in reply.tool_calls:
                     yield ToolStarted(call)
                     await step.record_tool_call(call)

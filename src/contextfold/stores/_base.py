@@ -35,6 +35,7 @@ __all__ = [
     "Store",
     "StoredMessage",
     "ThreadInfo",
+    "ThreadState",
     "ThreadStats",
     "Tombstone",
 ]
@@ -63,6 +64,20 @@ class ThreadStats(BaseModel):
     """Bumped by every ``replace_prefix``; the guard a caller passes back."""
     last_seq: int = 0
     """Sequence number of the newest message (0 for an empty thread)."""
+
+
+class ThreadState(BaseModel):
+    """What a compactor checks before every request: working-context stats and episodic pressure.
+
+    Read in one query, so the per-step check costs one round trip however
+    long the thread is. ``pressure.estimated_context_tokens`` is
+    ``stats.total_tokens``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    stats: ThreadStats
+    pressure: EpisodicCompactionPressure
 
 
 class ContextWindow(BaseModel):
@@ -219,6 +234,10 @@ class Store(ShortTermStore, EpisodicStore, Protocol):
     ``ShortTermStore`` and an ``EpisodicStore``) recording and folding are
     two writes, not one: see ``Compactor``.
     """
+
+    async def state(self, thread: str, *, now: datetime | None = None) -> ThreadState:
+        """``stats`` and ``pressure`` (age measured at ``now``, default now) in one read."""
+        ...
 
     async def tail(self, thread: str, *, after_seq: int) -> ContextWindow:
         """Messages with ``seq > after_seq``, oldest first, with the thread's current state.
