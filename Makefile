@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
+CLI_STAMP := $(VENV)/.installed-cli
 
 .PHONY: test demo lint typecheck bench clean
 
@@ -15,16 +16,23 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# The demo needs only the command's own extra, not the development tools.
+$(CLI_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[cli]'
+	touch $(CLI_STAMP)
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks
 
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict src
 
+# The suite includes tests/test_wheel.py: it builds the wheel and sdist, installs the
+# wheel into a fresh virtual environment and runs the command from there.
 test: lint typecheck
 	$(BIN)/pytest --cov=contextfold --cov-branch --cov-report=term:skip-covered
 
-demo: $(STAMP)
+demo: $(CLI_STAMP)
 	$(BIN)/contextfold demo
 
 bench: $(STAMP)
@@ -35,6 +43,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_step.py
 	$(BIN)/python benchmarks/bench_agents.py
 	$(BIN)/python benchmarks/bench_prefix.py
+	$(BIN)/python benchmarks/bench_import.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist

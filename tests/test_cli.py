@@ -1,139 +1,460 @@
-"""The contextfold command: demo, inspect, compact, and one-line errors."""
+"""The installed ``contextfold`` command on SQLite and PostgreSQL: demo, threads, inspect, compact."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
-from click.testing import CliRunner
+from psycopg import sql
+from pytest_httpserver import HTTPServer
+from werkzeug import Request, Response
 
-from contextfold.cli import main
+from contextfold._episodes import EpisodeRecord, SummaryCheckpoint, UserMessageEpisode
+from contextfold._messages import Message
+from contextfold.cli import CLI_EXTRA_HINT
+from contextfold.stores import PostgresStore, SQLiteStore
+
+COMMAND = Path(sys.executable).with_name("contextfold")
+
+
+def cli(*args: str, tmp: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run the installed console script, wide enough that rich cuts no line of a summary."""
+    env = {**os.environ, "COLUMNS": "1000", "NO_COLOR": "1"}
+    env.pop("OPENAI_API_KEY", None)
+    env.pop("ANTHROPIC_API_KEY", None)
+    if tmp is not None:
+        env["TMPDIR"] = str(tmp)
+    return subprocess.run(
+        [str(COMMAND), *args], capture_output=True, text=True, env=env, timeout=timeout, check=False
+    )
+
+
+def ok(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def row(output: str, label: str) -> int:
+    found = re.search(rf"{label}\s*│\s*([\d,]+)", output)
+    assert found, output
+    return int(found.group(1).replace(",", ""))
+
+
+async def records(db: Path, thread: str) -> list[EpisodeRecord]:
+    async with SQLiteStore(db) as store:
+        return [record async for record in store.replay(thread)]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def chat_reply(text: str) -> Response:
+    body = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "local-model",
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}],
+        "usage": {"prompt_tokens": 1000, "completion_tokens": 50, "total_tokens": 1050},
+    }
+    return Response(json.dumps(body), content_type="application/json")
+
+
+def serve(httpserver: HTTPServer, handler: Callable[[Request], Response]) -> list[dict[str, Any]]:
+    """Answer chat completions with ``handler``; return the request bodies as they arrive."""
+    seen: list[dict[str, Any]] = []
+
+    def record(request: Request) -> Response:
+        seen.append(json.loads(request.get_data(as_text=True)))
+        return handler(request)
+
+    httpserver.expect_request("/v1/chat/completions", method="POST").respond_with_handler(record)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def demo_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One 120-step demo thread 't', read by the inspect tests and copied by ``thread_db``."""
+    db = tmp_path_factory.mktemp("demo") / "demo.db"
+    ok(cli("demo", "--db", str(db), "--thread", "t", "--steps", "120", "--budget", "6000"))
+    return db
 
 
 @pytest.fixture
-def runner() -> CliRunner:
-    return CliRunner()
+def thread_db(demo_db: Path, tmp_path: Path) -> Path:
+    """A copy of ``demo_db`` of the test's own, to change."""
+    for path in demo_db.parent.glob("demo.db*"):
+        shutil.copy(path, tmp_path / path.name)
+    return tmp_path / "demo.db"
 
 
-def demo_thread(output: str) -> str:
-    found = re.search(r"thread (demo-\d+)", output)
+def test_demo_defaults_to_a_temporary_file_it_names(tmp_path: Path) -> None:
+    """demo without --db writes to a new temporary file and prints its path."""
+    out = ok(cli("demo", "--steps", "30", "--budget", "3000", tmp=tmp_path))
+    db, thread = written(out)
+    assert db.parent == tmp_path and db.is_file()
+    assert row(out, "compactions") > 0 and row(out, "degraded summaries") == 0
+    kinds = [r.episode.kind for r in await_records(db, thread)]
+    assert kinds.count("summary_checkpoint") == row(out, "compactions")
+
+
+def written(output: str) -> tuple[Path, str]:
+    """The store and thread a demo run says it wrote."""
+    found = re.search(r"inspect it: contextfold inspect (\S+) (\S+)", output)
     assert found, output
-    return found.group(1)
+    return Path(found.group(1).removeprefix("sqlite:///")), found.group(2)
 
 
-def test_demo_runs_a_session_and_prints_the_table(runner: CliRunner, tmp_path: Path) -> None:
-    """demo simulates a session on SQLite and prints requests, compactions and token figures."""
-    db = tmp_path / "demo.db"
-    result = runner.invoke(main, ["demo", "--db", str(db), "--steps", "80", "--budget", "4000"])
-    assert result.exit_code == 0, result.output
-    for label in (
-        "requests",
-        "compactions",
-        "peak request tokens",
-        "mean request tokens",
-        "summarizer tokens",
-    ):
-        assert label in result.output
-    assert db.is_file()
-    row = re.search(r"compactions\s*│\s*(\d+)", result.output)
-    assert row and int(row.group(1)) > 0
+def await_records(db: Path, thread: str) -> list[EpisodeRecord]:
+    import anyio
+
+    return anyio.run(records, db, thread)
 
 
-def test_demo_draws_a_plot(runner: CliRunner, tmp_path: Path) -> None:
-    """demo --plot writes a PNG of request tokens per step."""
-    plot = tmp_path / "tokens.png"
-    result = runner.invoke(
-        main,
-        ["demo", "--db", str(tmp_path / "d.db"), "--steps", "30", "--budget", "3000", "--plot", str(plot)],
-    )
-    assert result.exit_code == 0, result.output
-    assert plot.read_bytes().startswith(b"\x89PNG")
+def test_two_demo_runs_write_two_threads(tmp_path: Path) -> None:
+    """Each demo run on one store writes a thread of its own."""
+    db = tmp_path / "d.db"
+    first = ok(cli("demo", "--db", f"sqlite:///{db}", "--steps", "5"))
+    second = ok(cli("demo", "--db", f"sqlite:///{db}", "--steps", "5"))
+    names = [written(out)[1] for out in (first, second)]
+    assert names[0] != names[1]
+    assert all(await_records(db, name) for name in names)
 
 
-def test_inspect_and_manual_recovery(runner: CliRunner, tmp_path: Path) -> None:
-    """inspect shows the context and the log; compact --manual-recovery folds the thread to its summary."""
-    db = tmp_path / "demo.db"
-    thread = demo_thread(runner.invoke(main, ["demo", "--db", str(db), "--steps", "40"]).output)
-    shown = runner.invoke(main, ["inspect", str(db), thread])
-    assert shown.exit_code == 0, shown.output
-    assert "working context" in shown.output and "episodic log" in shown.output
-    folded = runner.invoke(main, ["compact", str(db), thread, "--manual-recovery"])
-    assert folded.exit_code == 0, folded.output
-    assert "manual_recovery" in folded.output
-    after = runner.invoke(main, ["inspect", str(db), thread])
-    assert "manual_recovery" in after.output
+def test_inspect_pages_the_context_and_the_log(demo_db: Path) -> None:
+    """inspect shows the newest 20 rows of each by default, --last N the newest N, --full all of them."""
+    window, log = anyio_run_load(demo_db, "t")
+    default = ok(cli("inspect", str(demo_db), "t"))
+    assert f"the last 20 of {len(log)} episodes" in default
+    assert _log_seqs(default) == [r.seq for r in log[-20:]]
+    three = ok(cli("inspect", str(demo_db), "t", "--last", "3"))
+    assert _log_seqs(three) == [r.seq for r in log[-3:]]
+    assert f"the last 3 of {len(window)} messages" in three
+    full = ok(cli("inspect", str(demo_db), "t", "--full"))
+    assert _log_seqs(full) == [r.seq for r in log]
+    assert "--full for more" not in full
+    assert len(default.splitlines()) * 5 < len(full.splitlines())
+
+
+def _log_seqs(output: str) -> list[int]:
+    log = output[output.index("episodic log of") :]
+    return [int(m.group(1)) for m in re.finditer(r"^│\s*(\d+)\s*│ \d{4}-", log, flags=re.M)]
+
+
+def anyio_run_load(db: Path, thread: str) -> tuple[list[Any], list[EpisodeRecord]]:
+    import anyio
+
+    async def read() -> tuple[list[Any], list[EpisodeRecord]]:
+        async with SQLiteStore(db) as store:
+            window = await store.load(thread)
+            return list(window.messages), [r async for r in store.replay(thread)]
+
+    return anyio.run(read)
+
+
+def test_inspect_json_is_what_the_store_holds(demo_db: Path) -> None:
+    """inspect --json --full prints the whole working context and log exactly as stored."""
+    window, log = anyio_run_load(demo_db, "t")
+    document = json.loads(ok(cli("inspect", str(demo_db), "t", "--json", "--full")))
+    assert document["context"]["messages"] == [m.model_dump(mode="json") for m in window]
+    assert document["log"]["records"] == [r.model_dump(mode="json") for r in log]
+    paged = json.loads(ok(cli("inspect", str(demo_db), "t", "--json", "--last", "2")))
+    assert [m["seq"] for m in paged["context"]["messages"]] == [m.seq for m in window[-2:]]
+    assert paged["log"]["episodes"] == len(log)
+
+
+def test_inspect_shows_summaries_whole(demo_db: Path) -> None:
+    """The working context's summary and the newest checkpoint's summary appear line for line, uncut."""
+    window, log = anyio_run_load(demo_db, "t")
+    out = ok(cli("inspect", str(demo_db), "t", "--last", str(len(window))))
+    summary = next(m.message for m in window if m.message.is_summary)
+    checkpoint = [r.episode for r in log if isinstance(r.episode, SummaryCheckpoint)][-1]
+    assert len(summary.text) > 200
+    for text in (summary.text, checkpoint.summary):
+        for line in filter(None, (line.strip() for line in text.splitlines())):
+            assert line in out
+
+
+async def test_inspect_names_the_log_seqs_a_checkpoint_covers(tmp_path: Path) -> None:
+    """A checkpoint row shows the log seqs it covers beside its context seqs, or says they are unknown."""
+    db = tmp_path / "c.db"
+    async with SQLiteStore(db) as store:
+        await store.record("t", UserMessageEpisode(message=Message.user("hello")))
+        for log_seqs in ((1, 9), (None, None)):
+            checkpoint = SummaryCheckpoint(
+                trigger="context_pressure",
+                from_seq=2,
+                through_seq=7,
+                summary="FIRST LINE\nSECOND LINE",
+                log_from_seq=log_seqs[0],
+                log_through_seq=log_seqs[1],
+            )
+            await store.record("t", checkpoint)
+    out = ok(cli("inspect", str(db), "t"))
+    assert "log seqs 1..9 (context seqs 2..7)" in out
+    assert "log seqs not recorded (context seqs 2..7)" in out
+    assert "FIRST LINE" in out and "SECOND LINE" in out
+
+
+def test_compact_twice_reports_one_true_stall_and_fails(thread_db: Path) -> None:
+    """A second compact of a folded thread fails with one line saying its tokens are within the budget."""
+    db = thread_db
+    first = cli("compact", str(db), "t", "--manual-recovery")
+    assert "manual_recovery" in ok(first)
+    kinds = [r.episode.kind for r in await_records(db, "t")]
+    assert kinds[-2:] == ["summary_checkpoint", "manual_recovery"]
+    second = cli("compact", str(db), "t")
+    assert second.returncode == 1
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1, second.stderr
+    assert "nothing to fold in 't'" in lines[0] and "within the 12,000-token --budget" in lines[0]
+    assert "checks skipped" not in second.stderr + second.stdout
+    assert [r.episode.kind for r in await_records(db, "t")] == kinds
+
+
+def test_compact_uses_the_summarizer_options(thread_db: Path, httpserver: HTTPServer) -> None:
+    """compact --summarizer openai --model --base-url folds with that server's summary."""
+    db = thread_db
+    seen = serve(httpserver, lambda request: chat_reply("SERVER-SUMMARY"))
+    out = ok(
+        cli(
+            "compact", str(db), "t", "--manual-recovery", "--summarizer", "openai",
+            "--model", "local-model", "--base-url", httpserver.url_for("/v1"),
+        )
+    )  # fmt: skip
+    assert "manual_recovery" in out
+    assert [body["model"] for body in seen] == ["local-model"]
+    checkpoint = [r.episode for r in await_records(db, "t") if isinstance(r.episode, SummaryCheckpoint)][-1]
+    assert checkpoint.summary == "SERVER-SUMMARY" and checkpoint.model == "local-model"
+
+
+def test_compact_with_a_failing_summarizer_exits_non_zero(thread_db: Path) -> None:
+    """compact whose summarizer is unreachable applies a degraded fold and exits 1 saying so."""
+    db = thread_db
+    result = cli(
+        "compact", str(db), "t", "--manual-recovery", "--summarizer", "openai", "--model", "m",
+        "--base-url", f"http://127.0.0.1:{free_port()}/v1",
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "fell back to the offline summarizer" in result.stderr
+    checkpoint = [r.episode for r in await_records(db, "t") if isinstance(r.episode, SummaryCheckpoint)][-1]
+    assert checkpoint.degraded and checkpoint.trigger == "manual_recovery"
+
+
+def test_demo_with_nothing_listening_fails_fast(tmp_path: Path) -> None:
+    """demo whose summarizer endpoint refuses connections stops at the first fold, in a few lines, exit 1."""
+    started = time.monotonic()
+    result = cli(
+        "demo", "--db", str(tmp_path / "d.db"), "--summarizer", "openai", "--model", "llama3.1",
+        "--base-url", f"http://127.0.0.1:{free_port()}/v1",
+    )  # fmt: skip
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1
+    assert elapsed < 20
+    lines = result.stderr.strip().splitlines()
+    assert 1 <= len(lines) <= 4, result.stderr
+    assert "stopped after" in lines[-1] and "--base-url" in lines[-1]
+    assert "Traceback" not in result.stderr
+
+
+def test_demo_counts_degraded_summaries(tmp_path: Path, httpserver: HTTPServer) -> None:
+    """A server that answers the first summary and then fails shows the degraded count the log holds."""
+    calls: list[int] = []
+
+    def flaky(request: Request) -> Response:
+        calls.append(1)
+        return chat_reply("SUMMARY-OK") if len(calls) == 1 else Response("bad request", status=400)
+
+    serve(httpserver, flaky)
+    db = tmp_path / "d.db"
+    result = cli(
+        "demo", "--db", str(db), "--thread", "t", "--steps", "60", "--budget", "4000",
+        "--summarizer", "openai", "--model", "local-model", "--base-url", httpserver.url_for("/v1"),
+    )  # fmt: skip
+    out = ok(result)
+    degraded = [
+        r.episode.degraded for r in await_records(db, "t") if isinstance(r.episode, SummaryCheckpoint)
+    ]
+    assert degraded[0] is False and sum(degraded) > 0
+    assert row(out, "degraded summaries") == sum(degraded)
+    assert row(out, "compactions") == len(degraded)
+    assert len(result.stderr.strip().splitlines()) <= 3, result.stderr
+
+
+def test_demo_whose_every_summary_degraded_exits_non_zero(tmp_path: Path, httpserver: HTTPServer) -> None:
+    """A server that rejects every summary request makes demo exit 1 after the first fold."""
+    serve(httpserver, lambda request: Response("no such model", status=404))
+    db = tmp_path / "d.db"
+    result = cli(
+        "demo", "--db", str(db), "--thread", "t", "--summarizer", "openai", "--model", "nope",
+        "--base-url", httpserver.url_for("/v1"),
+    )  # fmt: skip
+    assert result.returncode == 1
+    checkpoints = [r.episode for r in await_records(db, "t") if isinstance(r.episode, SummaryCheckpoint)]
+    assert [c.degraded for c in checkpoints] == [True]
+
+
+def test_demo_with_an_openai_compatible_server(tmp_path: Path, httpserver: HTTPServer) -> None:
+    """demo --summarizer openai --base-url sends its summaries to that server and counts their tokens."""
+    seen = serve(httpserver, lambda request: chat_reply("SUMMARY-OK"))
+    db = tmp_path / "d.db"
+    out = ok(
+        cli(
+            "demo", "--db", str(db), "--thread", "t", "--steps", "40", "--budget", "3000",
+            "--summarizer", "openai", "--model", "local-model", "--base-url", httpserver.url_for("/v1"),
+        )
+    )  # fmt: skip
+    assert seen and all(body["model"] == "local-model" for body in seen)
+    assert row(out, "summarizer tokens") == 1050 * len(seen)
+    assert row(out, "degraded summaries") == 0
+    assert "SUMMARY-OK" in ok(cli("inspect", str(db), "t", "--no-log"))
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("args", "code", "wanted", "unwanted"),
     [
-        (["inspect", "{tmp}/missing.db", "t"], "no database at"),
-        (["compact", "{tmp}/missing.db", "t", "--manual-recovery"], "no database at"),
-        (["demo", "--summarizer", "openai", "--model", "m", "--base-url", "notaurl"], "base_url"),
-        (["demo", "--summarizer", "openai"], "--model"),
+        (["inspect", "{tmp}/missing.db", "t"], 1, "no database at", ""),
+        (["compact", "{tmp}/missing.db", "t"], 1, "no database at", ""),
+        (["inspect", "mysql://host/db", "t"], 1, "unsupported scheme 'mysql'", ""),
+        (["demo", "--summarizer", "openai"], 2, "--model gpt-4o-mini", "claude"),
+        (["demo", "--summarizer", "anthropic"], 2, "--model claude-haiku-4-5", "gpt"),
+        (["demo", "--summarizer", "anthropic", "--model", "claude-haiku-4-5"], 2, "--api-key", "api_key="),
+        (["demo", "--summarizer", "anthropic", "--model", "claude-haiku-4-5"], 2, "ANTHROPIC_API_KEY", ""),
+        (["compact", "x.db", "t", "--summarizer", "openai", "--model", "gpt-4o"], 2, "--api-key", "api_key"),
+        (["demo", "--summarizer", "openai", "--model", "m", "--base-url", "x"], 2, "--base-url", "base_url"),
+        (["demo", "--model", "gpt-4o-mini"], 2, "--model applies only to --summarizer openai", ""),
+        (["compact", "x.db", "t", "--base-url", "http://x"], 2, "--base-url applies only", ""),
     ],
+)  # fmt: skip
+def test_errors_are_one_line_that_names_the_flag(
+    tmp_path: Path, args: list[str], code: int, wanted: str, unwanted: str
+) -> None:
+    """Bad input exits non-zero with one error line naming the flag to fix, never a traceback."""
+    result = cli(*(a.replace("{tmp}", str(tmp_path)) for a in args))
+    assert result.returncode == code, result.stderr
+    error = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(error) == 1 and wanted in error[0], result.stderr
+    assert not unwanted or unwanted not in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unknown_thread_is_an_error(demo_db: Path) -> None:
+    """inspect of a thread the store does not hold says so, points at threads, and exits 1."""
+    result = cli("inspect", str(demo_db), "no-such-thread")
+    assert result.returncode == 1
+    assert "no thread 'no-such-thread'" in result.stderr and "contextfold threads" in result.stderr
+
+
+def test_summarizer_option_has_help() -> None:
+    """demo --help describes --summarizer and each of its choices."""
+    out = ok(cli("demo", "--help"))
+    text = " ".join(out.split())
+    assert "--summarizer [extractive|openai|anthropic]" in text
+    assert "Who writes the summaries" in text
+
+
+def test_without_the_cli_extra_the_command_prints_the_install_hint() -> None:
+    """The entry point without click installed prints one line naming contextfold[cli] and exits 1."""
+    code = "import sys; sys.modules['click'] = None; from contextfold.cli import main; main()"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert result.returncode == 1
+    assert result.stderr.strip() == CLI_EXTRA_HINT
+    assert "pip install 'contextfold[cli]'" in CLI_EXTRA_HINT
+
+
+def test_demo_plot_uses_a_log_axis_and_marks_each_fold(tmp_path: Path) -> None:
+    """demo --plot writes a PNG whose y axis is logarithmic with one marker line per fold."""
+    import anyio
+    import matplotlib
+
+    from contextfold._cli import _options, _plot
+    from contextfold._compactor import Compactor
+    from contextfold._demo import run_session
+    from contextfold._loop import StepLoop
+    from contextfold._tokens import TiktokenCounter
+    from contextfold.stores import MemoryStore
+
+    plot = tmp_path / "tokens.png"
+    ok(cli("demo", "--db", str(tmp_path / "d.db"), "--steps", "30", "--budget", "3000", "--plot", str(plot)))
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+    async def session() -> Any:
+        counter = TiktokenCounter()
+        async with MemoryStore() as store:
+            loop = StepLoop(Compactor(store, options=_options(3000), counter=counter))
+            return await run_session(loop, "t", steps=30, counter=counter)
+
+    stats = anyio.run(session)
+    matplotlib.use("Agg")
+    axes = _plot(stats, tmp_path / "again.png", 3000)
+    folds = [step for step, c in zip(stats.compaction_steps, stats.compactions, strict=True) if not c.stalled]
+    vertical = [line for line in axes.get_lines() if list(line.get_xdata()) == [line.get_xdata()[0]] * 2]
+    assert axes.get_yscale() == "log"
+    assert folds and sorted(line.get_xdata()[0] for line in vertical) == folds
+
+
+needs_threads = pytest.mark.skipif(
+    not hasattr(SQLiteStore, "threads"), reason="the stores do not list threads yet (Store.threads)"
 )
-def test_errors_are_one_clear_line(runner: CliRunner, tmp_path: Path, args: list[str], message: str) -> None:
-    """Bad input exits non-zero with one line that names the problem."""
-    result = runner.invoke(main, [a.replace("{tmp}", str(tmp_path)) for a in args])
-    assert result.exit_code != 0
-    assert message in result.output
-    assert "Traceback" not in result.output
 
 
-def test_unknown_thread_is_an_error(runner: CliRunner, tmp_path: Path) -> None:
-    """inspect of a thread the database does not hold says so and exits non-zero."""
-    db = tmp_path / "demo.db"
-    runner.invoke(main, ["demo", "--db", str(db), "--steps", "5"])
-    result = runner.invoke(main, ["inspect", str(db), "no-such-thread"])
-    assert result.exit_code == 1
-    assert "no thread 'no-such-thread'" in result.output
+@needs_threads
+def test_threads_lists_each_thread_with_its_figures(tmp_path: Path) -> None:
+    """threads prints every thread with its messages, tokens, episodes and last activity, newest first."""
+    db = tmp_path / "d.db"
+    for name, steps in (("older", "10"), ("newer", "20")):
+        ok(cli("demo", "--db", str(db), "--thread", name, "--steps", steps))
+    listed = json.loads(ok(cli("threads", str(db), "--json")))
+    assert [info["thread"] for info in listed] == ["newer", "older"]
+    window, log = anyio_run_load(db, "newer")
+    assert listed[0]["message_count"] == len(window) and listed[0]["episodes"] == len(log)
+    assert listed[0]["total_tokens"] == sum(m.tokens for m in window)
+    table = ok(cli("threads", f"sqlite:///{db}"))
+    assert re.search(rf"newer\s*│\s*{len(window)}\s*│", table)
 
 
-def test_missing_provider_key_is_an_error(runner: CliRunner, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The official Anthropic endpoint without a key is refused with the variable to set."""
-    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
-    result = runner.invoke(main, ["demo", "--summarizer", "anthropic", "--model", "claude-x"])
-    assert result.exit_code == 1
-    assert "ANTHROPIC_API_KEY" in result.output
+@pytest.fixture
+async def pg_url(postgres_url: str) -> AsyncIterator[str]:
+    """A store URL on the test server with a schema of the test's own, dropped afterwards."""
+    schema = f"cf_cli_{uuid.uuid4().hex[:10]}"
+    yield f"{postgres_url}?schema={schema}"
+    async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as conn:
+        await conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 
-def test_demo_with_an_openai_compatible_server(runner: CliRunner, tmp_path: Path, httpserver: Any) -> None:
-    """demo --summarizer openai --base-url sends its summaries to that server and uses its replies."""
-    requests: list[dict[str, Any]] = []
-
-    def reply(request: Any) -> Any:
-        from werkzeug import Response
-
-        requests.append(json.loads(request.get_data(as_text=True)))
-        body = {
-            "id": "chatcmpl-1",
-            "object": "chat.completion",
-            "created": 0,
-            "model": "local-model",
-            "choices": [
-                {
-                    "index": 0,
-                    "finish_reason": "stop",
-                    "message": {"role": "assistant", "content": "SUMMARY-OK"},
-                }
-            ],
-            "usage": {"prompt_tokens": 1000, "completion_tokens": 50, "total_tokens": 1050},
-        }
-        return Response(json.dumps(body), content_type="application/json")
-
-    httpserver.expect_request("/v1/chat/completions", method="POST").respond_with_handler(reply)
-    db = tmp_path / "demo.db"
-    args = ["demo", "--db", str(db), "--steps", "40", "--budget", "3000", "--summarizer", "openai"]
-    args += ["--model", "local-model", "--base-url", httpserver.url_for("/v1")]
-    result = runner.invoke(main, args)
-    assert result.exit_code == 0, result.output
-    assert requests and all(r["model"] == "local-model" for r in requests)
-    row = re.search(r"summarizer tokens\s*│\s*([\d,]+)", result.output)
-    assert row and int(row.group(1).replace(",", "")) == 1050 * len(requests)
-    thread = demo_thread(result.output)
-    shown = runner.invoke(main, ["inspect", str(db), thread, "--no-replay"])
-    assert "SUMMARY-OK" in shown.output
+@pytest.mark.postgres
+async def test_demo_inspect_and_compact_on_postgres(pg_url: str) -> None:
+    """The commands take a postgresql:// URL: demo writes there, inspect reads it, compact folds it."""
+    ok(cli("demo", "--db", pg_url, "--thread", "pg", "--steps", "40", "--budget", "4000"))
+    base, schema = pg_url.split("?schema=")
+    async with PostgresStore(base, schema=schema) as store:
+        window = await store.load("pg")
+        log = [r async for r in store.replay("pg")]
+    shown = json.loads(ok(cli("inspect", pg_url, "pg", "--json", "--full")))
+    assert shown["context"]["messages"] == [m.model_dump(mode="json") for m in window.messages]
+    assert shown["log"]["episodes"] == len(log)
+    assert "manual_recovery" in ok(cli("compact", pg_url, "pg", "--manual-recovery"))
+    async with PostgresStore(base, schema=schema) as store:
+        latest = await store.latest_checkpoint("pg")
+        after = await store.load("pg")
+    assert latest is not None and latest.episode.kind == "manual_recovery"
+    assert after.total_tokens < window.total_tokens
+    if hasattr(PostgresStore, "threads"):
+        listed = json.loads(ok(cli("threads", pg_url, "--json")))
+        assert [info["thread"] for info in listed] == ["pg"]

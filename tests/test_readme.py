@@ -1,16 +1,15 @@
-"""The README's code runs as written."""
+"""Every Python block of the README is a complete program that runs as written."""
 
 from __future__ import annotations
 
 import re
-import textwrap
 from pathlib import Path
-from typing import Any
 
+import anyio
 import pytest
 
-from contextfold import Message, RunOptions, SummarizeOptions, ToolCall
-from contextfold.stores import MemoryStore, SQLiteStore
+from contextfold import SummaryCheckpoint, SystemMessageEpisode, UserMessageEpisode
+from contextfold.stores import SQLiteStore
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
@@ -22,61 +21,94 @@ def block(containing: str) -> str:
     return found[0]
 
 
-async def run_async(code: str, names: dict[str, Any]) -> dict[str, Any]:
-    source = "async def __readme__():\n" + textwrap.indent(code, "    ") + "\n    return locals()\n"
-    exec(compile(source, "README.md", "exec"), names)
-    result: dict[str, Any] = await names["__readme__"]()
-    return result
+def run_program(code: str, capsys: pytest.CaptureFixture[str]) -> str:
+    """Run ``code`` as a script in the current directory and return what it printed."""
+    capsys.readouterr()
+    exec(compile(code, "README.md", "exec"), {"__name__": "__main__"})
+    return capsys.readouterr().out
 
 
-async def test_quickstart_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The quickstart wraps a loop, compacts on the way, and finishes the run."""
+@pytest.fixture(autouse=True)
+def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh working directory, and provider keys so that the summarizers can be built."""
     monkeypatch.chdir(tmp_path)
-    code = (
-        block("async with loop.step(thread) as step:")
-        .replace("trigger_token_budget=60_000", "trigger_token_budget=400, max_summary_tokens=100")
-        .replace("max_history_tokens=100_000", "max_history_tokens=1_600")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-readme-test")
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-readme-test")
+    return tmp_path
+
+
+QUICKSTART = block('anyio.run(main, "user-42"')
+REPLAY = block("conversation([record async for record")
+BUDGETS = block("max_history_tokens alone enforces nothing")
+
+
+@pytest.mark.parametrize("code", BLOCKS, ids=[f"block{n}" for n in range(len(BLOCKS))])
+def test_every_python_block_runs(code: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each Python block of the README runs to the end on its own, in an empty directory."""
+    run_program(code, capsys)
+
+
+async def _log(db: Path, thread: str) -> list[object]:
+    async with SQLiteStore(db) as store:
+        return [record.episode async for record in store.replay(thread)]
+
+
+async def _context(db: Path, thread: str) -> list[str]:
+    async with SQLiteStore(db) as store:
+        return [m.role.value for m in (await store.load(thread)).plain]
+
+
+def test_running_the_quickstart_twice_resumes_the_thread(
+    sandbox: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second run continues the same thread: one system prompt at its head, both questions after it."""
+    first = run_program(QUICKSTART, capsys)
+    second = run_program(QUICKSTART, capsys)
+    assert first == second == "The folder holds: README.md, agent.py\n"
+    log = anyio.run(_log, sandbox / "agent.db", "user-42")
+    assert sum(isinstance(e, SystemMessageEpisode) for e in log) == 1
+    assert sum(isinstance(e, UserMessageEpisode) for e in log) == 2
+    roles = anyio.run(_context, sandbox / "agent.db", "user-42")
+    assert roles[0] == "system" and roles.count("system") == 1 and roles.count("user") == 2
+    assert run_program(REPLAY, capsys) == "9 messages in the log, 9 in the working context\n"
+
+
+def test_the_quickstart_folds_once_the_budget_is_reached(
+    sandbox: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With a small budget the quickstart folds older runs into a summary; its system prompt stays first."""
+    small = QUICKSTART.replace("max_history_tokens=100_000", "max_history_tokens=1_200").replace(
+        "trigger_token_budget=60_000", "trigger_token_budget=300"
     )
-    asked: list[int] = []
-
-    async def my_llm(messages: list[Message]) -> Message:
-        asked.append(len(messages))
-        if len(asked) % 3:
-            return Message.assistant(
-                None, tool_calls=[ToolCall(id=f"c{len(asked)}", name="ls", arguments="{}")]
-            )
-        return Message.assistant("all done")
-
-    async def run_tool(call: ToolCall) -> str:
-        return "file.txt\n" * 200
-
-    names: dict[str, Any] = {
-        "thread": "readme",
-        "SYSTEM_PROMPT": "Be brief.",
-        "my_llm": my_llm,
-        "run_tool": run_tool,
-    }
-    for n in range(3):
-        names["question"] = f"question {n}"
-        scope = await run_async(code, dict(names))
-    assert scope["reply"].text == "all done"
-    assert (tmp_path / "agent.db").is_file()
-    assert len(asked) == 9
-    async with SQLiteStore(tmp_path / "agent.db") as store:
-        kinds = [record.episode.kind async for record in store.replay("readme")]
-    assert "summary_checkpoint" in kinds
-    assert kinds.count("user_message") == 3
+    assert small != QUICKSTART
+    for _ in range(8):
+        run_program(small, capsys)
+    log = anyio.run(_log, sandbox / "agent.db", "user-42")
+    assert any(isinstance(e, SummaryCheckpoint) for e in log)
+    assert sum(isinstance(e, SystemMessageEpisode) for e in log) == 1
+    roles = anyio.run(_context, sandbox / "agent.db", "user-42")
+    assert roles[0] == "system" and len(roles) < 1 + 8 * 4
+    replayed = run_program(REPLAY, capsys)
+    assert replayed.startswith(f"{1 + 8 * 4} messages in the log, {len(roles)} in")
 
 
-async def test_summarizer_swaps_construct(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every summarizer line of the README builds a Compactor (keys from the environment)."""
-    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
-    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-test")
-    async with MemoryStore() as store:
-        options = RunOptions(compaction=SummarizeOptions(trigger_token_budget=40_000))
-        await run_async(block("summarizer=AnthropicSummarizer"), {"store": store, "options": options})
+def test_the_budget_rules_print_what_the_readme_says(capsys: pytest.CaptureFixture[str]) -> None:
+    """The budget program prints exactly the text block the README shows after it."""
+    shown = README.split(BUDGETS, 1)[1]
+    expected = re.search(r"```text\n(.*?)```", shown, flags=re.S)
+    assert expected
+    assert run_program(BUDGETS, capsys) == expected.group(1)
 
 
-async def test_store_lines_construct() -> None:
-    """Every store line of the README builds a store without connecting."""
-    await run_async(block('PostgresStore("postgresql://app@db/agents")'), {})
+def test_the_summarizer_block_prints_no_key(capsys: pytest.CaptureFixture[str]) -> None:
+    """The summarizer block builds every provider's summarizer and no repr shows a key."""
+    out = run_program(block("async with (\n        MemoryStore() as store"), capsys)
+    assert out.count("Summarizer(") == 3
+    assert "sk-" not in out
+
+
+def test_the_readme_names_every_warning_the_compactor_logs() -> None:
+    """The warnings table explains the compaction window and the stall the compactor warns about."""
+    section = README.split("## Warnings and what they mean", 1)[1].split("\n## ", 1)[0]
+    for words in ("compaction window", "nothing can be folded", "summarizer failed", "stopped at the limit"):
+        assert words in section

@@ -119,6 +119,8 @@ class DemoStats:
     uncompacted_tokens: list[int] = field(default_factory=list)
     """Tokens each request would have had without compaction: the whole history."""
     compactions: list[CompactionResult] = field(default_factory=list)
+    compaction_steps: list[int] = field(default_factory=list)
+    """The step (1-based request number) at which each of ``compactions`` happened."""
 
     @property
     def summarizer_tokens(self) -> int:
@@ -138,8 +140,12 @@ async def run_session(
     seed: int = 7,
     system_prompt: str = "You are a careful coding agent. Use the tools; never guess file contents.",
     on_step: Callable[[int], None] | None = None,
+    stop: Callable[[DemoStats], bool] | None = None,
 ) -> DemoStats:
-    """Run a simulated session of about ``steps`` requests through ``loop``."""
+    """Run a simulated session of about ``steps`` requests through ``loop``.
+
+    ``stop`` is asked after every step and ends the session early when it says so.
+    """
     agent = SimulatedAgent(seed)
     stats = DemoStats()
     history_tokens = 0
@@ -157,6 +163,7 @@ async def run_session(
                 stats.uncompacted_tokens.append(history_tokens)
                 if step.compaction is not None:
                     stats.compactions.append(step.compaction)
+                    stats.compaction_steps.append(stats.requests)
                 reply = await agent.model(step.messages)
                 await step.record(reply)
                 history_tokens += counter.count(reply)
@@ -168,6 +175,8 @@ async def run_session(
                     history_tokens += counter.count(result)
             if on_step is not None:
                 on_step(stats.requests)
+            if stop is not None and stop(stats):
+                return stats
             if reply.role is Role.ASSISTANT and not reply.tool_calls:
                 await loop.complete_run(thread)
                 break

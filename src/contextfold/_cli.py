@@ -1,0 +1,650 @@
+"""The commands of ``contextfold``: ``demo``, ``threads``, ``inspect`` and ``compact``.
+
+Every problem is one line on stderr and a non-zero exit status. Warnings the
+library logs while a command runs are collected and printed once each at the
+end, with how often they happened, instead of once per occurrence.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import statistics
+import tempfile
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from ._compactor import CompactionResult, Compactor
+from ._config import RunOptions, SummarizeOptions
+from ._demo import DemoStats, run_session
+from ._episodes import (
+    EpisodeRecord,
+    ManualRecoveryBoundary,
+    RunCompletedEpisode,
+    SummaryCheckpoint,
+    ToolCallEpisode,
+    conversation,
+)
+from ._errors import ConfigError, ContextfoldError
+from ._loop import StepLoop
+from ._resource import AsyncResource
+from ._tokens import TiktokenCounter
+from .cli import open_store
+from .stores._base import Store, StoredMessage
+from .summarizers import AnthropicSummarizer, ExtractiveSummarizer, OpenAICompatibleSummarizer, Summarizer
+
+__all__ = ["app"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class _Provider:
+    env_var: str
+    example_model: str
+    official_url: str
+
+
+_PROVIDERS = {
+    "openai": _Provider("OPENAI_API_KEY", "gpt-4o-mini", "https://api.openai.com/v1"),
+    "anthropic": _Provider("ANTHROPIC_API_KEY", "claude-haiku-4-5", "https://api.anthropic.com"),
+}
+_OFFLINE = "extractive"
+_LINE_CHARS = 160
+
+
+class _Problems(logging.Handler):
+    """Collects the library's warnings while a command runs, one entry per distinct problem."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: dict[str, tuple[str, int]] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage().splitlines()[0]
+        key = re.sub(r"\d+", "N", text)  # the same problem on another thread, seq or attempt
+        first, count = self.seen.get(key, (text, 0))
+        self.seen[key] = (first, count + 1)
+
+    def lines(self, *, besides: str = "") -> list[str]:
+        """One line per problem, leaving out any that ``besides`` already reported."""
+        out = []
+        for text, count in self.seen.values():
+            if besides and besides in text:
+                continue
+            out.append(f"warning: {text}" + (f" ({count} times)" if count > 1 else ""))
+        return out
+
+
+@contextmanager
+def _collect_problems() -> Iterator[_Problems]:
+    # Without a handler of ours, logging's last-resort handler would print every warning
+    # as it happens, beside the command's own report of the same problem.
+    problems = _Problems()
+    library = logging.getLogger("contextfold")
+    propagate = library.propagate
+    library.addHandler(problems)
+    library.propagate = False
+    try:
+        yield problems
+    finally:
+        library.removeHandler(problems)
+        library.propagate = propagate
+
+
+def _echo_problems(problems: _Problems, *, besides: str = "") -> None:
+    for line in problems.lines(besides=besides):
+        click.echo(line, err=True)
+
+
+def _run(fn: Callable[[], Awaitable[T]]) -> T:
+    """Run a coroutine, turning contextfold's errors into one line and exit status 1."""
+    try:
+        return anyio.run(fn)
+    except ContextfoldError as exc:
+        raise click.ClickException(_cli_words(str(exc))) from None
+
+
+def _cli_words(text: str) -> str:
+    """A library message with its keyword arguments named as this command's flags."""
+    for keyword, flag in (("api_key=...", "--api-key"), ("base_url", "--base-url")):
+        text = text.replace(keyword, flag)
+    return text
+
+
+def _store(url: str, *, create: bool = False) -> Store:
+    try:
+        return open_store(url, create=create)
+    except ConfigError as exc:
+        if exc.key == "url" and not create and "://" not in url:
+            raise click.ClickException(f"no database at {url}: pass the SQLite file a run wrote") from None
+        raise click.ClickException(str(exc)) from None
+    except ImportError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _summarizer(kind: str, model: str | None, base_url: str | None, api_key: str | None) -> Summarizer:
+    """The summarizer the options name; every problem is named by its flag."""
+    if kind == _OFFLINE:
+        flags = (("--model", model), ("--base-url", base_url), ("--api-key", api_key))
+        given = [flag for flag, value in flags if value is not None]
+        if given:
+            verb = "applies" if len(given) == 1 else "apply"
+            raise click.UsageError(
+                f"{', '.join(given)} {verb} only to --summarizer openai or anthropic; the offline "
+                f"summarizer ({_OFFLINE}, the default) calls no model. Add --summarizer openai or "
+                f"--summarizer anthropic, or drop {', '.join(given)}"
+            )
+        return ExtractiveSummarizer()
+    provider = _PROVIDERS[kind]
+    if model is None:
+        raise click.UsageError(
+            f"--summarizer {kind} needs --model, for example --model {provider.example_model}"
+            + (" (or the model your server at --base-url serves)" if base_url else "")
+        )
+    url = base_url or provider.official_url
+    try:
+        if kind == "openai":
+            return OpenAICompatibleSummarizer(model, base_url=url, api_key=api_key)
+        return AnthropicSummarizer(model, base_url=url, api_key=api_key)
+    except ConfigError as exc:
+        if exc.key == "api_key" and "needs an API key" in exc.reason:
+            raise click.UsageError(
+                f"--summarizer {kind} at {url} needs an API key: pass --api-key or set "
+                f"{provider.env_var} (a local server given with --base-url may need none)"
+            ) from None
+        if exc.key == "base_url":
+            raise click.UsageError(
+                f"--base-url {base_url!r} is not an http(s) URL; use one such as "
+                f"http://127.0.0.1:11434/v1 (a local server) or {provider.official_url}"
+            ) from None
+        raise click.UsageError(_cli_words(str(exc))) from None
+
+
+def _summarizer_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The four options that choose the summarizer, shared by demo and compact."""
+    options = [
+        click.option(
+            "--summarizer",
+            type=click.Choice([_OFFLINE, *_PROVIDERS]),
+            default=_OFFLINE,
+            show_default=True,
+            help="Who writes the summaries: the offline extractive summarizer, any OpenAI-compatible "
+            "server (OpenAI, Ollama, vLLM, LM Studio, OpenRouter) or Anthropic.",
+        ),
+        click.option(
+            "--model",
+            default=None,
+            help="Summarizer model, for openai (e.g. gpt-4o-mini, llama3.1 on Ollama) or anthropic "
+            "(e.g. claude-haiku-4-5).",
+        ),
+        click.option(
+            "--base-url",
+            default=None,
+            help="Provider endpoint, e.g. http://127.0.0.1:11434/v1 for Ollama "
+            "(default: the provider's own API).",
+        ),
+        click.option(
+            "--api-key", default=None, help="Provider key (default: $OPENAI_API_KEY / $ANTHROPIC_API_KEY)."
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+_budget = click.option(
+    "--budget",
+    type=click.IntRange(min=4),
+    default=12000,
+    show_default=True,
+    help="Compact when the working context is above this many tokens.",
+)
+
+
+def _options(budget: int) -> RunOptions:
+    """The CLI's compaction settings for a token budget."""
+    return RunOptions(
+        max_history_tokens=budget * 2,
+        compaction=SummarizeOptions(trigger_token_budget=budget, max_summary_tokens=min(800, budget // 4)),
+    )
+
+
+def _describe(summarizer: Summarizer) -> str:
+    model = getattr(summarizer, "model", None)
+    url = getattr(summarizer, "base_url", None)
+    return f"model {model} at {url}" if model and url else "the summarizer"
+
+
+@click.group()
+@click.version_option(package_name="contextfold")
+def app() -> None:
+    """Keep long-running LLM agents inside their context window without losing anything.
+
+    STORE is sqlite:///PATH or a file path, or postgresql://USER@HOST/DB (add
+    ?schema=NAME for a schema other than contextfold).
+    """
+
+
+@app.command()
+@click.option(
+    "--db",
+    "db",
+    default=None,
+    metavar="STORE",
+    help="Store the demo writes to: a SQLite file or a store URL (default: a new temporary file, named "
+    "in the output).",
+)
+@click.option("--thread", default=None, help="Thread to write (default: a new demo-... thread).")
+@click.option(
+    "--steps", type=click.IntRange(min=1), default=300, show_default=True, help="LLM requests to simulate."
+)
+@_budget
+@click.option("--seed", type=int, default=7, show_default=True, help="Seed of the simulated session.")
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Draw request tokens per step to this PNG, log scale, folds marked (needs contextfold[plot]).",
+)
+@_summarizer_options
+def demo(
+    db: str | None,
+    thread: str | None,
+    steps: int,
+    budget: int,
+    seed: int,
+    plot: Path | None,
+    summarizer: str,
+    model: str | None,
+    base_url: str | None,
+    api_key: str | None,
+) -> None:
+    """Run a simulated tool-using agent session with compaction on.
+
+    Exits 1 when the summarizer failed on every fold (each summary then came
+    from the offline fallback); the demo stops at the first fold that shows it.
+    """
+    if plot is not None:
+        _require_matplotlib()
+    chosen = _summarizer(summarizer, model, base_url, api_key)
+    if db is None:
+        handle, db = tempfile.mkstemp(prefix="contextfold-demo-", suffix=".db")
+        os.close(handle)  # SQLite takes an empty file for an empty database
+    store = _store(db, create=True)
+    thread = thread or f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    console = Console(stderr=True)
+    offline = summarizer == _OFFLINE
+
+    def give_up(stats: DemoStats) -> bool:
+        folds = [c for c in stats.compactions if not c.stalled]
+        return not offline and len(folds) == 1 and folds[0].degraded
+
+    async def session() -> DemoStats:
+        counter = TiktokenCounter()
+        async with AsyncExitStack() as stack:
+            if isinstance(chosen, AsyncResource):  # the HTTP summarizers own a connection pool
+                await stack.enter_async_context(chosen)
+            await stack.enter_async_context(store)
+            compactor = Compactor(store, options=_options(budget), summarizer=chosen, counter=counter)
+            with Progress(
+                TextColumn("[bold]simulating"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=console,
+                transient=True,
+            ) as progress:
+                task = progress.add_task("steps", total=steps)
+                return await run_session(
+                    StepLoop(compactor),
+                    thread,
+                    steps=steps,
+                    counter=counter,
+                    seed=seed,
+                    on_step=lambda done: progress.update(task, completed=done),
+                    stop=give_up,
+                )
+
+    with _collect_problems() as problems:
+        stats = _run(session)
+    _echo_problems(problems)
+    if give_up(stats):
+        raise click.ClickException(
+            f"the first fold's summary fell back to the offline summarizer because {_describe(chosen)} "
+            f"failed (see the warning above); stopped after {stats.requests} of {steps} steps. Check that "
+            "the server is up at --base-url, the --model name and --api-key"
+        )
+    Console().print(_summary_table(stats, thread, db))
+    click.echo(f"inspect it: contextfold inspect {db} {thread}")
+    if plot is not None:
+        _plot(stats, plot, budget)
+        click.echo(f"plot written to {plot}")
+    folds = [c for c in stats.compactions if not c.stalled]
+    if folds and all(c.degraded for c in folds):
+        raise click.ClickException(
+            f"every summary ({len(folds)}) fell back to the offline summarizer: {_describe(chosen)} failed"
+        )
+
+
+def _summary_table(stats: DemoStats, thread: str, db: str) -> Table:
+    table = Table(title=f"contextfold demo: thread {thread} in {db}")
+    table.add_column("measure")
+    table.add_column("with compaction", justify="right")
+    table.add_column("without", justify="right")
+    folds = [c for c in stats.compactions if not c.stalled]
+    table.add_row("requests", str(stats.requests), str(stats.requests))
+    table.add_row("compactions", str(len(folds)), "0")
+    table.add_row("degraded summaries", str(sum(1 for c in folds if c.degraded)), "0")
+    table.add_row(
+        "peak request tokens", f"{max(stats.request_tokens):,}", f"{max(stats.uncompacted_tokens):,}"
+    )
+    table.add_row(
+        "mean request tokens",
+        f"{statistics.fmean(stats.request_tokens):,.0f}",
+        f"{statistics.fmean(stats.uncompacted_tokens):,.0f}",
+    )
+    table.add_row(
+        "total request tokens", f"{sum(stats.request_tokens):,}", f"{sum(stats.uncompacted_tokens):,}"
+    )
+    table.add_row("summarizer tokens", f"{stats.summarizer_tokens:,}", "0")
+    table.add_row("messages folded", f"{sum(c.dropped_messages for c in folds):,}", "0")
+    return table
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise click.ClickException("--plot needs matplotlib: pip install 'contextfold[plot]'") from None
+
+
+def _plot(stats: DemoStats, path: Path, budget: int) -> Any:
+    """Draw the session to ``path`` and return the figure's axes (closed figure)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(9, 4.5))
+    steps = range(1, stats.requests + 1)
+    axes.plot(steps, stats.uncompacted_tokens, label="without compaction", color="#c44e52")
+    axes.plot(steps, stats.request_tokens, label="with contextfold", color="#4c72b0")
+    axes.axhline(budget, linestyle="--", color="grey", linewidth=1, label=f"trigger budget ({budget:,})")
+    folds = [step for step, c in zip(stats.compaction_steps, stats.compactions, strict=True) if not c.stalled]
+    for n, step in enumerate(folds):
+        axes.axvline(step, color="#55a868", linewidth=0.6, alpha=0.6, label="fold" if n == 0 else None)
+    # Without a log axis the compacted line is flattened against zero next to the growing one.
+    axes.set_yscale("log")
+    axes.set_xlabel("step")
+    axes.set_ylabel("request tokens (log scale)")
+    axes.set_title(f"Request tokens per step: {len(folds)} folds")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return axes
+
+
+async def _require_thread(store: Store, thread: str) -> None:
+    stats = await store.stats(thread)
+    if stats.message_count == 0 and await store.latest_checkpoint(thread) is None:
+        async for _ in store.replay(thread, from_seq=0):
+            return
+        raise click.ClickException(
+            f"no thread {thread!r} in the store; `contextfold threads STORE` lists the threads it holds"
+        )
+
+
+@app.command()
+@click.argument("store_url", metavar="STORE")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def threads(store_url: str, as_json: bool) -> None:
+    """List the threads a store holds, newest activity first."""
+    store = _store(store_url)
+
+    async def listing() -> list[Any]:
+        async with store:
+            return list(await store.threads())
+
+    found = _run(listing)
+    if as_json:
+        click.echo(json.dumps([info.model_dump(mode="json") for info in found], indent=2))
+        return
+    table = Table(title=f"{len(found)} threads in {store_url}")
+    for column in ("thread", "messages", "tokens", "episodes", "last activity"):
+        table.add_column(column, justify="left" if column == "thread" else "right")
+    for info in found:
+        last = info.last_activity.strftime("%Y-%m-%d %H:%M:%S") if info.last_activity else "-"
+        table.add_row(
+            info.thread, f"{info.message_count:,}", f"{info.total_tokens:,}", f"{info.episodes:,}", last
+        )
+    Console().print(table)
+
+
+def _one_line(text: str, full: bool) -> Text:
+    if full:
+        return Text(text)
+    return Text(text.replace("\n", " ⏎ ")[:_LINE_CHARS], no_wrap=True, overflow="ellipsis")
+
+
+def _message_text(stored: StoredMessage) -> str:
+    message = stored.message
+    text = message.text
+    if message.tool_calls:
+        text += (" " if text else "") + ", ".join(f"{c.name}({c.arguments})" for c in message.tool_calls)
+    return text
+
+
+def _episode_detail(record: EpisodeRecord) -> tuple[str, str | None]:
+    """One line on what an episode holds, and the text to show whole, if any."""
+    episode = record.episode
+    if isinstance(episode, SummaryCheckpoint):
+        if episode.log_from_seq is not None and episode.log_through_seq is not None:
+            covers = f"log seqs {episode.log_from_seq}..{episode.log_through_seq}"
+        else:
+            covers = "log seqs not recorded"
+        line = (
+            f"{episode.trigger}: {covers} (context seqs {episode.from_seq}..{episode.through_seq}), "
+            f"{episode.dropped_messages} messages, {episode.tokens_before:,} -> {episode.tokens_after:,} "
+            f"tokens, by {episode.model or 'no summarizer'}" + (" (degraded)" if episode.degraded else "")
+        )
+        return line, episode.summary
+    if isinstance(episode, ToolCallEpisode):
+        return f"{episode.call.name}({episode.call.arguments})", None
+    if isinstance(episode, ManualRecoveryBoundary):
+        return f"{episode.reason} through context seq {episode.through_seq}", None
+    if isinstance(episode, RunCompletedEpisode):
+        return ("clean" if episode.clean else "unclean"), None
+    messages = conversation([record])
+    if not messages:
+        return "", None
+    message = messages[0]
+    text = message.text or ", ".join(f"{c.name}({c.arguments})" for c in message.tool_calls)
+    return text, None
+
+
+def _shown(total: int, shown: int, what: str) -> str:
+    if shown == total:
+        return ""
+    return f" (the last {shown} of {total} {what}; --last N or --full for more)"
+
+
+@app.command()
+@click.argument("store_url", metavar="STORE")
+@click.argument("thread")
+@click.option(
+    "--last",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="Show the newest N context messages and N log episodes.",
+)
+@click.option("--full", is_flag=True, help="Show every message and episode, each text whole.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (of what --last / --full select).")
+@click.option("--log/--no-log", default=True, show_default=True, help="Also show the episodic log.")
+def inspect(store_url: str, thread: str, last: int, full: bool, as_json: bool, log: bool) -> None:
+    """Show a thread's working context and its episodic log, newest last.
+
+    Summaries and checkpoints are shown whole; other texts are cut to one line
+    unless --full is given.
+    """
+    store = _store(store_url)
+
+    async def read() -> tuple[Any, list[EpisodeRecord], int]:
+        async with store:
+            await _require_thread(store, thread)
+            window = await store.load(thread)
+            records: deque[EpisodeRecord] = deque(maxlen=None if full else last)
+            count = 0
+            if log:
+                async for record in store.replay(thread, from_seq=0):
+                    records.append(record)
+                    count += 1
+            return window, list(records), count
+
+    window, records, count = _run(read)
+    messages = list(window.messages if full else window.messages[-last:])
+    if as_json:
+        document = {
+            "thread": thread,
+            "context": {
+                "message_count": len(window.messages),
+                "total_tokens": window.total_tokens,
+                "messages": [m.model_dump(mode="json") for m in messages],
+            },
+            "log": {"episodes": count, "records": [r.model_dump(mode="json") for r in records]}
+            if log
+            else None,
+        }
+        click.echo(json.dumps(document, indent=2, ensure_ascii=False))
+        return
+    console = Console()
+    table = Table(
+        title=f"working context of {thread!r}: {len(window.messages)} messages, "
+        f"{window.total_tokens:,} tokens" + _shown(len(window.messages), len(messages), "messages"),
+    )
+    table.add_column("seq", justify="right")
+    table.add_column("role")
+    table.add_column("tokens", justify="right")
+    table.add_column("content", ratio=1)
+    for stored in messages:
+        summary = stored.message.is_summary
+        role = stored.message.role.value + (" (summary)" if summary else "")
+        table.add_row(
+            str(stored.seq), role, f"{stored.tokens:,}", _one_line(_message_text(stored), full or summary)
+        )
+    console.print(table)
+    if not log:
+        return
+    table = Table(
+        title=f"episodic log of {thread!r}: {count} episodes" + _shown(count, len(records), "episodes")
+    )
+    table.add_column("seq", justify="right")
+    table.add_column("at")
+    table.add_column("kind")
+    table.add_column("detail", ratio=1)
+    for record in records:
+        line, whole = _episode_detail(record)
+        detail = _one_line(line, full) if whole is None else Text(f"{line}\n{whole}")
+        table.add_row(str(record.seq), record.at.strftime("%Y-%m-%d %H:%M:%S"), record.episode.kind, detail)
+    console.print(table)
+
+
+@app.command()
+@click.argument("store_url", metavar="STORE")
+@click.argument("thread")
+@click.option(
+    "--manual-recovery",
+    is_flag=True,
+    help="Write an operator's clean-slate boundary: fold every turn into the summary.",
+)
+@_budget
+@_summarizer_options
+def compact(
+    store_url: str,
+    thread: str,
+    manual_recovery: bool,
+    budget: int,
+    summarizer: str,
+    model: str | None,
+    base_url: str | None,
+    api_key: str | None,
+) -> None:
+    """Compact a thread now, whatever its triggers say.
+
+    Exits 1 when there was nothing to fold, when another worker holds the
+    thread, or when the summary had to fall back to the offline summarizer.
+    """
+    chosen = _summarizer(summarizer, model, base_url, api_key)
+    store = _store(store_url)
+    options = _options(budget)
+
+    async def fold() -> CompactionResult | None:
+        async with AsyncExitStack() as stack:
+            if isinstance(chosen, AsyncResource):
+                await stack.enter_async_context(chosen)
+            await stack.enter_async_context(store)
+            await _require_thread(store, thread)
+            compactor = Compactor(store, options=options, summarizer=chosen)
+            if manual_recovery:
+                return await compactor.manual_recovery(thread)
+            return await compactor.compact_now(thread)
+
+    with _collect_problems() as problems:
+        result = _run(fold)
+    if result is None:
+        _echo_problems(problems)
+        raise click.ClickException(f"thread {thread!r} is being compacted by another worker; try again")
+    if result.stalled:
+        # The compactor logged the stall too; it is reported here once, in the command's own words.
+        _echo_problems(problems, besides=result.detail)
+        raise click.ClickException(_stall_line(result, options))
+    _echo_problems(problems)
+    click.echo(
+        f"compacted {thread!r} ({result.reason}): {result.dropped_messages} messages folded, "
+        f"{result.tokens_before:,} -> {result.tokens_after:,} tokens"
+    )
+    if result.degraded:
+        raise click.ClickException(
+            f"the summary fell back to the offline summarizer because {_describe(chosen)} failed "
+            "(see the warning above); the fold was applied"
+        )
+
+
+def _stall_line(result: CompactionResult, options: RunOptions) -> str:
+    """Why a manual compaction folded nothing, in the command's terms."""
+    opts = options.compaction
+    assert opts is not None
+    kept = (
+        f"the newest turns always kept ({opts.min_recent_turns} turns, {opts.min_recent_messages} messages)"
+    )
+    if result.tokens_before <= opts.trigger_token_budget:
+        return (
+            f"nothing to fold in {result.thread!r}: its {result.tokens_before:,} tokens are within the "
+            f"{opts.trigger_token_budget:,}-token --budget, and a fold would keep all of them (they fit "
+            f"the {opts.effective_target_tokens:,}-token target a fold aims for, or are {kept}); "
+            "--manual-recovery folds every turn into the summary"
+        )
+    if result.detail == "the summarizer failed":
+        return f"nothing folded in {result.thread!r}: the summarizer failed (see the warning above)"
+    return (
+        f"nothing to fold in {result.thread!r}: {kept} alone hold most of its {result.tokens_before:,} "
+        f"tokens, over the {opts.trigger_token_budget:,}-token --budget; raise --budget or use "
+        "--manual-recovery"
+    )
