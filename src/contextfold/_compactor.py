@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Self
@@ -42,9 +42,22 @@ from ._episodes import (
     episode_for,
 )
 from ._errors import ConfigError, ConflictError, SummarizerError
+from ._events import (
+    BackgroundSummaryApplied,
+    BackgroundSummaryDiscarded,
+    BackgroundSummaryStarted,
+    CompactionEvent,
+    EventDispatcher,
+    FoldApplied,
+    FoldConflict,
+    FoldStalled,
+    Subscriber,
+    SummaryDegraded,
+)
 from ._messages import SUMMARY_METADATA_KEY, Message, Role, ToolCall
 from ._policy import TOKEN_REASONS, EpisodicCompactionPressure, Pressure, Reason, Trigger
 from ._strategies import CompactionPlan, Strategy, unanswered_calls
+from ._telemetry import Telemetry, error_type
 from ._tokens import TiktokenCounter, TokenCounter
 from .stores._base import ContextWindow, EpisodicStore, ShortTermStore, Store, StoredMessage, ThreadStats
 from .summarizers._base import Summarizer, Summary
@@ -221,6 +234,9 @@ class Compactor:
         short_term: ShortTermStore | None = None,
         episodic: EpisodicStore | None = None,
         fallback: Summarizer | None = None,
+        subscribers: Sequence[Subscriber] = (),
+        log_events: bool = True,
+        telemetry: Telemetry | None = None,
     ) -> None:
         from .summarizers import ExtractiveSummarizer
 
@@ -248,6 +264,10 @@ class Compactor:
             fallback if fallback is not None else ExtractiveSummarizer(counter=self.counter)
         )
         self.summarizer: Summarizer = summarizer if summarizer is not None else self.fallback
+        self.events = EventDispatcher(subscribers, log_events=log_events)
+        self.telemetry = telemetry if telemetry is not None else Telemetry.create()
+        if self.telemetry.enabled:
+            self.events.subscribe(self.telemetry.record_event)
         self._backoff: dict[str, _Backoff] = {}
         self._cache: OrderedDict[str, _Cache] = OrderedDict()
         self._seen: dict[str, ThreadStats] = {}
@@ -258,6 +278,14 @@ class Compactor:
         self._task_group: TaskGroup | None = None
         self._closed = False
         self._warned_background = False
+        self._span: Any = None
+
+    def subscribe(self, subscriber: Subscriber) -> Callable[[], None]:
+        """Deliver every compaction event to ``subscriber`` (sync or async); returns its unsubscribe."""
+        return self.events.subscribe(subscriber)
+
+    async def _emit(self, event: CompactionEvent) -> None:
+        await self.events.emit(event)
 
     # Lifecycle -----------------------------------------------------------------
 
@@ -550,12 +578,17 @@ class Compactor:
             if not acquired:
                 logger.debug("thread %r: another worker is compacting it; skipping", thread)
                 return None
-            prepared = await self._prepare(
-                thread, settings, reason, episodic=episodic, forced=forced, recovery=recovery
-            )
-            if not isinstance(prepared, _Prepared):
-                return prepared
-            return await self._apply(prepared, settings)
+            with self.telemetry.fold_span(thread, reason) as span:
+                self._span = span
+                try:
+                    prepared = await self._prepare(
+                        thread, settings, reason, episodic=episodic, forced=forced, recovery=recovery
+                    )
+                    if not isinstance(prepared, _Prepared):
+                        return prepared
+                    return await self._apply(prepared, settings)
+                finally:
+                    self._span = None
 
     async def _window(self, thread: str, settings: Settings) -> tuple[list[StoredMessage], int, int]:
         """The rows a fold plans over, the thread's version and its total tokens."""
@@ -664,7 +697,7 @@ class Compactor:
         pinned_len = len(plan.pinned)
         body_start = pinned_len + (1 if plan.previous_summary is not None else 0)
         if target is not None and plan.pinned_tokens + overhead >= target and not recovery:
-            return self._stall(
+            return await self._stall(
                 thread,
                 reason,
                 total,
@@ -679,7 +712,9 @@ class Compactor:
         kept_start = body_start + len(plan.dropped)
         changed = [i for i, message in enumerate(kept) if message is not messages[kept_start + i]]
         if not plan.dropped and not changed:
-            return self._stall(thread, reason, total, settings, self._floor_detail(plan, total, settings))
+            return await self._stall(
+                thread, reason, total, settings, self._floor_detail(plan, total, settings)
+            )
 
         kept_tokens = [
             rows[kept_start + i].tokens
@@ -699,9 +734,18 @@ class Compactor:
             # The summary gives way to fit the target, but not below a useful size: when the
             # protected turns are what is too big, an empty summary would lose the history.
             room = max(room, min(settings.max_summary_tokens, _MIN_SUMMARY_TOKENS))
-            summary = await self._summarize(plan, settings, room)
-            if summary is None:  # on_summarizer_error="skip"
-                return self._stall(thread, reason, total, settings, "the summarizer failed")
+            try:
+                summary = await self._summarize(
+                    plan, settings, room, thread=thread, reason=reason, tokens=total
+                )
+            except _Skipped as skipped:  # on_summarizer_error="skip"
+                return await self._stall(
+                    thread,
+                    reason,
+                    total,
+                    settings,
+                    f"the summarizer failed ({skipped.cause}); nothing folded",
+                )
             message = self._summary_message(summary, settings, room)
             summary_tokens = self.counter.count(message)
             new_head.append(message)
@@ -776,11 +820,40 @@ class Compactor:
                     tokens=prepared.tokens,
                 )
                 checkpoint_seq = (await self.episodic.record(thread, prepared.checkpoint)).seq
-        except ConflictError as exc:
+        except ConflictError:
             # Another worker folded this prefix first: its fold stands, and ours is
             # dropped without summarizing the same messages again.
-            logger.info("thread %r: fold discarded, the thread changed under it (%s)", thread, exc)
             self._forget_cache(thread)
+            dropped = prepared.summary
+            model = dropped.model if dropped is not None else None
+            usage = dropped.usage if dropped is not None else Usage()
+            elapsed = time.perf_counter() - prepared.started
+            lost: CompactionEvent
+            if background:
+                lost = BackgroundSummaryDiscarded(
+                    thread=thread,
+                    reason=prepared.reason,
+                    tokens_before=prepared.tokens_before,
+                    tokens_after=prepared.tokens_before,
+                    messages_folded=len(prepared.plan.dropped),
+                    summarizer_model=model,
+                    usage=usage,
+                    duration_s=elapsed,
+                    cause="prefix_changed",
+                    through_seq=prepared.through_seq,
+                )
+            else:
+                lost = FoldConflict(
+                    thread=thread,
+                    reason=prepared.reason,
+                    tokens_before=prepared.tokens_before,
+                    tokens_after=prepared.tokens_before,
+                    messages_folded=len(prepared.plan.dropped),
+                    summarizer_model=model,
+                    usage=usage,
+                    duration_s=elapsed,
+                )
+            await self._emit(lost)
             return None
         self._backoff.pop(thread, None)
         self._after_fold(thread, prepared, settings)
@@ -806,14 +879,25 @@ class Compactor:
             through_seq=prepared.through_seq,
             background=background,
         )
-        logger.info(
-            "thread %r compacted (%s): %d messages dropped, %d -> %d tokens",
-            thread,
-            result.reason,
-            result.dropped_messages,
-            result.tokens_before,
-            result.tokens_after,
+        kind = BackgroundSummaryApplied if background else FoldApplied
+        event = kind(
+            thread=thread,
+            reason=result.reason,
+            tokens_before=result.tokens_before,
+            tokens_after=result.tokens_after,
+            messages_folded=result.dropped_messages,
+            summarizer_model=result.summarizer_model,
+            usage=result.usage,
+            duration_s=result.duration_s,
+            degraded=result.degraded,
+            masked_messages=result.masked_messages,
+            truncated_messages=result.truncated_messages,
+            checkpoint_seq=result.checkpoint_seq,
+            through_seq=result.through_seq,
         )
+        if self._span is not None:
+            self._span.record(event)
+        await self._emit(event)
         return result
 
     def _after_fold(self, thread: str, prepared: _Prepared, settings: Settings) -> None:
@@ -859,13 +943,22 @@ class Compactor:
             "max_tool_output_tokens"
         )
 
-    def _stall(
+    async def _stall(
         self, thread: str, reason: str, tokens: int, settings: Settings, detail: str
     ) -> CompactionResult:
         backoff = self._backoff.setdefault(thread, _Backoff())
         backoff.failures += 1
         backoff.skips_left = min(2**backoff.failures - 1, _MAX_BACKOFF_SKIPS)
-        logger.warning("thread %r: %s (next %d checks skipped)", thread, detail, backoff.skips_left)
+        await self._emit(
+            FoldStalled(
+                thread=thread,
+                reason=reason,
+                tokens_before=tokens,
+                tokens_after=tokens,
+                detail=detail,
+                skipped_checks=backoff.skips_left,
+            )
+        )
         return CompactionResult(
             thread=thread,
             reason=reason,
@@ -911,30 +1004,50 @@ class Compactor:
             cut += 1
         return cut
 
-    async def _summarize(self, plan: CompactionPlan, settings: Settings, room: int) -> Summary | None:
-        previous = _summary_body(plan.previous_summary) if plan.previous_summary is not None else None
-        try:
-            summary = await self.summarizer.summarize(
+    async def _call_summarizer(
+        self, summarizer: Summarizer, plan: CompactionPlan, previous: str | None, room: int
+    ) -> Summary:
+        with self.telemetry.summarizer_span(getattr(summarizer, "model", None), max_tokens=room) as call:
+            summary = await summarizer.summarize(
                 plan.dropped, previous_summary=previous, max_summary_tokens=room
             )
+            call.record(summary.usage, response_model=summary.model)
+        return summary
+
+    async def _summarize(
+        self, plan: CompactionPlan, settings: Settings, room: int, *, thread: str, reason: str, tokens: int
+    ) -> Summary:
+        previous = _summary_body(plan.previous_summary) if plan.previous_summary is not None else None
+        try:
+            summary = await self._call_summarizer(self.summarizer, plan, previous, room)
             if not summary.text.strip():
                 raise SummarizerError(f"summarizer {self.summarizer!r} returned an empty summary")
             return summary
         except (SummarizerError, TimeoutError) as exc:
             if settings.on_summarizer_error == "raise":
                 raise
-            logger.warning(
-                "summarizer failed (%s); on_summarizer_error=%r", exc, settings.on_summarizer_error
-            )
             if settings.on_summarizer_error == "skip" or self.summarizer is self.fallback:
-                return None
+                raise _Skipped(f"{type(exc).__name__}: {exc}") from exc
+            failure = exc
         except Exception:
             logger.exception(
                 "summarizer %r raised an unexpected error; it is a bug to fix, not an outage", self.summarizer
             )
             raise
-        summary = await self.fallback.summarize(
-            plan.dropped, previous_summary=previous, max_summary_tokens=room
+        summary = await self._call_summarizer(self.fallback, plan, previous, room)
+        await self._emit(
+            SummaryDegraded(
+                thread=thread,
+                reason=reason,
+                tokens_before=tokens,
+                tokens_after=tokens,
+                messages_folded=len(plan.dropped),
+                summarizer_model=getattr(self.summarizer, "model", None),
+                usage=summary.usage,
+                fallback_model=summary.model,
+                error_type=error_type(failure),
+                error=str(failure),
+            )
         )
         return summary.model_copy(update={"degraded": True})
 
@@ -975,6 +1088,14 @@ class Compactor:
         group.start_soon(self._run_background, thread, settings, job, name=f"contextfold fold {thread}")
 
     async def _run_background(self, thread: str, settings: Settings, job: _Background) -> None:
+        started = time.perf_counter()
+        stats = self._seen.get(thread)
+        tokens = stats.total_tokens if stats is not None else 0
+        await self._emit(
+            BackgroundSummaryStarted(
+                thread=thread, reason=Reason.TOKEN_COUNT, tokens_before=tokens, tokens_after=tokens
+            )
+        )
         try:
             with job.cancel:
                 async with self.short_term.compaction_lock(thread) as acquired:
@@ -991,6 +1112,19 @@ class Compactor:
                     await job.finished.wait()
         finally:
             job.done.set()
+            if not job.finished.is_set():
+                # Cancelled before a step applied it: the owner closed.
+                with anyio.CancelScope(shield=True):
+                    await self._emit(
+                        BackgroundSummaryDiscarded(
+                            thread=thread,
+                            reason=Reason.TOKEN_COUNT,
+                            tokens_before=tokens,
+                            tokens_after=tokens,
+                            duration_s=time.perf_counter() - started,
+                            cause="closed",
+                        )
+                    )
             if self._background.get(thread) is job and job.finished.is_set():
                 self._background.pop(thread, None)
 
@@ -1016,3 +1150,11 @@ def _late_note(message: Message) -> Message:
         f"which had been closed as abandoned]\n{message.text}",
         metadata={LATE_RESULT_METADATA_KEY: message.tool_call_id},
     )
+
+
+class _Skipped(Exception):
+    """The summarizer failed and ``on_summarizer_error="skip"`` says to fold nothing this time."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause

@@ -28,6 +28,7 @@ from typing import Any, TypeAlias, TypeVar
 from ._compactor import CompactionResult, Compactor
 from ._episodes import ToolCallEpisode, Usage
 from ._errors import ConfigError
+from ._events import CompactionEvent
 from ._messages import Message, Role, ToolCall
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
 logger = logging.getLogger("contextfold")
 
 _T = TypeVar("_T")
+
 
 @dataclass(frozen=True, slots=True)
 class Reply:
@@ -94,6 +96,12 @@ class Hook:
 
     async def on_run_completed(self, thread: str, clean: bool) -> None:
         """Runs when a run ends, in reverse chain order."""
+
+    async def on_compaction_event(self, event: CompactionEvent) -> None:
+        """Receives every compaction event of the loop's compactor (a fold, a stall, ...).
+
+        Events are observations: an error here is logged and does not stop the step.
+        """
 
 
 class CompactionHook(Hook):
@@ -199,6 +207,9 @@ class StepLoop:
         self.compactor = compactor
         self.hooks: tuple[Hook, ...] = (CompactionHook(compactor), *hooks)
         self._steps: dict[str, int] = {}
+        for hook in hooks:
+            if type(hook).on_compaction_event is not Hook.on_compaction_event:
+                compactor.subscribe(hook.on_compaction_event)
 
     async def append(self, thread: str, *messages: Message) -> None:
         """Add messages that are not a step's output (the user's input, a system prompt)."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from importlib import metadata
 from typing import TYPE_CHECKING, Any, Final
 
 from ._episodes import Usage
@@ -117,10 +116,10 @@ def error_type(exc: BaseException) -> str:
 
 
 def _version() -> str:
-    try:
-        return metadata.version("contextfold")
-    except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
-        return "0"
+    # The package's own constant: reading the installed metadata would touch the disk on the loop.
+    from . import __version__
+
+    return __version__
 
 
 class _Metrics:
