@@ -105,15 +105,6 @@ def _blocking_detector() -> BlockBuster:
     # probes for libpq); the stores import their drivers lazily, on first use.
     for function in functions.values():
         function.can_block_in("<frozen importlib._bootstrap>", {"_find_and_load"})
-    # TODO(blocking): src/contextfold/stores/_sqlite.py reads stats and pressure on the
-    # loop by design (SQLiteStore._read); the issue asks for it to go or be proven cheap.
-    for name in functions:
-        if name.startswith("sqlite3."):
-            functions[name].can_block_in("contextfold/stores/_sqlite.py", {"_read"})
-    # TODO(blocking): src/contextfold/_tokens.py loads the BPE ranks (a file read and
-    # 0.5 s of parsing) on the loop the first time a TiktokenCounter is built.
-    for name in ("io.BufferedReader.read", "os.stat"):
-        functions[name].can_block_in("contextfold/_tokens.py", {"_load_encoding"})
     return detector
 
 

@@ -1,236 +1,181 @@
 """contextfold: keep long-running LLM agents inside their context window without losing anything.
 
-The public names are re-exported here; the modules behind them are private.
+The names users call are here; the building blocks live in documented submodules
+(``contextfold.planning``, ``contextfold.episodes``, ``contextfold.loop``,
+``contextfold.events``, ``contextfold.messages``, ``contextfold.tokens``,
+``contextfold.stores``, ``contextfold.summarizers``, ``contextfold.testing``,
+``contextfold.integrations``). Everything is imported on first use, so
+``import contextfold`` itself costs next to nothing.
 """
 
+from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from . import stores, summarizers
-from ._compactor import SUMMARY_PREFIX, TRUNCATED_METADATA_KEY, CompactionResult, Compactor
-from ._config import (
-    WINDOW_MULTIPLE_OF_TRIGGER,
-    CompactionMode,
-    OnSummarizerError,
-    RunOptions,
-    SummarizeOptions,
-)
-from ._episodes import (
-    Episode,
-    EpisodeKind,
-    EpisodeRecord,
-    LlmCallEpisode,
-    ManualRecoveryBoundary,
-    RunCompletedEpisode,
-    SummaryCheckpoint,
-    SystemMessageEpisode,
-    ToolCallEpisode,
-    ToolResultEpisode,
-    Usage,
-    UserMessageEpisode,
-    conversation,
-    episode_for,
-)
-from ._errors import (
-    ConfigError,
-    ConflictError,
-    ContextfoldError,
-    InvalidMessageError,
-    StoreClosedError,
-    StoreError,
-    SummarizerError,
-)
-from ._loop import (
-    LLM,
-    Compacted,
-    CompactionHook,
-    Hook,
-    RunFinished,
-    RunResult,
-    Step,
-    StepEvent,
-    StepFinished,
-    StepLoop,
-    StreamingLLM,
-    TextDelta,
-    Tool,
-    ToolFinished,
-    ToolStarted,
-)
-from ._messages import (
-    SUMMARY_METADATA_KEY,
-    TOOL_ERROR_METADATA_KEY,
-    Message,
-    Role,
-    ToolCall,
-    from_anthropic,
-    from_openai,
-    to_anthropic,
-    to_openai,
-)
-from ._policy import (
-    AllOf,
-    AnyOf,
-    EpisodicCompactionConfig,
-    EpisodicCompactionPressure,
-    EpisodicCompactionTrigger,
-    EpisodicPolicy,
-    Pressure,
-    TokenCount,
-    Trigger,
-    TurnCount,
-    episodic_compaction_trigger,
-)
-from ._strategies import (
-    MASKED_METADATA_KEY,
-    CompactionConfig,
-    CompactionPlan,
-    ObservationMasking,
-    Orphan,
-    SlidingWindow,
-    Strategy,
-    TokenBudget,
-    Unit,
-    group_units,
-    split_head,
-)
-from ._tokens import (
-    PINNED_SHA256,
-    ApproximateCounter,
-    EncodingName,
-    TiktokenCounter,
-    TokenCounter,
-    load_encoding,
-)
-from .stores import (
-    ContextWindow,
-    EpisodicStore,
-    MemoryStore,
-    ShortTermStore,
-    SQLiteStore,
-    StoredMessage,
-    ThreadStats,
-)
-from .summarizers import (
-    AnthropicSummarizer,
-    ExtractiveSummarizer,
-    FunctionSummarizer,
-    OpenAICompatibleSummarizer,
-    Summarizer,
-    SummarizerRetry,
-    Summary,
-)
-
 if TYPE_CHECKING:
-    from .stores import PostgresStore
+    from . import (
+        episodes,
+        events,
+        integrations,
+        loop,
+        messages,
+        planning,
+        stores,
+        summarizers,
+        testing,
+        tokens,
+    )
+    from ._compactor import CompactionResult, Compactor
+    from ._config import RunOptions, SummarizeOptions
+    from ._episodes import Usage, conversation
+    from ._errors import (
+        ConfigError,
+        ConflictError,
+        ContextfoldError,
+        InvalidMessageError,
+        StoreClosedError,
+        StoreError,
+        SummarizerError,
+    )
+    from ._loop import Hook, Reply, Step, StepLoop
+    from ._messages import Message, Role, ToolCall, from_anthropic, from_openai, to_anthropic, to_openai
+    from ._policy import EpisodicCompactionConfig, Reason, TokenCount, TurnCount
+    from ._strategies import ObservationMasking, SlidingWindow, TokenBudget
+    from .stores import MemoryStore, PostgresStore, SQLiteStore
+    from .summarizers import (
+        AnthropicSummarizer,
+        ChatSummarizer,
+        ExtractiveSummarizer,
+        FunctionSummarizer,
+        OpenAICompatibleSummarizer,
+        Summarizer,
+    )
 
 __version__ = "0.1.0.dev0"
 
+_HOMES: dict[str, str] = {
+    "AnthropicSummarizer": "summarizers",
+    "ChatSummarizer": "summarizers",
+    "CompactionResult": "_compactor",
+    "Compactor": "_compactor",
+    "ConfigError": "_errors",
+    "ConflictError": "_errors",
+    "ContextfoldError": "_errors",
+    "EpisodicCompactionConfig": "_policy",
+    "ExtractiveSummarizer": "summarizers",
+    "FunctionSummarizer": "summarizers",
+    "Hook": "_loop",
+    "InvalidMessageError": "_errors",
+    "MemoryStore": "stores",
+    "Message": "_messages",
+    "ObservationMasking": "_strategies",
+    "OpenAICompatibleSummarizer": "summarizers",
+    "PostgresStore": "stores",
+    "Reason": "_policy",
+    "Reply": "_loop",
+    "Role": "_messages",
+    "RunOptions": "_config",
+    "SQLiteStore": "stores",
+    "SlidingWindow": "_strategies",
+    "Step": "_loop",
+    "StepLoop": "_loop",
+    "StoreClosedError": "_errors",
+    "StoreError": "_errors",
+    "SummarizeOptions": "_config",
+    "Summarizer": "summarizers",
+    "SummarizerError": "_errors",
+    "TokenBudget": "_strategies",
+    "TokenCount": "_policy",
+    "ToolCall": "_messages",
+    "TurnCount": "_policy",
+    "Usage": "_episodes",
+    "conversation": "_episodes",
+    "from_anthropic": "_messages",
+    "from_openai": "_messages",
+    "to_anthropic": "_messages",
+    "to_openai": "_messages",
+}
+
+_SUBMODULES = frozenset(
+    {
+        "episodes",
+        "events",
+        "integrations",
+        "loop",
+        "messages",
+        "planning",
+        "stores",
+        "summarizers",
+        "testing",
+        "tokens",
+    }
+)
+
 __all__ = [
-    "LLM",
-    "MASKED_METADATA_KEY",
-    "PINNED_SHA256",
-    "SUMMARY_METADATA_KEY",
-    "SUMMARY_PREFIX",
-    "TOOL_ERROR_METADATA_KEY",
-    "TRUNCATED_METADATA_KEY",
-    "WINDOW_MULTIPLE_OF_TRIGGER",
-    "AllOf",
     "AnthropicSummarizer",
-    "AnyOf",
-    "ApproximateCounter",
-    "Compacted",
-    "CompactionConfig",
-    "CompactionHook",
-    "CompactionMode",
-    "CompactionPlan",
+    "ChatSummarizer",
     "CompactionResult",
     "Compactor",
     "ConfigError",
     "ConflictError",
-    "ContextWindow",
     "ContextfoldError",
-    "EncodingName",
-    "Episode",
-    "EpisodeKind",
-    "EpisodeRecord",
     "EpisodicCompactionConfig",
-    "EpisodicCompactionPressure",
-    "EpisodicCompactionTrigger",
-    "EpisodicPolicy",
-    "EpisodicStore",
     "ExtractiveSummarizer",
     "FunctionSummarizer",
     "Hook",
     "InvalidMessageError",
-    "LlmCallEpisode",
-    "ManualRecoveryBoundary",
     "MemoryStore",
     "Message",
     "ObservationMasking",
-    "OnSummarizerError",
     "OpenAICompatibleSummarizer",
-    "Orphan",
     "PostgresStore",
-    "Pressure",
+    "Reason",
+    "Reply",
     "Role",
-    "RunCompletedEpisode",
-    "RunFinished",
     "RunOptions",
-    "RunResult",
     "SQLiteStore",
-    "ShortTermStore",
     "SlidingWindow",
     "Step",
-    "StepEvent",
-    "StepFinished",
     "StepLoop",
     "StoreClosedError",
     "StoreError",
-    "StoredMessage",
-    "Strategy",
-    "StreamingLLM",
     "SummarizeOptions",
     "Summarizer",
     "SummarizerError",
-    "SummarizerRetry",
-    "Summary",
-    "SummaryCheckpoint",
-    "SystemMessageEpisode",
-    "TextDelta",
-    "ThreadStats",
-    "TiktokenCounter",
     "TokenBudget",
     "TokenCount",
-    "TokenCounter",
-    "Tool",
     "ToolCall",
-    "ToolCallEpisode",
-    "ToolFinished",
-    "ToolResultEpisode",
-    "ToolStarted",
-    "Trigger",
     "TurnCount",
-    "Unit",
     "Usage",
-    "UserMessageEpisode",
     "__version__",
     "conversation",
-    "episode_for",
-    "episodic_compaction_trigger",
+    "episodes",
+    "events",
     "from_anthropic",
     "from_openai",
-    "group_units",
-    "load_encoding",
-    "split_head",
+    "integrations",
+    "loop",
+    "messages",
+    "planning",
     "stores",
     "summarizers",
+    "testing",
     "to_anthropic",
     "to_openai",
+    "tokens",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    # PostgresStore needs the optional psycopg extra: import it only when asked for.
-    if name == "PostgresStore":
-        return stores.PostgresStore
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    home = _HOMES.get(name)
+    if home is not None:
+        value = getattr(import_module(f".{home}", __name__), name)
+    elif name in _SUBMODULES:
+        value = import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

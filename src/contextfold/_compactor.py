@@ -380,6 +380,26 @@ class Compactor:
             self._overhead[thread] = max(0, usage.input_tokens - request_tokens)
         return stored
 
+    async def sync(
+        self,
+        thread: str,
+        messages: Sequence[Message],
+        *,
+        ids: Sequence[str | None] | None = None,
+        compact: bool = True,
+    ) -> list[Message] | None:
+        """Take a framework's whole message list: record what is new, compact, return the changed context.
+
+        Messages already recorded (known by ``ids``, by the key contextfold put in
+        their metadata, or by their content) are not recorded again, also after a
+        restart: what was recorded is read from the log. Returns the working
+        context when it differs from ``messages``, ``None`` when it does not.
+        Every adapter in ``contextfold.integrations`` is built on this.
+        """
+        from ._sync import sync
+
+        return await sync(self, thread, messages, ids=ids, compact=compact)
+
     async def record_tool_call(self, thread: str, call: ToolCall) -> None:
         """Note in the audit trail that a tool the reply asked for started running."""
         await self.episodic.record(thread, ToolCallEpisode(call=call))

@@ -398,7 +398,8 @@ class _CachedCounter:
             )
         if image_rule not in ("openai", "anthropic"):
             raise ConfigError(
-                "image_rule", "must be 'openai' or 'anthropic', the provider whose rule applies",
+                "image_rule",
+                "must be 'openai' or 'anthropic', the provider whose rule applies",
                 value=image_rule,
             )
         if url_image_tokens is not None and (

@@ -45,7 +45,7 @@ from .._compactor import Compactor
 from .._episodes import Usage
 from .._errors import ConfigError, SummarizerError
 from .._messages import TOOL_ERROR_METADATA_KEY, Message, Role, ToolCall
-from .._sync import KEY_METADATA_KEY, message_key, sync
+from .._sync import KEY_METADATA_KEY, message_key
 from ..summarizers._base import Summary
 from ..summarizers._prompt import SYSTEM_PROMPT, render_messages, user_prompt
 
@@ -169,7 +169,7 @@ class CompactionMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
     ) -> dict[str, Any] | None:
         converted = [from_langchain(message) for message in messages]
         ids = [message.id for message in messages]
-        context = await sync(self.compactor, thread, converted, ids=ids, compact=compact)
+        context = await self.compactor.sync(thread, converted, ids=ids, compact=compact)
         if context is None or not compact:
             return None
         return {"messages": [RemoveMessage(id=REMOVE_ALL_MESSAGES), *map(to_langchain, context)]}

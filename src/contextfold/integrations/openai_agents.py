@@ -33,7 +33,6 @@ from .._compactor import TRUNCATED_METADATA_KEY, Compactor
 from .._episodes import HistoryClearedEpisode, MessagesRetractedEpisode, episode_for
 from .._errors import ConfigError
 from .._messages import Message, Role, ToolCall
-from .._sync import sync
 
 __all__ = ["CompactingSession", "from_items", "to_items"]
 
@@ -190,7 +189,7 @@ class CompactingSession:
         """Record the items not yet recorded (a model input filter may have recorded some), then compact."""
         context = await self.compactor.context(self.session_id)
         new, new_ids = from_items(items)
-        await sync(self.compactor, self.session_id, [*context, *new], ids=[None] * len(context) + new_ids)
+        await self.compactor.sync(self.session_id, [*context, *new], ids=[None] * len(context) + new_ids)
 
     async def pop_item(self) -> TResponseInputItem | None:
         """Remove the newest item; the log records the retraction."""
@@ -232,7 +231,7 @@ class CompactingSession:
     async def model_input_filter(self, data: CallModelData[Any]) -> ModelInputData:
         """For ``RunConfig(call_model_input_filter=...)``: record the input, compact, send the context."""
         messages, ids = from_items(data.model_data.input)
-        context = await sync(self.compactor, self.session_id, messages, ids=ids)
+        context = await self.compactor.sync(self.session_id, messages, ids=ids)
         if context is None:
             return data.model_data
         return ModelInputData(input=to_items(context), instructions=data.model_data.instructions)

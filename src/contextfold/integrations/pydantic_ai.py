@@ -37,7 +37,6 @@ from pydantic_ai.tools import RunContext
 from .._compactor import TRUNCATED_METADATA_KEY, Compactor
 from .._errors import ConfigError
 from .._messages import SUMMARY_METADATA_KEY, TOOL_ERROR_METADATA_KEY, Message, Role, ToolCall
-from .._sync import sync
 
 __all__ = ["CompactionCapability", "from_pydantic_ai", "to_pydantic_ai"]
 
@@ -216,7 +215,7 @@ class CompactionCapability(AbstractCapability[Any]):
         self, ctx: RunContext[Any], request_context: ModelRequestContext
     ) -> ModelRequestContext:
         messages, ids = from_pydantic_ai(request_context.messages)
-        context = await sync(self.compactor, self._thread(ctx), messages, ids=ids)
+        context = await self.compactor.sync(self._thread(ctx), messages, ids=ids)
         if context is not None:
             rewritten = to_pydantic_ai(context)
             request_context.messages = list(rewritten)
@@ -227,5 +226,5 @@ class CompactionCapability(AbstractCapability[Any]):
         self, ctx: RunContext[Any], *, request_context: ModelRequestContext, response: ModelResponse
     ) -> ModelResponse:
         messages, ids = from_pydantic_ai([*request_context.messages, response])
-        await sync(self.compactor, self._thread(ctx), messages, ids=ids, compact=False)
+        await self.compactor.sync(self._thread(ctx), messages, ids=ids, compact=False)
         return response
