@@ -30,13 +30,16 @@ import hashlib
 import json
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, TypeVar
 
 import anyio
 
 from ._compactor import SUMMARY_PREFIX, Compactor
 from ._episodes import (
+    EpisodeRecord,
     HistoryClearedEpisode,
     LlmCallEpisode,
     MessagesRetractedEpisode,
@@ -51,6 +54,9 @@ __all__ = ["KEY_METADATA_KEY", "SUMMARY_KEY_PREFIX", "content_hash", "message_ke
 
 KEY_METADATA_KEY = "contextfold.key"
 """Metadata key under which a synced message keeps the key it is known by."""
+
+_T = TypeVar("_T")
+_INLINE_ITEMS = 100  # hashing this many messages takes about a millisecond of the event loop
 
 SUMMARY_KEY_PREFIX = "contextfold.summary:"
 """Prefix of the key ``sync`` gives a summary it hands back; such a message is never recorded."""
@@ -109,8 +115,14 @@ def _seen(compactor: Compactor, thread: str) -> _Seen:
 
 async def _catch_up(compactor: Compactor, thread: str, seen: _Seen) -> None:
     """Read the episodes recorded since the last read (all of them on first sight of the thread)."""
-    async for record in compactor.episodic.replay(thread, from_seq=seen.next_seq):
-        seen.next_seq = record.seq + 1
+    records = [record async for record in compactor.episodic.replay(thread, from_seq=seen.next_seq)]
+    if records:
+        seen.next_seq = records[-1].seq + 1
+        await _off_loop(len(records), _apply, seen, records)
+
+
+def _apply(seen: _Seen, records: Sequence[EpisodeRecord]) -> None:
+    for record in records:
         episode = record.episode
         if isinstance(episode, UserMessageEpisode | SystemMessageEpisode | ToolResultEpisode):
             seen.add(episode.message)
@@ -120,6 +132,13 @@ async def _catch_up(compactor: Compactor, thread: str, seen: _Seen) -> None:
             seen.retract(episode.count)
         elif isinstance(episode, HistoryClearedEpisode):
             seen.retract(len(seen.keys))
+
+
+async def _off_loop(size: int, fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)``, in a worker thread when ``size`` items make it more than a moment's work."""
+    if size <= _INLINE_ITEMS:
+        return fn(*args)
+    return await anyio.to_thread.run_sync(partial(fn, *args))
 
 
 def _overlap(head: list[str], tail: list[str]) -> int:
@@ -194,6 +213,7 @@ async def sync(
     seen = _seen(compactor, thread)
     async with seen.lock:
         await _catch_up(compactor, thread, seen)
+        fresh = await _off_loop(len(messages), _new_messages, seen, messages, keys)
         new = [
             messages[index].model_copy(
                 update={
@@ -203,7 +223,7 @@ async def sync(
                     }
                 }
             )
-            for index in _new_messages(seen, messages, keys)
+            for index in fresh
         ]
         if new:
             await compactor.append(thread, new)
@@ -211,9 +231,14 @@ async def sync(
         if compact:
             await compactor.maybe_compact(thread)
         context = [_keyed(message) for message in await compactor.context(thread)]
-    if [content_hash(m) for m in context] == [content_hash(m) for m in messages]:
-        return None
-    return context
+    same = await _off_loop(len(messages), _same_content, context, messages)
+    return None if same else context
+
+
+def _same_content(first: Sequence[Message], second: Sequence[Message]) -> bool:
+    return len(first) == len(second) and all(
+        content_hash(a) == content_hash(b) for a, b in zip(first, second, strict=True)
+    )
 
 
 def _keyed(message: Message) -> Message:

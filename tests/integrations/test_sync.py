@@ -172,3 +172,12 @@ async def test_messages_appended_directly_are_known(store: Any) -> None:
     await c.append("t", [Message.system("be brief"), Message.user("hi")])
     await sync(c, "t", [Message.system("be brief"), Message.user("hi"), Message.assistant("hello")])
     assert [m.text for m in await logged(c, "t")] == ["be brief", "hi", "hello"]
+
+
+async def test_a_long_list_is_matched_off_the_event_loop(store: Any) -> None:
+    """A list of hundreds of messages (matched in a worker thread) still records only its new turn."""
+    c = compactor(store)
+    history = [m for n in range(100) for m in turn(n)]
+    await sync(c, "t", history)
+    await sync(c, "t", [*history, *turn(100)])
+    assert [m.text for m in await logged(c, "t")] == [m.text for m in [*history, *turn(100)]]
