@@ -409,12 +409,6 @@ def test_demo_plot_uses_a_log_axis_and_marks_each_fold(tmp_path: Path) -> None:
     assert folds and sorted(line.get_xdata()[0] for line in vertical) == folds
 
 
-needs_threads = pytest.mark.skipif(
-    not hasattr(SQLiteStore, "threads"), reason="the stores do not list threads yet (Store.threads)"
-)
-
-
-@needs_threads
 def test_threads_lists_each_thread_with_its_figures(tmp_path: Path) -> None:
     """threads prints every thread with its messages, tokens, episodes and last activity, newest first."""
     db = tmp_path / "d.db"
@@ -455,6 +449,6 @@ async def test_demo_inspect_and_compact_on_postgres(pg_url: str) -> None:
         after = await store.load("pg")
     assert latest is not None and latest.episode.kind == "manual_recovery"
     assert after.total_tokens < window.total_tokens
-    if hasattr(PostgresStore, "threads"):
-        listed = json.loads(ok(cli("threads", pg_url, "--json")))
-        assert [info["thread"] for info in listed] == ["pg"]
+    listed = json.loads(ok(cli("threads", pg_url, "--json")))
+    assert [info["thread"] for info in listed] == ["pg"]
+    assert listed[0]["message_count"] == len(after.messages)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ._errors import ConfigError
@@ -51,7 +50,7 @@ def open_store(url: str, *, create: bool = True) -> Store:
         )
     from .stores import SQLiteStore
 
-    return cast(Store, SQLiteStore(path))
+    return SQLiteStore(path)
 
 
 def _postgres(url: str) -> Store:
@@ -61,8 +60,7 @@ def _postgres(url: str) -> Store:
     query = parse_qsl(parts.query, keep_blank_values=True)
     schemas = [value for key, value in query if key == "schema"]
     dsn = urlunsplit(parts._replace(query=urlencode([(k, v) for k, v in query if k != "schema"])))
-    store = PostgresStore(dsn, schema=schemas[-1]) if schemas else PostgresStore(dsn)
-    return cast(Store, store)
+    return PostgresStore(dsn, schema=schemas[-1]) if schemas else PostgresStore(dsn)
 
 
 def main() -> None:
