@@ -169,26 +169,28 @@ async def test_replay_gives_back_the_whole_conversation_after_many_compactions(t
     assert tool_calls == [call for m in expected for call in m.tool_calls]
 
 
-async def test_each_message_is_recorded_before_it_reaches_the_working_context() -> None:
-    """The episodic log is written before short-term memory for every message of a step."""
-    order: list[str] = []
+async def test_each_message_is_recorded_with_its_episode_in_one_store_call() -> None:
+    """Every message of a step reaches the working context in the same store call that records its episode."""
+    calls: list[tuple[list[str], list[str]]] = []
     async with MemoryStore() as store:
-        record, append = store.record, store.append
+        record_and_append, _append = store.record_and_append, store.append
 
-        async def spy_record(thread: str, episode: Any, **kw: Any) -> Any:
-            order.append(f"record:{episode.kind}")
-            return await record(thread, episode, **kw)
+        async def spy(thread: str, episodes: Any, messages: Any, tokens: Any, **kw: Any) -> Any:
+            calls.append(([e.kind for e in episodes], [m.role.value for m in messages]))
+            return await record_and_append(thread, episodes, messages, tokens, **kw)
 
-        async def spy_append(thread: str, messages: Any, tokens: Any) -> Any:
-            order.extend(f"append:{m.role.value}" for m in messages)
-            return await append(thread, messages, tokens)
+        async def no_bare_append(*args: Any, **kw: Any) -> Any:
+            raise AssertionError("a message reached the context without its episode")
 
-        store.record, store.append = spy_record, spy_append
+        store.record_and_append, store.append = spy, no_bare_append  # type: ignore[method-assign]
         loop = make_loop(store)
         await loop.run("t", "hi", llm=ScriptedModel(agent), tools={"fetch": fetch})
-    assert order[:2] == ["record:user_message", "append:user"]
-    assert order[2:4] == ["record:llm_call", "append:assistant"]
-    assert order[4:7] == ["record:tool_call", "record:tool_result", "append:tool"]
+        del store.append
+    assert calls[:3] == [
+        (["user_message"], ["user"]),
+        (["llm_call"], ["assistant"]),
+        (["tool_result"], ["tool"]),
+    ]
 
 
 async def test_llm_call_episodes_say_what_was_sent() -> None:

@@ -693,7 +693,9 @@ class Compactor:
         if settings.summarize and plan.dropped:
             room = settings.max_summary_tokens
             if target is not None:
-                room = min(room, target - plan.pinned_tokens - overhead - sum(kept_tokens))
+                # Only the head can squeeze the summary: protected turns that are too big are
+                # handled by holding the next fold back (see _after_fold), not by losing history.
+                room = min(room, target - plan.pinned_tokens - overhead)
             # The summary gives way to fit the target, but not below a useful size: when the
             # protected turns are what is too big, an empty summary would lose the history.
             room = max(room, min(settings.max_summary_tokens, _MIN_SUMMARY_TOKENS))

@@ -162,8 +162,12 @@ class ShortTermStore(_Resource, Protocol):
     def compaction_lock(self, thread: str) -> AbstractAsyncContextManager[bool]:
         """Try to become the thread's one compactor; yields whether it did (never waits).
 
-        Holds across processes for the SQL backends, and is released if the
-        holder crashes.
+        On the SQL backends this is a lease row timed by the database's own
+        clock, taken and released in short transactions: no connection or lock
+        is held while the body runs, and a crashed holder's lease expires after
+        the store's ``lease_seconds`` (300 by default). A body that outlives its
+        lease may meet a second compactor; the version guard of the fold then
+        lets only one of them apply.
         """
         ...
 
@@ -232,7 +236,10 @@ class Store(ShortTermStore, EpisodicStore, Protocol):
 
     Every bundled backend is a ``Store``. With two separate objects (a
     ``ShortTermStore`` and an ``EpisodicStore``) recording and folding are
-    two writes, not one: see ``Compactor``.
+    two writes, not one: each write is atomic on its own, but a crash or a
+    failure between them can leave episodes that never reached the context,
+    or a checkpoint whose prefix swap did not happen. Only a ``Store`` makes
+    ``record_and_append`` and ``fold`` one transaction.
     """
 
     async def state(self, thread: str, *, now: datetime | None = None) -> ThreadState:
