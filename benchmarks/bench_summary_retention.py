@@ -2,19 +2,21 @@
 
 A synthetic, seeded tool-using session (2,000 messages by default) carries
 100 planted facts — ids, paths and numbers — spread evenly through user
-turns, tool results and tool-call arguments, among realistic noise (file
-paths, test names, URLs, counts). It is fed step by step through the real
-``Compactor`` on a ``MemoryStore`` twice, at the same token budget:
+turns, tool results, tool-call arguments and the URLs of images the user
+attaches, among realistic noise (file paths, test names, URLs, counts). It
+is fed step by step through the real ``Compactor`` on a ``MemoryStore``
+twice, at the same token budget:
 
 * ``summarize``: dropped turns are folded by the offline ``ExtractiveSummarizer``;
 * ``drop``: a plain sliding window; it keeps the tokens the summary would take
   as extra recent history, so both working contexts are the same size.
 
 It prints the share of the facts still present in the final working context
-for each, and the summarizer's input over the run: every token it was sent
-(the dropped messages and the previous summary), divided by the tokens of all
-messages of the session, next to what re-summarizing the whole dropped
-history at each compaction would have cost.
+for each (and of the attached images, named by their placeholder), and the
+summarizer's input over the run: every token it was sent (the dropped
+messages and the previous summary), divided by the tokens of all messages of
+the session, next to what re-summarizing the whole dropped history at each
+compaction would have cost.
 
 Run it:  python benchmarks/bench_summary_retention.py [--messages 2000] [--facts 100] [--budget 8000]
 """
@@ -41,6 +43,7 @@ from contextfold import (
 )
 from contextfold.stores import MemoryStore
 from contextfold.summarizers import ExtractiveSummarizer, Summarizer, Summary
+from contextfold.summarizers._prompt import content_text
 
 WORDS = (
     "alpha beta gamma delta ledger invoice refund payout shard replica index cache queue worker "
@@ -58,6 +61,17 @@ class Session:
     @property
     def messages(self) -> list[Message]:
         return [message for step in self.steps for message in step]
+
+    @property
+    def image_urls(self) -> list[str]:
+        """The URLs of the images attached in the session, each a planted fact too."""
+        return [
+            part["image_url"]["url"]
+            for message in self.messages
+            if isinstance(message.content, list)
+            for part in message.content
+            if part.get("type") == "image_url"
+        ]
 
 
 def _fact(rng: random.Random, index: int) -> str:
@@ -129,9 +143,17 @@ def build_session(messages: int, facts: int, seed: int = 20260101) -> Session:
     while count < messages:
         due = next_fact < facts and count >= slots[next_fact]
         fact = planted[next_fact] if due else None
-        where = next_fact % 3 if due else -1
+        where = next_fact % 4 if due else -1
         if due:
             next_fact += 1
+        if where == 3:  # an image the user attaches, known only by its URL
+            url = f"https://files.example.com/scans/{fact}.png"
+            image = {"type": "image_url", "image_url": {"url": url}}
+            text_part = {"type": "text", "text": f"Here is the scan for step {n}."}
+            steps.append([Message(role="user", content=[text_part, image])])
+            count += 1
+            n += 1
+            continue
         if n % 6 == 0 or where == 0:
             text = f"Next, look at the {rng.choice(WORDS)} {rng.choice(WORDS)} step {n}."
             if where == 0:
@@ -164,7 +186,8 @@ def build_session(messages: int, facts: int, seed: int = 20260101) -> Session:
 
 
 def _visible(message: Message) -> str:
-    return "\n".join([message.text, *(f"{c.name} {c.arguments}" for c in message.tool_calls)])
+    """What a model reads of a message: its text, placeholders for its images, and its tool calls."""
+    return "\n".join([content_text(message), *(f"{c.name} {c.arguments}" for c in message.tool_calls)])
 
 
 class CountingSummarizer:
@@ -196,6 +219,8 @@ class Outcome:
     mode: str
     retained: int
     facts: int
+    images_retained: int
+    images: int
     context_tokens: int
     compactions: int
     summarizer: CountingSummarizer | None
@@ -237,6 +262,8 @@ async def run(session: Session, mode: str, budget: int, summary_tokens: int) -> 
         mode=mode,
         retained=sum(fact in text for fact in session.facts),
         facts=len(session.facts),
+        images_retained=sum(f"[image: {url}]" in text for url in session.image_urls),
+        images=len(session.image_urls),
         context_tokens=sum(counter.count(m) for m in context),
         compactions=compactions,
         summarizer=counting,
@@ -253,12 +280,16 @@ async def main_async(messages: int, facts: int, budget: int, summary_tokens: int
         f"session: {len(session.messages):,} messages, {total:,} tokens, {len(session.facts)} planted facts; "
         f"budget {budget:,} tokens (summary up to {summary_tokens:,})"
     )
-    print(f"{'approach':<34} {'facts kept':>10} {'share':>7} {'final context':>14} {'compactions':>12}")
+    print(
+        f"{'approach':<34} {'facts kept':>10} {'share':>7} {'images kept':>12} {'final context':>14} "
+        f"{'compactions':>12}"
+    )
     labels = {"summarize": "compaction + ExtractiveSummarizer", "drop": "sliding window (drop)"}
     for mode, outcome in outcomes.items():
         print(
             f"{labels[mode]:<34} {outcome.retained:>4}/{outcome.facts:<5} {outcome.retention:>7.0%} "
-            f"{outcome.context_tokens:>14,} {outcome.compactions:>12}"
+            f"{outcome.images_retained:>6}/{outcome.images:<5} {outcome.context_tokens:>14,} "
+            f"{outcome.compactions:>12}"
         )
     counting = outcomes["summarize"].summarizer
     if counting is not None and total:

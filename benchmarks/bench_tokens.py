@@ -9,6 +9,9 @@ Run it with ``python benchmarks/bench_tokens.py`` (``--help`` lists the options)
     tiktoken's own ``encode_ordinary`` of the same text (every text the
     message carries: content, tool names and arguments, call id); both run
     side by side, batch by batch, over the same messages.
+(c) A message carrying a ~150 KB base64 PNG: its count under each provider's
+    image rule against what counting its JSON text would say, and the cost
+    of counting it the first time and again (a cache hit).
 
 Every figure is a median over repetitions; sizes and repetitions interleave so
 that drift on the machine hits both sides alike.
@@ -17,13 +20,19 @@ that drift on the machine hits both sides alike.
 from __future__ import annotations
 
 import argparse
+import base64
+import json
+import random
 import statistics
+import struct
 import sys
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from contextfold import ApproximateCounter, EncodingName, Message, TiktokenCounter, ToolCall, load_encoding
+from contextfold import ApproximateCounter, Message, TiktokenCounter, ToolCall
+from contextfold._tokens import EncodingName, load_encoding
 
 GROWTH_LIMIT = 1.5
 """Largest accepted ratio of per-message cost at the largest history size to the smallest."""
@@ -169,6 +178,47 @@ def exact_versus_raw(
     return out
 
 
+def png(width: int, height: int, noise_bytes: int) -> bytes:
+    """A valid RGB PNG of ``width`` x ``height`` whose first rows are noise, about ``noise_bytes`` in all."""
+    rows = max(1, min(height, noise_bytes // (3 * width)))
+    raw = random.Random(0).randbytes(rows * 3 * width) + bytes(3 * width * (height - rows))
+    lines = b"".join(b"\x00" + raw[y * 3 * width : (y + 1) * 3 * width] for y in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(lines)) + chunk(
+        b"IEND", b""
+    )
+
+
+def image_costs(repeat: int, encoding: EncodingName) -> list[tuple[str, int, int, float, float]]:
+    """Per rule: tokens of the image part, tokens of its JSON text, first and cached count in us."""
+    data = base64.b64encode(png(1000, 700, 150_000)).decode()
+    out: list[tuple[str, int, int, float, float]] = []
+    for rule in ("openai", "anthropic"):
+        firsts: list[float] = []
+        hits: list[float] = []
+        tokens = 0
+        for rep in range(repeat):
+            counter = TiktokenCounter(encoding, image_rule=rule)
+            counter.count(Message.user("warm up"))
+            text = {"type": "text", "text": f"what is in this picture? ({rep})"}
+            image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
+            message = Message(role="user", content=[text, image])
+            began = time.perf_counter_ns()
+            tokens = counter.count(message)
+            firsts.append((time.perf_counter_ns() - began) / 1000)
+            tokens -= counter.count(Message(role="user", content=[text]))
+            began = time.perf_counter_ns()
+            counter.count(message)
+            hits.append((time.perf_counter_ns() - began) / 1000)
+        as_json = TiktokenCounter(encoding).count_text(json.dumps(image))
+        out.append((rule, tokens, as_json, statistics.median(firsts), statistics.median(hits)))
+    return out
+
+
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument(
@@ -224,6 +274,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"  ~{length:>5} chars: count {ours / 1000:7.2f} us  encode_ordinary {theirs / 1000:7.2f} us"
             f"  ratio {ratio:.2f} ({'ok' if ok else 'OVER'}, limit {EXACT_LIMIT})"
+        )
+
+    print("\n(c) a message with a ~150 KB base64 PNG (1000x700), by image rule")
+    for rule, tokens, as_json, first, hit in image_costs(args.repeat, args.encoding):
+        print(
+            f"  {rule:<10} image {tokens:>5,} tokens (its JSON text: {as_json:,}, {as_json / tokens:.0f}x)"
+            f"  first count {first:8.1f} us  cached {hit:6.1f} us"
         )
     return 1 if args.check and not within else 0
 

@@ -67,13 +67,17 @@ def test_agents_benchmark_reports_latency_and_loop_lag_per_backend(
 
 
 def test_store_benchmark_covers_every_backend(capsys: pytest.CaptureFixture[str], postgres_url: str) -> None:
-    """bench_stores measures memory, SQLite and PostgreSQL and prints the 100k/1k-style ratios."""
-    status = load("bench_stores").main(["--sizes", "300,600", "--postgres-url", postgres_url])
+    """bench_stores measures every backend, prints the size ratios and a fold burst with no errors."""
+    argv = ["--sizes", "300,600", "--postgres-url", postgres_url, "--burst", "5", "--burst-sleep", "0.05"]
+    status = load("bench_stores").main(argv)
     captured = capsys.readouterr()
     assert status == 0
     assert "skipped" not in captured.err
-    for backend in ("memory", "sqlite", "postgres"):
-        assert backend in captured.out
+    for backend in ("memory", "sqlite", "sqlite-normal", "postgres"):
+        assert f"{backend} " in captured.out
+        assert f"{backend} 600/300 ratio:" in " ".join(captured.out.split())
+    bursts = [line for line in captured.out.splitlines() if "burst of 5 folds" in line]
+    assert len(bursts) == 4 and all("errors 0," in line for line in bursts)
 
 
 def test_prefix_benchmark_compares_contextfold_with_langchain(capsys: pytest.CaptureFixture[str]) -> None:

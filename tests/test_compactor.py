@@ -12,6 +12,7 @@ import anyio
 import pytest
 
 from contextfold import (
+    SUMMARY_METADATA_KEY,
     SUMMARY_PREFIX,
     TRUNCATED_METADATA_KEY,
     ApproximateCounter,
@@ -29,7 +30,6 @@ from contextfold import (
     TiktokenCounter,
     ToolCall,
     conversation,
-    maybe_compact,
 )
 from contextfold.stores import MemoryStore, SQLiteStore
 from contextfold.summarizers import FunctionSummarizer, Summary
@@ -48,7 +48,7 @@ def options(budget: int = 400, **overrides: Any) -> RunOptions:
     settings: dict[str, Any] = {
         "trigger_token_budget": budget,
         "max_summary_tokens": 60,
-        "keep_recent_messages": 2,
+        "min_recent_messages": 2,
     }
     settings.update(overrides)
     return RunOptions(max_history_tokens=budget * 2, compaction=SummarizeOptions(**settings))
@@ -166,7 +166,7 @@ async def test_summarizer_failure_raise_leaves_everything_as_it_was(store: Any) 
     """With on_summarizer_error='raise' a failing summarizer raises SummarizerError and nothing is written."""
 
     async def broken(messages: Sequence[Message], previous: str | None, limit: int) -> str:
-        raise RuntimeError("provider down")
+        raise SummarizerError("provider down", status=503)
 
     compactor = Compactor(
         store,
@@ -187,7 +187,7 @@ async def test_summarizer_failure_skip_writes_nothing_and_backs_off(store: Any) 
     """With on_summarizer_error='skip' the step goes on uncompacted and nothing is written."""
 
     async def broken(messages: Sequence[Message], previous: str | None, limit: int) -> str:
-        raise RuntimeError("provider down")
+        raise SummarizerError("provider down", status=503)
 
     summarizer = FunctionSummarizer(broken)
     compactor = Compactor(
@@ -210,7 +210,7 @@ async def test_summarizer_failure_fallback_marks_the_checkpoint_degraded(store: 
     """The default policy falls back to the extractive summarizer and marks the checkpoint degraded."""
 
     async def broken(messages: Sequence[Message], previous: str | None, limit: int) -> str:
-        raise RuntimeError("provider down")
+        raise SummarizerError("provider down", status=503)
 
     compactor = Compactor(
         store, options=options(), summarizer=FunctionSummarizer(broken), counter=ApproximateCounter()
@@ -231,7 +231,7 @@ async def test_a_tail_too_big_to_fold_stalls_without_calling_the_summarizer(stor
     summarizer = recorder()
     compactor = Compactor(
         store,
-        options=options(budget=200, keep_recent_messages=0, min_recent_turns=2),
+        options=options(budget=200, min_recent_messages=0, min_recent_turns=2),
         summarizer=summarizer,
         counter=ApproximateCounter(),
     )
@@ -271,40 +271,96 @@ async def test_oversized_tool_output_is_cut_with_a_marker(store: Any) -> None:
     assert original[0].text == "x" * 8000
 
 
-async def test_concurrent_compaction_is_re_read_and_nothing_is_lost(store: Any) -> None:
-    """A prefix rewritten underneath a compaction makes it read again; every message survives somewhere."""
+async def test_a_fold_that_meets_another_workers_fold_is_discarded_without_summarizing_again(
+    store: Any,
+) -> None:
+    """A fold meeting another worker's fold writes nothing and never re-sends what that worker folded."""
+    calls: list[list[Any]] = []
+    folded: list[Any] = []
+    other_worker_done = False
+
+    async def summarize(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        nonlocal other_worker_done
+        calls.append([m.metadata.get("n") for m in messages])
+        if not other_worker_done:  # another worker folds the first six messages meanwhile
+            other_worker_done = True
+            window = await store.load(THREAD)
+            folded.extend(m.message.metadata.get("n") for m in window.messages[:6])
+            theirs = Message.user("their summary", metadata={SUMMARY_METADATA_KEY: True})
+            await store.replace_prefix(
+                THREAD,
+                through_seq=window.messages[5].seq,
+                expected_version=window.version,
+                replacement=[theirs],
+                tokens=[3],
+            )
+            await store.append(THREAD, [Message.user("late arrival", metadata={"n": "late"})], [3])
+        return "summary of " + ",".join(str(n) for n in calls[-1])
+
     compactor = Compactor(
-        store, options=options(budget=300), summarizer=recorder(), counter=ApproximateCounter()
+        store,
+        options=options(budget=300),
+        summarizer=FunctionSummarizer(summarize),
+        counter=ApproximateCounter(),
     )
     await grow(compactor, range(8), compact=False)
-    real_load = store.load
-    interfered = False
-
-    async def load_then_interfere(thread: str, **kwargs: Any) -> Any:
-        nonlocal interfered
-        window = await real_load(thread, **kwargs)
-        if not interfered:
-            interfered = True
-            first = window.messages[0]
-            await store.replace_prefix(
-                thread,
-                through_seq=first.seq,
-                expected_version=window.version,
-                replacement=[first.message],
-                tokens=[first.tokens],
-            )
-            await store.append(thread, [Message.user("late arrival", metadata={"n": "late"})], [3])
-        return window
-
-    store.load = load_then_interfere
-    result = await compactor.maybe_compact(THREAD)
-    store.load = real_load
-    assert result is not None and result.compacted
+    log_before = [r async for r in store.replay(THREAD)]
+    assert await compactor.maybe_compact(THREAD) is None
+    assert [r async for r in store.replay(THREAD)] == log_before  # no checkpoint for the discarded fold
+    assert await store.latest_checkpoint(THREAD) is None
+    assert len(calls) == 1
     context = await compactor.context(THREAD)
     assert context[-1].metadata.get("n") == "late"
-    log = [r async for r in store.replay(THREAD)]
-    checkpoints = [r.episode for r in log if isinstance(r.episode, SummaryCheckpoint)]
+    result = await compactor.maybe_compact(THREAD)  # the next check folds on top of the new state
+    assert result is not None and result.compacted
+    assert not set(calls[1]) & set(folded), "a message the other worker folded was summarized again"
+    checkpoints = [r async for r in store.replay(THREAD) if isinstance(r.episode, SummaryCheckpoint)]
     assert len(checkpoints) == 1
+    assert (await compactor.context(THREAD))[-1].metadata.get("n") == "late"
+
+
+async def test_a_programming_error_in_a_summarizer_is_raised_not_turned_into_a_degraded_summary(
+    store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A summarizer raising something other than SummarizerError is logged with its traceback and raised."""
+
+    async def buggy(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        raise KeyError("oops")
+
+    compactor = Compactor(
+        store, options=options(), summarizer=FunctionSummarizer(buggy), counter=ApproximateCounter()
+    )
+    await grow(compactor, range(6), compact=False)
+    before = await store.load(THREAD)
+    with pytest.raises(KeyError):
+        await compactor.maybe_compact(THREAD)
+    assert await store.load(THREAD) == before
+    assert any(record.exc_info for record in caplog.records if record.levelname == "ERROR")
+
+
+async def test_an_empty_summary_follows_the_summarizer_error_policy(store: Any) -> None:
+    """A whitespace-only summary is a summarizer failure: the fallback summarizes and the fold is degraded."""
+
+    async def blank(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        return "  \n "
+
+    compactor = Compactor(
+        store, options=options(), summarizer=FunctionSummarizer(blank), counter=ApproximateCounter()
+    )
+    await grow(compactor, range(6), compact=False)
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.compacted and result.degraded
+    summary = (await compactor.context(THREAD))[0]
+    assert summary.is_summary and "src/f0.py" in summary.text
+    skipping = Compactor(
+        store,
+        options=options(on_summarizer_error="skip"),
+        summarizer=FunctionSummarizer(blank),
+        counter=ApproximateCounter(),
+    )
+    await grow(skipping, range(10, 16), compact=False)
+    stalled = await skipping.maybe_compact(THREAD)
+    assert stalled is not None and stalled.stalled
 
 
 async def test_two_compactors_on_one_thread_apply_one_compaction(store: Any) -> None:
@@ -342,7 +398,7 @@ async def test_manual_recovery_writes_a_clean_slate_boundary(store: Any) -> None
     await compactor.append(THREAD, [Message.system("prompt")])
     await grow(compactor, range(5), compact=False)
     assert (await store.pressure(THREAD)).user_messages_since_boundary == 5
-    result = await compactor.compact_now(THREAD, reason="manual_recovery")
+    result = await compactor.manual_recovery(THREAD)
     assert result is not None and result.reason == "manual_recovery"
     context = await compactor.context(THREAD)
     assert [m.text for m in context[:1]] == ["prompt"]
@@ -430,20 +486,12 @@ async def test_bare_maybe_compact_validates_options_like_the_seed() -> None:
     with pytest.raises(ConfigError, match="at least 2500"):
         RunOptions(max_history_tokens=10_000, compaction=SummarizeOptions(trigger_token_budget=2000))
     async with MemoryStore() as store:
-        assert await maybe_compact(store, THREAD, options=RunOptions.without_compaction()) is None
-
-
-async def test_bare_maybe_compact_compacts(store: Any) -> None:
-    """The module-level maybe_compact folds a thread like a Compactor does."""
-    compactor = Compactor(store, options=options(), counter=ApproximateCounter())
-    await grow(compactor, range(6), compact=False)
-    result = await maybe_compact(store, THREAD, options=options(), counter=ApproximateCounter())
-    assert result is not None and result.compacted and result.summarizer_model == "extractive"
+        assert await Compactor(store, options=RunOptions.without_compaction()).maybe_compact(THREAD) is None
 
 
 async def test_wrong_store_is_a_config_error() -> None:
     """Passing something that is not a store names the argument and the fix."""
-    with pytest.raises(ConfigError, match="short_term"):
+    with pytest.raises(ConfigError, match="store"):
         Compactor(object(), options=options())
 
 

@@ -117,7 +117,7 @@ def test_without_compaction_skips_the_window_check() -> None:
 def test_summarize_options_defaults() -> None:
     """Defaults keep 8 messages and 2 turns, aim at half the budget and cap the summary at 1024 tokens."""
     options = SummarizeOptions(trigger_token_budget=8000)
-    assert options.keep_recent_messages == 8
+    assert options.min_recent_messages == 8
     assert options.min_recent_turns == 2
     assert options.effective_target_tokens == 4000
     assert options.max_summary_tokens == 1024
@@ -133,11 +133,11 @@ def test_a_small_budget_gets_a_summary_cap_that_fits_its_target() -> None:
 
 
 def test_the_planner_fires_above_the_budget_and_keeps_recent_messages() -> None:
-    """compaction_config() fires strictly above the budget and keeps keep_recent_messages verbatim."""
-    options = SummarizeOptions(trigger_token_budget=100, keep_recent_messages=3, min_recent_turns=0)
+    """compaction_config() fires strictly above the budget and keeps min_recent_messages verbatim."""
+    options = SummarizeOptions(trigger_token_budget=100, min_recent_messages=3, min_recent_turns=0)
     config = options.compaction_config()
     assert isinstance(config, CompactionConfig)
-    assert isinstance(config.strategy, TokenBudget)
+    assert [type(s) for s in config.strategies] == [TokenBudget]
     assert options.trigger.reason(Pressure(1, 100)) is None
     assert options.trigger.reason(Pressure(1, 101)) == "token_count"
     history = [Message.user("u" * 400) for _ in range(6)]
@@ -146,8 +146,12 @@ def test_the_planner_fires_above_the_budget_and_keeps_recent_messages() -> None:
 
 
 def test_mask_mode_plans_observation_masking() -> None:
-    """mode='mask' plans with ObservationMasking."""
-    assert isinstance(SummarizeOptions(trigger_token_budget=100, mode="mask").strategy(), ObservationMasking)
+    """mode='mask' plans with masking alone; 'mask_then_summarize' masks before the token budget."""
+    assert [type(s) for s in SummarizeOptions(trigger_token_budget=100, mode="mask").strategy()] == [
+        ObservationMasking
+    ]
+    pipeline = SummarizeOptions(trigger_token_budget=100, mode="mask_then_summarize").strategy()
+    assert [type(s) for s in pipeline] == [ObservationMasking, TokenBudget]
 
 
 def test_episodic_options_add_the_episodic_policy_to_the_budget_trigger() -> None:
@@ -196,8 +200,8 @@ REJECTED: list[tuple[str, Build, str, object]] = [
     ("tiny budget", summarize(trigger_token_budget=1), "compaction.trigger_token_budget", 1),
     (
         "negative keep",
-        summarize(trigger_token_budget=8000, keep_recent_messages=-1),
-        "compaction.keep_recent_messages",
+        summarize(trigger_token_budget=8000, min_recent_messages=-1),
+        "compaction.min_recent_messages",
         -1,
     ),
     ("zero target", summarize(trigger_token_budget=8000, target_tokens=0), "compaction.target_tokens", 0),
@@ -273,8 +277,8 @@ REJECTED: list[tuple[str, Build, str, object]] = [
     ("negative history", run(max_history_tokens=-1), "max_history_tokens", -1),
     (
         "nested negative keep",
-        run(compaction={"trigger_token_budget": 40_000, "keep_recent_messages": -2}),
-        "compaction.keep_recent_messages",
+        run(compaction={"trigger_token_budget": 40_000, "min_recent_messages": -2}),
+        "compaction.min_recent_messages",
         -2,
     ),
     (
@@ -371,15 +375,15 @@ def test_an_unknown_option_lists_the_options_of_its_own_model() -> None:
     with pytest.raises(ConfigError) as info:
         RunOptions(compaction={"trigger_token_budget": 40_000, "keep_recent": 4})
     assert info.value.key == "compaction.keep_recent"
-    assert "keep_recent_messages" in info.value.reason
+    assert "min_recent_messages" in info.value.reason
     assert "max_history_tokens" not in info.value.reason
 
 
 def test_model_copy_validates_the_update_and_keeps_the_rest() -> None:
     """model_copy(update=...) returns options built from the old ones and the valid update."""
-    options = SummarizeOptions(trigger_token_budget=8000, keep_recent_messages=3)
+    options = SummarizeOptions(trigger_token_budget=8000, min_recent_messages=3)
     dropping = options.model_copy(update={"mode": "drop"})
-    assert (dropping.mode, dropping.keep_recent_messages, dropping.trigger_token_budget) == ("drop", 3, 8000)
+    assert (dropping.mode, dropping.min_recent_messages, dropping.trigger_token_budget) == ("drop", 3, 8000)
     assert options.model_copy() == options
 
 

@@ -39,7 +39,7 @@ from contextfold.testing import ScriptedModel, tool_step
 
 OPTIONS = RunOptions(
     max_history_tokens=1_200,
-    compaction=SummarizeOptions(trigger_token_budget=300, max_summary_tokens=60, keep_recent_messages=2),
+    compaction=SummarizeOptions(trigger_token_budget=300, max_summary_tokens=60, min_recent_messages=2),
 )
 
 
@@ -174,11 +174,11 @@ async def test_replay_gives_back_the_whole_conversation_after_many_compactions(t
     assert tool_calls == [call for m in expected for call in m.tool_calls]
 
 
-async def test_each_message_is_recorded_before_it_reaches_the_working_context() -> None:
-    """The episodic log is written before short-term memory for every message of a step."""
+async def test_each_message_is_logged_in_the_store_call_that_adds_it_to_the_context() -> None:
+    """Every message of a run reaches the working context in the one store call that logs it."""
     order: list[str] = []
     async with MemoryStore() as store:
-        record, append = store.record, store.append
+        record, append, both = store.record, store.append, store.record_and_append
 
         async def spy_record(thread: str, episode: Any, **kw: Any) -> Any:
             order.append(f"record:{episode.kind}")
@@ -188,12 +188,23 @@ async def test_each_message_is_recorded_before_it_reaches_the_working_context() 
             order.extend(f"append:{m.role.value}" for m in messages)
             return await append(thread, messages, tokens)
 
-        store.record, store.append = spy_record, spy_append
+        async def spy_both(thread: str, episodes: Any, messages: Any, tokens: Any, **kw: Any) -> Any:
+            kinds = "+".join(e.kind for e in episodes)
+            order.append(f"{kinds}->" + "+".join(m.role.value for m in messages))
+            return await both(thread, episodes, messages, tokens, **kw)
+
+        store.record, store.append, store.record_and_append = spy_record, spy_append, spy_both
         loop = make_loop(store)
         await loop.run("t", "hi", llm=ScriptedModel(agent), tools={"fetch": fetch})
-    assert order[:2] == ["record:user_message", "append:user"]
-    assert order[2:4] == ["record:llm_call", "append:assistant"]
-    assert order[4:7] == ["record:tool_call", "record:tool_result", "append:tool"]
+        context = await loop.compactor.context("t")
+    assert order[:4] == [
+        "user_message->user",
+        "llm_call->assistant",
+        "record:tool_call",
+        "tool_result->tool",
+    ]
+    assert not any(entry.startswith("append:") for entry in order)
+    assert [m.role.value for m in context] == ["user", "assistant", "tool", "assistant"]
 
 
 async def test_llm_call_episodes_say_what_was_sent() -> None:
@@ -362,9 +373,9 @@ class CountingCompactor(Compactor):
 
     context_calls = 0
 
-    async def context(self, thread: str) -> list[Message]:
+    async def context_tokens(self, thread: str) -> tuple[list[Message], int]:
         self.context_calls += 1
-        return await super().context(thread)
+        return await super().context_tokens(thread)
 
 
 async def test_a_step_sends_the_compactors_context() -> None:

@@ -119,3 +119,35 @@ def test_invalid_message_error_is_not_a_pydantic_error() -> None:
     with pytest.raises(InvalidMessageError) as info:
         Message.tool("", "x")
     assert not isinstance(info.value, ValidationError)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "field"),
+    [
+        ({"score": float("nan")}, "metadata.score"),
+        ({"stats": {"p99 ms": [1.0, float("inf")]}}, "metadata.stats['p99 ms'][1]"),
+        ({"low": -float("inf")}, "metadata.low"),
+    ],
+)
+def test_nan_and_infinity_in_metadata_are_rejected_naming_the_field(
+    metadata: dict[str, object], field: str
+) -> None:
+    """A NaN or infinity anywhere in metadata fails the message's construction, naming its path."""
+    with pytest.raises(InvalidMessageError) as caught:
+        Message.user("hi", metadata=metadata)
+    assert caught.value.field == field
+    assert "finite" in caught.value.reason
+
+
+def test_nan_in_a_content_part_is_rejected_naming_the_part() -> None:
+    """A NaN inside a list content part fails construction with the part's index and key."""
+    with pytest.raises(InvalidMessageError) as caught:
+        Message(role=Role.USER, content=[{"type": "text", "text": "hi", "weight": float("nan")}])
+    assert caught.value.field == "content[0].weight"
+
+
+def test_finite_floats_in_metadata_round_trip_through_json() -> None:
+    """Finite floats in metadata and content parts are kept and read back unchanged."""
+    parts = [{"type": "text", "text": "hi", "w": 0.5}]
+    message = Message(role=Role.USER, content=parts, metadata={"t": 1e300})
+    assert Message.model_validate_json(message.model_dump_json()) == message

@@ -148,19 +148,18 @@ def test_units_partition_the_body_and_keep_calls_with_their_results(conversation
             assert owner[index] == owner[caller[message.tool_call_id]]
     for unit in units:
         assert len(unit) == 1 or unit.kind == "assistant"
-    assert all(not u.pending for u in units[:-1])
+    waiting = set(conversation.unanswered)
+    for unit in units:
+        assert unit.pending == bool(call_ids(body[unit.start : unit.stop]) & waiting)
 
 
 @PROPERTY_SETTINGS
 @given(conversations())
 def test_orphans_are_reported_not_raised(conversation: Conversation) -> None:
-    """Results without a call, and calls abandoned before the tail, are reported as orphans."""
-    units, orphans = group_units(conversation.body)
+    """Results without a call are reported as orphans; unanswered calls are pending, not orphans."""
+    _, orphans = group_units(conversation.body)
     reported_results = {o.tool_call_id for o in orphans if o.problem == "result_without_call"}
     assert reported_results == set(conversation.orphan_results)
-    pending_calls = call_ids(conversation.body[units[-1].start :]) if units and units[-1].pending else set()
-    reported_calls = {o.tool_call_id for o in orphans if o.problem == "call_without_result"}
-    assert reported_calls == set(conversation.unanswered) - pending_calls
     plan = CompactionConfig(TurnCount(0), SlidingWindow(1)).plan(conversation.messages)
     assert set(plan.orphans) == set(orphans)
 
@@ -213,15 +212,16 @@ def test_the_pinned_head_previous_summary_and_floor_survive(
 
 @PROPERTY_SETTINGS
 @given(conversations())
-def test_a_pending_tail_is_never_dropped_and_never_blocks_older_cuts(conversation: Conversation) -> None:
-    """Keeping nothing on purpose still keeps a pending tail unit, and drops everything older."""
+def test_a_pending_unit_anywhere_is_kept_with_everything_after_it(conversation: Conversation) -> None:
+    """Keeping nothing on purpose still keeps the first pending unit and all after it, and drops the rest."""
     body = conversation.body
     units, _ = group_units(body)
     plan = CompactionConfig(TurnCount(0), SlidingWindow(0), min_recent_turns=0).plan(conversation.messages)
-    if units and units[-1].pending:
-        assert list(plan.kept) == body[units[-1].start :]
-        assert list(plan.dropped) == body[: units[-1].start]
-        assert plan.kept_turns == 1
+    first = next((n for n, unit in enumerate(units) if unit.pending), None)
+    if first is not None:
+        assert list(plan.kept) == body[units[first].start :]
+        assert list(plan.dropped) == body[: units[first].start]
+        assert plan.kept_turns == len(units) - first
     elif len(units) > 0:
         assert plan.kept == ()
         assert list(plan.dropped) == body
@@ -248,14 +248,17 @@ def test_nothing_changes_when_the_trigger_does_not_fire(
 def test_token_budget_keeps_exactly_the_newest_units_that_fit(
     data: st.DataObject, conversation: Conversation, budget: int, keep: int, floor: int
 ) -> None:
-    """TokenBudget keeps the newest units while they fit the budget, never fewer than its minimum."""
+    """TokenBudget keeps the newest units that fit with the head and summary, never fewer than its minimum."""
     counts = data.draw(tokens_for(conversation.messages))
-    config = CompactionConfig(TurnCount(0), TokenBudget(budget, keep), min_recent_turns=floor)
-    plan = config.plan(conversation.messages, message_tokens=counts)
-    body_counts = counts[conversation.pinned + conversation.has_summary :]
+    config = CompactionConfig(TokenCount(0), TokenBudget(budget, keep), min_recent_turns=floor)
+    plan = config.plan(conversation.messages, 1, message_tokens=counts)
+    head = conversation.pinned + conversation.has_summary
+    body_counts = counts[head:]
+    budget -= sum(counts[:head])  # the pinned head and the summary count against the budget
     units, _ = group_units(conversation.body)
     unit_tokens = [sum(body_counts[u.start : u.stop]) for u in units]
-    minimum = min(max(keep, floor, 1 if units and units[-1].pending else 0), len(units))
+    first_pending = next((n for n, u in enumerate(units) if u.pending), len(units))
+    minimum = min(max(keep, floor, len(units) - first_pending), len(units))
     kept = plan.kept_turns
     assert kept >= minimum
     kept_tokens = sum(unit_tokens[len(units) - kept :])
@@ -296,7 +299,10 @@ def test_observation_masking_keeps_structure_and_masks_only_old_tool_outputs(
     units, _ = group_units(body)
     if units and plan.reason is not None:
         assert isinstance(config.strategy, ObservationMasking)
+        assert config.strategies == (config.strategy,)
+        first_pending = next((n for n, u in enumerate(units) if u.pending), len(units))
         floor = min(max(config.strategy.keep_recent_turns, config.min_recent_turns), len(units))
+        floor = max(floor, len(units) - first_pending)
         untouched = units[-floor].start if floor else len(body)
         assert list(plan.kept[untouched:]) == body[untouched:]
         placeholder = config.strategy.placeholder
@@ -306,7 +312,7 @@ def test_observation_masking_keeps_structure_and_masks_only_old_tool_outputs(
             if m.role is Role.TOOL
             and len(m.text) > len(placeholder.format(tool_call_id=m.tool_call_id, tokens=0))
         ]
-        if config.min_recent_messages == 0 and not units[-1].pending:
+        if config.min_recent_messages == 0:
             assert plan.masked == len(masked_region)
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import random
 import socket
-import subprocess
-import sys
-import textwrap
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
@@ -15,12 +14,12 @@ from typing import Any
 import anyio
 import psycopg
 import pytest
-from anyio.streams.buffered import BufferedByteReceiveStream
 from psycopg import sql
 
 from contextfold import ConfigError, ConflictError, StoreClosedError, StoreError
 from contextfold._episodes import (
     Episode,
+    EpisodeRecord,
     LlmCallEpisode,
     ManualRecoveryBoundary,
     RunCompletedEpisode,
@@ -30,7 +29,7 @@ from contextfold._episodes import (
 )
 from contextfold._messages import Message
 from contextfold.stores import ThreadStats
-from contextfold.stores._postgres import SCHEMA_VERSION, PostgresStore
+from contextfold.stores._postgres import _MIGRATIONS, SCHEMA_VERSION, PostgresStore
 from contextfold.stores._rows import PressureCounters
 
 pytestmark = pytest.mark.postgres
@@ -133,18 +132,39 @@ async def test_unreachable_server_names_the_host_and_the_fix() -> None:
 @pytest.mark.parametrize(
     ("options", "key"),
     [
-        ({"max_size": 1}, "max_size"),
+        ({"max_size": 0}, "max_size"),
         ({"min_size": 5, "max_size": 4}, "max_size"),
         ({"min_size": -1}, "min_size"),
+        ({"max_size": "10"}, "max_size"),
         ({"schema": ""}, "schema"),
         ({"schema": "x" * 64}, "schema"),
+        ({"schema": "bad\x00name"}, "schema"),
+        ({"schema": "bad\ud800name"}, "schema"),
+        ({"lease_seconds": "x"}, "lease_seconds"),
+        ({"lease_seconds": None}, "lease_seconds"),
+        ({"lease_seconds": math.inf}, "lease_seconds"),
+        ({"lease_seconds": 0}, "lease_seconds"),
+        ({"lease_seconds": True}, "lease_seconds"),
+        ({"statement_timeout": "30"}, "statement_timeout"),
+        ({"statement_timeout": math.nan}, "statement_timeout"),
+        ({"statement_timeout": -1}, "statement_timeout"),
+        ({"dsn": "postgresql://postgres@127.0.0.1/te\x00st"}, "dsn"),
+        ({"dsn": None}, "dsn"),
     ],
 )
 def test_bad_options_are_rejected_at_construction(options: dict[str, Any], key: str) -> None:
-    """Pool sizes that could deadlock a compaction, and unusable schema names, raise ConfigError by key."""
+    """Bad pool sizes, schema names, DSNs, leases and timeouts raise ConfigError by key, unconnected."""
+    options = {"dsn": "postgresql://postgres@127.0.0.1:5432/test", **options}
     with pytest.raises(ConfigError) as caught:
-        PostgresStore("postgresql://postgres@127.0.0.1:5432/test", **options)
+        PostgresStore(**options)
     assert caught.value.key == key
+    assert "secret" not in str(caught.value)
+
+
+def test_a_one_connection_pool_is_accepted() -> None:
+    """max_size=1 is a valid pool now that a compaction lease holds no connection."""
+    store = PostgresStore("postgresql://postgres@127.0.0.1:5432/test", min_size=0, max_size=1)
+    assert "PostgresStore" in repr(store)
 
 
 async def test_raw_update_delete_and_truncate_of_episodes_are_rejected(
@@ -165,49 +185,6 @@ async def test_raw_update_delete_and_truncate_of_episodes_are_rejected(
     assert record.episode.message.text == "keep me"
 
 
-_HOLDER = textwrap.dedent(
-    """
-    import sys, anyio
-    from contextfold.stores import PostgresStore
-
-    async def main() -> None:
-        async with PostgresStore(sys.argv[1], schema=sys.argv[2]) as store:
-            async with store.compaction_lock(sys.argv[3]) as held:
-                print("held" if held else "refused", flush=True)
-                await anyio.sleep_forever()
-
-    anyio.run(main)
-    """
-)
-
-
-async def test_a_killed_holders_lock_is_released_by_the_server(
-    postgres_url: str, schema: str, store: PostgresStore
-) -> None:
-    """Another process holding the lock excludes this one until it is SIGKILLed, then the lock frees."""
-    thread = "shared thread"
-    process = await anyio.open_process(
-        [sys.executable, "-c", _HOLDER, postgres_url, schema, thread], stdout=subprocess.PIPE
-    )
-    try:
-        assert process.stdout is not None
-        with anyio.fail_after(30):
-            line = await BufferedByteReceiveStream(process.stdout).receive_until(b"\n", 100)
-        assert line == b"held"
-        async with store.compaction_lock(thread) as held:
-            assert not held
-    finally:
-        process.kill()
-        await process.wait()
-    with anyio.fail_after(10):
-        while True:
-            # The server notices the dropped connection asynchronously; poll until it has.
-            async with store.compaction_lock(thread) as held:
-                if held:
-                    break
-            await anyio.sleep(0.05)
-
-
 async def test_pool_serves_more_concurrent_calls_than_connections(postgres_url: str, schema: str) -> None:
     """Forty concurrent appends through a two-connection pool all land, with distinct seqs."""
     app = f"cf_pool_{uuid.uuid4().hex[:8]}"
@@ -221,25 +198,6 @@ async def test_pool_serves_more_concurrent_calls_than_connections(postgres_url: 
             postgres_url, "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (app,)
         )
         assert sessions[0][0] <= 2
-
-
-async def test_a_compaction_writes_while_holding_the_lock_with_the_smallest_pool(
-    postgres_url: str, schema: str
-) -> None:
-    """With max_size=2 the locked body can still load and replace the prefix through the other connection."""
-    async with PostgresStore(postgres_url, schema=schema, min_size=0, max_size=2) as store:
-        await store.append("t", _users(4), [5, 5, 5, 5])
-        async with store.compaction_lock("t") as held:
-            assert held
-            window = await store.load("t")
-            stats = await store.replace_prefix(
-                "t",
-                through_seq=3,
-                expected_version=window.version,
-                replacement=[Message.system("s")],
-                tokens=[2],
-            )
-        assert (stats.message_count, stats.total_tokens, stats.version) == (2, 7, 1)
 
 
 async def test_a_missing_cut_rolls_back_the_delete(store: PostgresStore) -> None:
@@ -387,3 +345,308 @@ async def test_a_windowed_load_reads_as_many_rows_whatever_the_thread_length(
     assert read["long", None] == 20_000, "the count must see a whole-thread read"
     window = await store.load("long", max_tokens=10)
     assert [m.seq for m in window.messages] == list(range(19_991, 20_001))
+
+
+async def _columns(url: str, schema: str, table: str) -> dict[str, str]:
+    rows = await _sql(
+        url,
+        "SELECT column_name, data_type FROM information_schema.columns"
+        " WHERE table_schema = %s AND table_name = %s",
+        (schema, table),
+    )
+    return dict(rows)
+
+
+async def test_a_version_1_schema_is_migrated_with_its_data(postgres_url: str, schema: str) -> None:
+    """A schema written at version 1 opens at version 2 with bigint tokens, its rows intact and usable."""
+    hello, reply = Message.user("hello"), Message.assistant("hi there")
+    async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as conn:
+        s = sql.Identifier(schema)
+        await conn.execute(sql.SQL("CREATE SCHEMA {}").format(s))
+        await conn.execute(
+            sql.SQL(
+                "CREATE TABLE {}.schema_version (only_row boolean PRIMARY KEY DEFAULT true, version integer)"
+            ).format(s)
+        )
+        for statement in _MIGRATIONS[0]:
+            await conn.execute(sql.SQL(statement).format(s=s))  # type: ignore[arg-type]
+        await conn.execute(sql.SQL("INSERT INTO {}.schema_version (version) VALUES (1)").format(s))
+        await conn.execute(sql.SQL("INSERT INTO {}.threads VALUES ('t', 2, 7, 0, 2)").format(s))
+        for seq, (message, tokens) in enumerate([(hello, 3), (reply, 4)], start=1):
+            await conn.execute(
+                sql.SQL("INSERT INTO {}.messages VALUES ('t', %s, %s, %s)").format(s),
+                (seq, tokens, message.model_dump_json()),
+            )
+            episode = UserMessageEpisode(message=hello) if seq == 1 else LlmCallEpisode(reply=reply)
+            await conn.execute(
+                sql.SQL("INSERT INTO {}.episodes VALUES ('t', %s, now(), %s, %s)").format(s),
+                (seq, episode.kind, episode.model_dump_json()),
+            )
+        await conn.execute(
+            sql.SQL("INSERT INTO {}.episode_threads VALUES ('t', 2, now(), 1, 1, 0, 1, NULL)").format(s)
+        )
+    assert (await _columns(postgres_url, schema, "messages"))["tokens"] == "integer"
+
+    async with PostgresStore(postgres_url, schema=schema) as store:
+        window = await store.load("t")
+        assert [(m.seq, m.message, m.tokens, m.episode_seq) for m in window.messages] == [
+            (1, hello, 3, None),
+            (2, reply, 4, None),
+        ]
+        assert [r.seq async for r in store.replay("t")] == [1, 2]
+        (big,) = await store.append("t", [Message.user("huge")], [2**40])
+        assert (await store.stats("t")).total_tokens == 7 + 2**40
+        record = await store.fold(
+            "t",
+            checkpoint=SummaryCheckpoint(trigger="test", from_seq=1, through_seq=2, summary="greeted"),
+            through_seq=2,
+            expected_version=0,
+            replacement=[Message.system("greeted")],
+            tokens=[1],
+        )
+        assert record.seq == 3
+        tombstone = await store.forget("t")
+        assert (tombstone.messages, tombstone.episodes) == (2, 3)
+        assert big.seq == 3
+    columns = await _columns(postgres_url, schema, "messages")
+    assert (columns["tokens"], columns["episode_seq"]) == ("bigint", "bigint")
+    assert await _sql(
+        postgres_url, sql.SQL("SELECT version FROM {}").format(_table(schema, "schema_version"))
+    ) == [(SCHEMA_VERSION,)]
+
+
+async def test_batched_records_keep_the_shared_pressure_arithmetic(store: PostgresStore) -> None:
+    """Per random batch, the counters equal PressureCounters', and each message links its episode."""
+    rng = random.Random(20261201)
+    expected = PressureCounters()
+    for n in range(80):
+        episodes = [_random_episode(rng) for _ in range(rng.randrange(1, 6))]
+        carriers = [
+            i for i, e in enumerate(episodes) if isinstance(e, UserMessageEpisode | ToolResultEpisode)
+        ]
+        messages = [episodes[i].message for i in carriers]  # type: ignore[union-attr]
+        for episode in episodes:
+            expected = expected.after(episode, datetime.now(UTC))
+        stored = await store.record_and_append(
+            "t", episodes, messages, [1] * len(messages), message_episodes=carriers
+        )
+        state = await store.state("t")
+        got = state.pressure
+        assert (
+            got.total_user_messages,
+            got.user_messages_since_boundary,
+            got.run_completed_since_boundary,
+            got.user_messages_after_latest_run_completed,
+        ) == (
+            expected.total_user_messages,
+            expected.user_messages_since_boundary,
+            expected.run_completed_since_boundary,
+            expected.user_messages_after_latest_run_completed,
+        ), f"batch {n}"
+        assert got.estimated_context_tokens == state.stats.total_tokens
+        links = {m.seq: m.episode_seq for m in stored}
+        assert [
+            m.episode_seq
+            for m in (await store.tail("t", after_seq=min(links, default=1) - 1)).messages
+            if m.seq in links
+        ] == list(links.values())
+        for message in stored:
+            assert message.episode_seq is not None
+            [record] = [r async for r in store.replay("t", from_seq=message.episode_seq)][:1]
+            assert record.episode.message == message.message  # type: ignore[union-attr]
+    latest = await store.latest_checkpoint("t")
+    assert (latest.seq if latest else None) == expected.boundary_seq
+
+
+async def _fold_half(store: PostgresStore, thread: str, *, summarizing: float = 0.0) -> EpisodeRecord:
+    window = await store.load(thread)
+    cut = window.messages[: len(window.messages) // 2]
+    await anyio.sleep(summarizing)  # the summarizer's own time
+    return await store.fold(
+        thread,
+        checkpoint=SummaryCheckpoint(
+            trigger="test", from_seq=cut[0].seq, through_seq=cut[-1].seq, summary=f"{len(cut)} folded"
+        ),
+        through_seq=cut[-1].seq,
+        expected_version=window.version,
+        replacement=[Message.system(f"{len(cut)} folded")],
+        tokens=[1],
+    )
+
+
+async def test_fifty_threads_compact_at_once_on_a_default_pool(postgres_url: str, schema: str) -> None:
+    """50 leases, 0.5 s summaries and folds at once on default pool settings: all apply, in about 0.5 s."""
+    app = f"cf_burst_{uuid.uuid4().hex[:8]}"
+    threads = [f"thread {n}" for n in range(50)]
+    async with PostgresStore(f"{postgres_url}?application_name={app}", schema=schema) as store:
+        for thread in threads:
+            messages = _users(8)
+            await store.record_and_append(
+                thread,
+                [UserMessageEpisode(message=m) for m in messages],
+                messages,
+                [5] * 8,
+                message_episodes=range(8),
+            )
+        folded: dict[str, EpisodeRecord] = {}
+
+        async def compact(thread: str) -> None:
+            async with store.compaction_lock(thread) as mine:
+                assert mine
+                folded[thread] = await _fold_half(store, thread, summarizing=0.5)
+
+        start = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for thread in threads:
+                tg.start_soon(compact, thread)
+        elapsed = time.perf_counter() - start
+        for thread in threads:
+            window = await store.load(thread)
+            assert window.version == 1
+            assert window.messages[0].message.text == "4 folded"
+            assert window.messages[0].episode_seq == folded[thread].seq == 9
+            assert [m.seq for m in window.messages] == [4, 5, 6, 7, 8]
+        sessions = await _sql(
+            postgres_url, "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (app,)
+        )
+        assert sessions[0][0] <= 10
+    assert elapsed < 0.5 + 1.5, f"50 folds took {elapsed:.2f} s against 0.5 s of summarizing"
+
+
+async def test_a_lease_holds_no_connection_while_its_body_runs(postgres_url: str, schema: str) -> None:
+    """With a one-connection pool the lease holder loads and folds, while another handle is refused."""
+    async with (
+        PostgresStore(postgres_url, schema=schema, min_size=0, max_size=1) as store,
+        PostgresStore(postgres_url, schema=schema, min_size=0, max_size=1) as other,
+    ):
+        await store.append("t", _users(4), [5, 5, 5, 5])
+        async with store.compaction_lock("t") as mine:
+            assert mine
+            async with other.compaction_lock("t") as theirs:
+                assert not theirs
+            await _fold_half(store, "t")
+        async with other.compaction_lock("t") as theirs:
+            assert theirs, "a released lease is free at once"
+        assert (await store.stats("t")).version == 1
+        assert await _sql(
+            postgres_url, sql.SQL("SELECT count(*) FROM {}").format(_table(schema, "compaction_leases"))
+        ) == [(0,)]
+
+
+async def test_an_expired_lease_is_taken_over_by_the_server_clock(postgres_url: str, schema: str) -> None:
+    """A lease not released within lease_seconds of the server's clock is taken by the next worker."""
+    async with (
+        PostgresStore(postgres_url, schema=schema, lease_seconds=0.3) as first,
+        PostgresStore(postgres_url, schema=schema) as second,
+    ):
+        async with first.compaction_lock("t") as mine:
+            assert mine
+            [(left,)] = await _sql(
+                postgres_url,
+                sql.SQL("SELECT extract(epoch FROM expires_at - clock_timestamp()) FROM {}").format(
+                    _table(schema, "compaction_leases")
+                ),
+            )
+            assert 0 < left <= 0.3
+            taken_at = None
+            with anyio.fail_after(10):
+                while taken_at is None:
+                    async with second.compaction_lock("t") as theirs:
+                        if theirs:
+                            taken_at = time.monotonic()
+                    await anyio.sleep(0.02)  # polling the server's clock
+
+
+async def test_a_statement_over_statement_timeout_is_cancelled_by_the_server(
+    postgres_url: str, schema: str
+) -> None:
+    """An append stuck behind a lock fails with a StoreError after statement_timeout, and is not applied."""
+    async with PostgresStore(postgres_url, schema=schema, statement_timeout=0.3) as store:
+        await store.append("t", _users(1), [1])
+        async with await psycopg.AsyncConnection.connect(postgres_url) as blocker:
+            await blocker.execute(
+                sql.SQL("SELECT 1 FROM {} WHERE thread = 't' FOR UPDATE").format(_table(schema, "threads"))
+            )
+            start = time.perf_counter()
+            with pytest.raises(StoreError, match=r"statement_timeout=0\.3 s") as caught:
+                await store.append("t", _users(1), [1])
+            assert 0.25 < time.perf_counter() - start < 3
+            assert "raise statement_timeout" in str(caught.value)
+            await blocker.rollback()
+        assert (await store.stats("t")).message_count == 1
+
+
+async def _sessions(url: str, app: str) -> int:
+    rows = await _sql(url, "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (app,))
+    return int(rows[0][0])
+
+
+async def test_a_cancelled_aclose_still_closes_the_pool(postgres_url: str, schema: str) -> None:
+    """aclose() called in an already cancelled scope closes the pool and its sessions all the same."""
+    app = f"cf_close_{uuid.uuid4().hex[:8]}"
+    store = PostgresStore(f"{postgres_url}?application_name={app}", schema=schema, min_size=2)
+    await store.open()
+    assert await _sessions(postgres_url, app) == 2
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await store.aclose()
+    with pytest.raises(StoreClosedError):
+        await store.stats("t")
+    with anyio.fail_after(10):
+        while await _sessions(postgres_url, app):
+            await anyio.sleep(0.02)  # the server notices closed sessions asynchronously
+
+
+async def test_aclose_during_open_leaves_no_pool_behind(postgres_url: str, schema: str) -> None:
+    """An aclose() racing an open() waits for it and closes what it opened: no session outlives the store."""
+    app = f"cf_race_{uuid.uuid4().hex[:8]}"
+    for _ in range(5):
+        store = PostgresStore(f"{postgres_url}?application_name={app}", schema=schema, min_size=2)
+
+        async def opening(store: PostgresStore = store) -> None:
+            try:
+                await store.open()
+            except StoreClosedError:
+                pass  # aclose won the race: open is refused, which is what it promises
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(opening)
+            await anyio.sleep(0)
+            tg.start_soon(store.aclose)
+        await store.aclose()
+        with pytest.raises(StoreClosedError):
+            await store.open()
+        assert store._pool is None
+    with anyio.fail_after(10):
+        while await _sessions(postgres_url, app):
+            await anyio.sleep(0.02)  # the server notices closed sessions asynchronously
+
+
+async def test_only_the_tombstones_transaction_may_delete_episodes(
+    postgres_url: str, schema: str, store: PostgresStore
+) -> None:
+    """A thread's episodes may be deleted only under its own tombstone; updates are always refused."""
+    await store.record("a", UserMessageEpisode(message=Message.user("a")))
+    await store.record("b", UserMessageEpisode(message=Message.user("b")))
+    async with await psycopg.AsyncConnection.connect(postgres_url) as conn:
+        await conn.execute(
+            sql.SQL("INSERT INTO {} (thread, messages, episodes) VALUES ('a', 0, 0)").format(
+                _table(schema, "tombstones")
+            )
+        )
+        with pytest.raises(psycopg.errors.RaiseException, match="append-only"):
+            await conn.execute(
+                sql.SQL("DELETE FROM {} WHERE thread = 'b'").format(_table(schema, "episodes"))
+            )
+        await conn.rollback()
+    await store.forget("a")
+    for statement in (
+        sql.SQL("DELETE FROM {} WHERE thread = 'b'").format(_table(schema, "episodes")),
+        sql.SQL("UPDATE {} SET body = '{{}}'").format(_table(schema, "episodes")),
+        sql.SQL("DELETE FROM {}").format(_table(schema, "tombstones")),
+    ):
+        with pytest.raises(psycopg.errors.RaiseException, match="append-only"):
+            await _sql(postgres_url, statement)
+    assert [r.seq async for r in store.replay("b")] == [1]
+    assert [r.seq async for r in store.replay("a")] == []
+    assert [(t.thread, t.episodes) for t in await store.tombstones("a")] == [("a", 1)]

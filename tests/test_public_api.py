@@ -86,7 +86,6 @@ EXPECTED_TOP_LEVEL = {
     # compaction and the loop
     "Compactor",
     "CompactionResult",
-    "maybe_compact",
     "SUMMARY_PREFIX",
     "TRUNCATED_METADATA_KEY",
     "StepLoop",

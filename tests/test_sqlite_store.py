@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +17,9 @@ import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from contextfold import ConfigError, Message, StoreError, UserMessageEpisode
+from contextfold._errors import StoreClosedError
 from contextfold.stores import SQLiteStore
-from contextfold.stores._sqlite import SCHEMA_VERSION
+from contextfold.stores._sqlite import _MIGRATIONS, SCHEMA_VERSION
 
 
 def query(path: Path, statement: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -90,13 +91,183 @@ async def test_an_unopenable_path_names_the_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("option", "value"),
-    [("busy_timeout", 0), ("lease_seconds", -1), ("synchronous", "OFF")],
+    [
+        ("busy_timeout", 0),
+        ("busy_timeout", "30"),
+        ("busy_timeout", None),
+        ("busy_timeout", float("inf")),
+        ("busy_timeout", float("nan")),
+        ("busy_timeout", True),
+        ("busy_timeout", 10**12),
+        ("lease_seconds", -1),
+        ("lease_seconds", "x"),
+        ("lease_seconds", None),
+        ("lease_seconds", float("inf")),
+        ("synchronous", "OFF"),
+        ("synchronous", None),
+        ("synchronous", "full"),
+    ],
 )
 def test_bad_options_are_config_errors(tmp_path: Path, option: str, value: Any) -> None:
-    """A non-positive timeout or an unknown synchronous mode is a ConfigError naming the option."""
+    """A bad timeout, lease or synchronous mode is a ConfigError naming the option, before the file exists."""
     with pytest.raises(ConfigError) as caught:
         SQLiteStore(tmp_path / "x.db", **{option: value})
     assert caught.value.key == option
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("path", ["agent\x00.db", b"agent.db", None, 3, "", "bad-\udc80.db"])
+def test_a_bad_path_is_a_config_error_before_any_file_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: Any
+) -> None:
+    """A path with a NUL, bytes, a non-path or a lone surrogate is a ConfigError naming 'path'."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as caught:
+        SQLiteStore(path)
+    assert caught.value.key == "path"
+    assert list(tmp_path.iterdir()) == []
+
+
+class _BytesPath:
+    def __fspath__(self) -> bytes:
+        return b"agent.db"
+
+
+def test_a_path_object_giving_bytes_is_a_config_error() -> None:
+    """A path-like object whose path is bytes is refused with the fix (os.fsdecode)."""
+    with pytest.raises(ConfigError, match="fsdecode") as caught:
+        SQLiteStore(_BytesPath())  # type: ignore[arg-type]
+    assert caught.value.key == "path"
+
+
+def test_good_options_are_accepted_as_given(tmp_path: Path) -> None:
+    """Whole-number seconds and either synchronous mode are accepted."""
+    store = SQLiteStore(str(tmp_path / "ok.db"), busy_timeout=5, lease_seconds=0.25, synchronous="NORMAL")
+    assert store.path == tmp_path / "ok.db"
+
+
+def _version_1(path: Path) -> None:
+    """A database as schema version 1 wrote it, with a thread in both memories."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        for statement in _MIGRATIONS[1]:
+            conn.execute(statement)
+        conn.execute("PRAGMA user_version = 1")
+        body = Message.user("from v1").model_dump_json()
+        conn.execute("INSERT INTO threads VALUES ('t', 1, 5, 0, 1)")
+        conn.execute("INSERT INTO messages VALUES ('t', 1, 5, ?)", (body,))
+        episode = UserMessageEpisode(message=Message.user("from v1")).model_dump_json()
+        conn.execute(
+            "INSERT INTO episodes VALUES ('t', 1, '2026-01-01T00:00:00+00:00', 'user_message', ?)", (episode,)
+        )
+        conn.execute(
+            "INSERT INTO episode_threads VALUES ('t', 1, 1, 1, 0, 1, NULL, '2026-01-01T00:00:00+00:00')"
+        )
+    finally:
+        conn.close()
+
+
+async def test_a_version_1_database_is_migrated_and_keeps_its_data(tmp_path: Path) -> None:
+    """Opening a schema-1 file migrates it to the current schema; its rows read back and forget works."""
+    path = tmp_path / "v1.db"
+    _version_1(path)
+    async with SQLiteStore(path) as store:
+        window = await store.load("t")
+        assert window.plain == [Message.user("from v1")]
+        assert window.messages[0].episode_seq is None
+        old = UserMessageEpisode(message=Message.user("from v1"))
+        assert [r.episode async for r in store.replay("t")] == [old]
+        new = UserMessageEpisode(message=Message.user("v2"))
+        stored = await store.record_and_append("t", [new], [Message.user("v2")], [1], message_episodes=[0])
+        assert (stored[0].seq, stored[0].episode_seq) == (2, 2)
+        with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+            query(path, "DELETE FROM episodes WHERE thread = 't'")
+        tombstone = await store.forget("t")
+        assert (tombstone.messages, tombstone.episodes) == (2, 2)
+    assert query(path, "PRAGMA user_version") == [(SCHEMA_VERSION,)] == [(2,)]
+    assert query(path, "SELECT count(*) FROM episodes") == [(0,)]
+
+
+async def test_state_is_one_statement(tmp_path: Path) -> None:
+    """state() runs exactly one SQL statement, however long the thread."""
+    async with SQLiteStore(tmp_path / "state.db", synchronous="NORMAL") as store:
+        await fill(store, "t", 2_000)
+        await store.record("t", UserMessageEpisode(message=Message.user("a")))
+        statements: list[str] = []
+        assert store._reader is not None
+        store._reader.set_trace_callback(statements.append)
+        state = await store.state("t")
+        store._reader.set_trace_callback(None)
+    assert len(statements) == 1, statements
+    assert (state.stats.message_count, state.pressure.total_user_messages) == (2_000, 1)
+    assert state.pressure.estimated_context_tokens == 2_000
+
+
+async def test_state_does_the_same_work_whatever_the_thread_length(tmp_path: Path) -> None:
+    """SQLite runs as many VM instructions for state() of a 20,000-message thread as of a 10-message one."""
+    async with SQLiteStore(tmp_path / "flat.db", synchronous="NORMAL") as store:
+        await fill(store, "short", 10)
+        await fill(store, "long", 20_000)
+        for thread in ("short", "long"):
+            await store.record(thread, UserMessageEpisode(message=Message.user("a")))
+        await store.state("short")  # compiles the statement outside the count
+        steps = 0
+
+        def count() -> int:
+            nonlocal steps
+            steps += 1
+            return 0
+
+        assert store._reader is not None
+        store._reader.set_progress_handler(count, 1)
+        work = {}
+        for thread in ("short", "long"):
+            steps = 0
+            await store.state(thread)
+            work[thread] = steps
+    assert work["long"] == work["short"] > 0
+
+
+async def test_a_lease_row_is_timed_by_the_database_clock(tmp_path: Path) -> None:
+    """The lease row expires lease_seconds after the database's own now."""
+    path = tmp_path / "clock.db"
+    async with SQLiteStore(path, lease_seconds=120) as store, store.compaction_lock("t") as mine:
+        assert mine
+        ((left,),) = query(
+            path, "SELECT expires_at - (julianday('now') - 2440587.5) * 86400.0 FROM compaction_leases"
+        )
+        assert 110 < left <= 120
+    assert query(path, "SELECT count(*) FROM compaction_leases") == [(0,)]
+
+
+async def test_aclose_is_idempotent_and_survives_cancellation(tmp_path: Path) -> None:
+    """aclose() called twice, or from a cancelled scope, leaves the store closed with no connection."""
+    store = SQLiteStore(tmp_path / "close.db")
+    await store.append("t", [Message.user("a")], [1])
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await store.aclose()
+    assert (store._conn, store._reader) == (None, None)
+    await store.aclose()
+    with pytest.raises(StoreClosedError):
+        await store.stats("t")
+
+
+async def test_aclose_during_opening_leaves_no_connection(tmp_path: Path) -> None:
+    """A store closed while it is opening ends closed, holding no connection."""
+    for turns in range(6):
+        store = SQLiteStore(tmp_path / f"race{turns}.db")
+        async with anyio.create_task_group() as group:
+
+            async def open_it(store: SQLiteStore = store) -> None:
+                with contextlib.suppress(StoreClosedError):
+                    await store.__aenter__()
+
+            group.start_soon(open_it)
+            for _ in range(turns):
+                await anyio.lowlevel.checkpoint()
+            await store.aclose()
+        assert (store._conn, store._reader) == (None, None)
 
 
 async def test_a_replacing_insert_cannot_overwrite_an_episode(tmp_path: Path) -> None:
@@ -139,7 +310,7 @@ async def test_waiting_for_another_writer_leaves_the_event_loop_running(tmp_path
 
 def hold_lock(path: str, holding: Any) -> None:
     async def main() -> None:
-        async with SQLiteStore(path) as store, store.compaction_lock("t") as mine:
+        async with SQLiteStore(path, lease_seconds=1) as store, store.compaction_lock("t") as mine:
             assert mine
             holding.set()
             await anyio.sleep_forever()
@@ -148,7 +319,7 @@ def hold_lock(path: str, holding: Any) -> None:
 
 
 async def test_a_killed_holders_lease_blocks_until_it_expires(tmp_path: Path) -> None:
-    """The lease of a SIGKILLed lock holder keeps others out until lease_seconds pass, then is taken over."""
+    """A SIGKILLed lock holder's lease keeps others out until its lease_seconds pass, then is taken over."""
     path = tmp_path / "lease.db"
     context = multiprocessing.get_context("spawn")
     holding = context.Event()
@@ -160,12 +331,16 @@ async def test_a_killed_holders_lease_blocks_until_it_expires(tmp_path: Path) ->
         os.kill(child.pid or 0, signal.SIGKILL)
         await anyio.to_thread.run_sync(child.join)
 
-    async with SQLiteStore(path) as now, now.compaction_lock("t") as mine:
-        assert not mine
-    later = SQLiteStore(path, clock=lambda: time.time() + 301)
-    async with later, later.compaction_lock("t") as mine:
-        assert mine
-    async with SQLiteStore(path) as now, now.compaction_lock("t") as mine:
+    async with SQLiteStore(path) as store:
+        async with store.compaction_lock("t") as mine:
+            assert not mine
+        with anyio.fail_after(20):
+            while True:
+                async with store.compaction_lock("t") as mine:
+                    if mine:
+                        break
+                await anyio.sleep(0.05)  # polling the database's clock
+    async with SQLiteStore(path) as again, again.compaction_lock("t") as mine:
         assert mine
 
 
@@ -199,8 +374,10 @@ async def test_a_windowed_load_does_the_same_work_whatever_the_thread_length(tmp
             steps += 1
             return 0  # carry on
 
-        assert store._conn is not None
-        store._conn.set_progress_handler(count, 1)
+        for limit in (10, None):
+            await store.load("short", max_tokens=limit)  # compiles the statements outside the count
+        assert store._reader is not None
+        store._reader.set_progress_handler(count, 1)
         work = {}
         for thread in ("short", "long"):
             for limit in (10, None):

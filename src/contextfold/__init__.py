@@ -6,7 +6,7 @@ The public names are re-exported here; the modules behind them are private.
 from typing import TYPE_CHECKING, Any
 
 from . import stores, summarizers
-from ._compactor import SUMMARY_PREFIX, TRUNCATED_METADATA_KEY, CompactionResult, Compactor, maybe_compact
+from ._compactor import SUMMARY_PREFIX, TRUNCATED_METADATA_KEY, CompactionResult, Compactor
 from ._config import (
     WINDOW_MULTIPLE_OF_TRIGGER,
     CompactionMode,
@@ -221,7 +221,6 @@ __all__ = [
     "from_openai",
     "group_units",
     "load_encoding",
-    "maybe_compact",
     "split_head",
     "stores",
     "summarizers",

@@ -1,44 +1,60 @@
-"""``maybe_compact`` and manual compaction: the orchestration of one fold.
+"""The ``Compactor``: recording, the per-step check, and the orchestration of one fold.
 
-The per-step check is the hot path. It asks the short-term store for its
-maintained counters (and, with an episodic policy, the episodic store for its
-pressure counters) and returns ``None`` when no trigger fires, without loading
-the thread or tokenizing anything. Only a firing trigger loads the working
-context, plans the cut, summarizes the newly dropped turns, records a
-``SummaryCheckpoint`` and swaps the prefix in one guarded, atomic write.
+The per-step check is the hot path. It reads the store's maintained state
+(counters, version, newest seq: one query on a ``Store``) and returns
+``None`` when no trigger fires, without loading or tokenizing anything. The
+context a step sends is cached per thread and extended with the rows it has
+not seen, so a step decodes only new messages.
+
+Only a firing trigger plans a fold: it takes the thread's lease (one
+compactor per thread across processes), plans the cut from the cached
+context, summarizes the newly dropped turns, and applies the fold — the
+``SummaryCheckpoint`` and the prefix swap — as one store operation guarded
+by the version it read. A fold that meets another worker's fold is
+discarded: nothing is written and nothing is summarized again.
+
+With ``background_at``, the summary of the prefix that would be folded starts
+early, in a task of the compactor's task group (``async with Compactor(...)``),
+and is applied at a later step if its prefix is unchanged.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Self
 
-from ._config import RunOptions, SummarizeOptions
+import anyio
+from anyio.abc import TaskGroup
+
+from ._config import RunOptions, Settings, SummarizeOptions, resolve_settings
 from ._episodes import (
+    Episode,
     ManualRecoveryBoundary,
     RunCompletedEpisode,
     SummaryCheckpoint,
+    ToolCallEpisode,
     Usage,
     episode_for,
 )
 from ._errors import ConfigError, ConflictError, SummarizerError
-from ._messages import SUMMARY_METADATA_KEY, Message, Role
-from ._policy import EpisodicCompactionPressure, EpisodicCompactionTrigger, Pressure
-from ._strategies import CompactionConfig, CompactionPlan, SlidingWindow
+from ._messages import SUMMARY_METADATA_KEY, Message, Role, ToolCall
+from ._policy import TOKEN_REASONS, EpisodicCompactionPressure, Pressure, Reason, Trigger
+from ._strategies import CompactionPlan, Strategy, unanswered_calls
 from ._tokens import TiktokenCounter, TokenCounter
-from .stores._base import ContextWindow, EpisodicStore, ShortTermStore, StoredMessage
+from .stores._base import ContextWindow, EpisodicStore, ShortTermStore, Store, StoredMessage, ThreadStats
 from .summarizers._base import Summarizer, Summary
 
 __all__ = [
+    "ABANDONED_METADATA_KEY",
     "SUMMARY_PREFIX",
     "TRUNCATED_METADATA_KEY",
     "CompactionResult",
     "Compactor",
-    "maybe_compact",
 ]
 
 logger = logging.getLogger("contextfold")
@@ -49,8 +65,15 @@ SUMMARY_PREFIX = "[compacted summary of earlier turns]\n"
 TRUNCATED_METADATA_KEY = "contextfold.truncated"
 """Metadata key on a tool result whose oversized output was cut to fit the hard limit."""
 
-_MAX_CONFLICT_RETRIES = 5
+ABANDONED_METADATA_KEY = "contextfold.abandoned"
+"""Metadata key on the error result contextfold writes for a tool call whose result never came."""
+
+LATE_RESULT_METADATA_KEY = "contextfold.late_result"
+"""Metadata key on the note that carries a tool result arriving after its call was closed."""
+
 _MAX_BACKOFF_SKIPS = 32
+_MIN_SUMMARY_TOKENS = 64
+_CACHED_THREADS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +82,7 @@ class CompactionResult:
 
     thread: str
     reason: str
+    """A :class:`Reason` value for every built-in trigger."""
     dropped_messages: int
     dropped_turns: int
     tokens_before: int
@@ -74,8 +98,10 @@ class CompactionResult:
     through_seq: int | None = None
     """Last short-term seq the fold replaced."""
     stalled: bool = False
-    """True when the trigger fired but nothing could be folded (the kept tail alone is too big)."""
+    """True when the trigger fired but nothing could be folded."""
     detail: str = ""
+    background: bool = False
+    """True when the summary was computed ahead of time, off the step's path."""
 
     @property
     def compacted(self) -> bool:
@@ -90,24 +116,106 @@ class _Backoff:
     skips_left: int = 0
 
 
+@dataclass(slots=True)
+class _Cache:
+    """A thread's working context as this process last saw it, valid at ``version``."""
+
+    version: int
+    last_seq: int
+    rows: list[StoredMessage]
+    total_tokens: int
+    open_calls: dict[str, ToolCall]
+    """Tool calls in the context that no result answers yet, by id."""
+    closed_calls: set[str]
+    """Tool calls in the context that have a result."""
+
+    @classmethod
+    def of(cls, window: ContextWindow) -> _Cache:
+        cache = cls(window.version, window.last_seq, [], 0, {}, set())
+        cache.extend(window.messages)
+        return cache
+
+    def extend(self, rows: Sequence[StoredMessage]) -> None:
+        for row in rows:
+            message = row.message
+            self.rows.append(row)
+            self.total_tokens += row.tokens
+            self.last_seq = max(self.last_seq, row.seq)
+            for call in message.tool_calls:
+                self.open_calls[call.id] = call
+            if message.role is Role.TOOL and message.tool_call_id is not None:
+                if self.open_calls.pop(message.tool_call_id, None) is not None:
+                    self.closed_calls.add(message.tool_call_id)
+
+    @property
+    def messages(self) -> list[Message]:
+        return [row.message for row in self.rows]
+
+    @property
+    def turns(self) -> int:
+        """Turns of the context: every message but the tool results, which belong to their call's turn."""
+        return sum(1 for row in self.rows if row.message.role is not Role.TOOL)
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """A fold computed and ready to apply: the plan, the summary and the guarded write."""
+
+    thread: str
+    reason: str
+    version: int
+    through_seq: int
+    replacement: list[Message]
+    tokens: list[int]
+    checkpoint: SummaryCheckpoint
+    plan: CompactionPlan
+    truncated: int
+    removed_tokens: int
+    tokens_before: int
+    summary: Summary | None
+    started: float
+
+
+@dataclass(slots=True)
+class _Background:
+    """A summary being computed ahead of the hard trigger for one thread."""
+
+    done: anyio.Event = field(default_factory=anyio.Event)
+    finished: anyio.Event = field(default_factory=anyio.Event)
+    prepared: _Prepared | CompactionResult | None = None
+    error: Exception | None = None
+    cancel: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+
+
 def _summary_body(message: Message) -> str:
     return message.text.removeprefix(SUMMARY_PREFIX)
 
 
 class Compactor:
-    """Folds the older part of threads, as configured by ``RunOptions``.
+    """Records threads and folds their older part, by a preset or by triggers and strategies.
 
+    ``options`` is a :class:`SummarizeOptions` preset (or :class:`RunOptions`
+    holding one plus the hard history limit); ``trigger`` and ``strategy``
+    (one strategy or a pipeline) replace the preset's, or stand alone.
     ``store`` is one object implementing both store protocols (every bundled
-    backend does); pass ``short_term`` and ``episodic`` to use two. The
-    summarizer defaults to the offline :class:`ExtractiveSummarizer`, which is
-    also the fallback when ``on_summarizer_error="fallback"``.
+    backend does), which makes recording and folding single transactions;
+    pass ``short_term`` and ``episodic`` to use two objects, and then each is
+    two writes: a crash between them can leave a fold applied without its
+    checkpoint, or a message recorded but not in the context.
+
+    The summarizer defaults to the offline :class:`ExtractiveSummarizer`,
+    which is also the fallback when ``on_summarizer_error="fallback"``. Use
+    ``async with Compactor(...)`` for background folding: its task group owns
+    the background summaries and cancels them on exit.
     """
 
     def __init__(
         self,
-        store: Any = None,
+        store: Store | None = None,
         *,
-        options: RunOptions,
+        options: RunOptions | SummarizeOptions | None = None,
+        trigger: Trigger | None = None,
+        strategy: Strategy | Sequence[Strategy] | None = None,
         summarizer: Summarizer | None = None,
         counter: TokenCounter | None = None,
         short_term: ShortTermStore | None = None,
@@ -116,34 +224,62 @@ class Compactor:
     ) -> None:
         from .summarizers import ExtractiveSummarizer
 
-        short_term = short_term if short_term is not None else store
-        episodic = episodic if episodic is not None else store
-        if not isinstance(short_term, ShortTermStore):
+        short = short_term if short_term is not None else store
+        log = episodic if episodic is not None else store
+        if not isinstance(short, ShortTermStore):
             raise ConfigError(
-                "short_term",
+                "short_term" if short_term is not None else "store",
                 "must implement ShortTermStore; pass a MemoryStore, SQLiteStore or PostgresStore",
-                value=short_term,
+                value=short,
             )
-        if not isinstance(episodic, EpisodicStore):
+        if not isinstance(log, EpisodicStore):
             raise ConfigError(
-                "episodic",
+                "episodic" if episodic is not None else "store",
                 "must implement EpisodicStore; pass a MemoryStore, SQLiteStore or PostgresStore",
-                value=episodic,
+                value=log,
             )
-        if not isinstance(options, RunOptions):
-            raise ConfigError("options", "must be RunOptions(...)", value=options)
-        self.short_term: ShortTermStore = short_term
-        self.episodic: EpisodicStore = episodic
+        self.short_term: ShortTermStore = short
+        self.episodic: EpisodicStore = log
+        self._store: Store | None = short if short is log and isinstance(short, Store) else None  # type: ignore[comparison-overlap]
         self.options = options
+        self.settings: Settings | None = resolve_settings(options, trigger, strategy)
         self.counter: TokenCounter = counter if counter is not None else TiktokenCounter()
         self.fallback: Summarizer = (
             fallback if fallback is not None else ExtractiveSummarizer(counter=self.counter)
         )
         self.summarizer: Summarizer = summarizer if summarizer is not None else self.fallback
-        self._config: CompactionConfig | None = (
-            options.compaction.compaction_config() if options.compaction is not None else None
-        )
         self._backoff: dict[str, _Backoff] = {}
+        self._cache: OrderedDict[str, _Cache] = OrderedDict()
+        self._seen: dict[str, ThreadStats] = {}
+        self._overhead: dict[str, int] = {}
+        self._next_fold_at: dict[str, int] = {}
+        self._pending_since: dict[tuple[str, str], float] = {}
+        self._background: dict[str, _Background] = {}
+        self._task_group: TaskGroup | None = None
+        self._closed = False
+        self._warned_background = False
+
+    # Lifecycle -----------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        if self._task_group is not None:
+            raise ConfigError("Compactor", "is already entered; use one 'async with' per compactor")
+        group = anyio.create_task_group()
+        await group.__aenter__()
+        self._task_group = group
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Cancel background summaries and wait for them; the stores stay open (they are yours)."""
+        self._closed = True
+        group, self._task_group = self._task_group, None
+        if group is None:
+            return
+        group.cancel_scope.cancel()
+        await group.__aexit__(None, None, None)
 
     # Recording ---------------------------------------------------------------
 
@@ -156,254 +292,579 @@ class Compactor:
         usage: Usage | None = None,
         request_messages: int = 0,
         request_tokens: int = 0,
+        extra_episodes: Sequence[Episode] = (),
     ) -> list[StoredMessage]:
-        """Record messages in the episodic log, then append them to the working context.
+        """Record messages in the episodic log and append them to the working context.
 
-        The recording comes first so that no message can reach short-term memory
-        without being in the audit trail. The LLM-call fields describe the
-        request that produced an assistant reply.
+        On a ``Store`` both happen in one transaction; with two stores the log
+        is written first, so no message reaches the context unrecorded. The
+        LLM-call fields describe the request that produced an assistant reply;
+        its ``usage`` teaches the check what the provider counts beyond the
+        messages (tool schemas, instructions). A tool result whose call is no
+        longer open in the context (it was closed as abandoned) is recorded as
+        it came, and reaches the context as a plain note instead of an
+        orphaned tool message.
         """
-        tokens = [self.counter.count(message) for message in messages]
+        if isinstance(messages, Message) or not isinstance(messages, Sequence):
+            raise ConfigError("messages", "must be a sequence of Message objects", value=messages)
+        messages = list(messages)
+        episodes: list[Episode] = list(extra_episodes)
+        sent: list[Message] = []
+        owners: list[int] = []
+        open_calls = await self._open_calls(thread, messages)
         for message in messages:
-            episode = episode_for(
-                message,
-                model=model,
-                usage=usage,
-                request_messages=request_messages,
-                request_tokens=request_tokens,
+            if not isinstance(message, Message):
+                raise ConfigError("messages", "must hold Message objects only", value=message)
+            episodes.append(
+                episode_for(
+                    message,
+                    model=model,
+                    usage=usage,
+                    request_messages=request_messages,
+                    request_tokens=request_tokens,
+                )
             )
-            await self.episodic.record(thread, episode)
-        return await self.short_term.append(thread, messages, tokens)
+            owners.append(len(episodes) - 1)
+            for call in message.tool_calls:
+                open_calls.add(call.id)
+            if message.role is Role.TOOL and message.tool_call_id not in open_calls:
+                sent.append(_late_note(message))
+            else:
+                if message.role is Role.TOOL:
+                    open_calls.discard(message.tool_call_id or "")
+                sent.append(message)
+        await self._ready_counter()
+        tokens = [self.counter.count(message) for message in sent]
+        if self._store is not None:
+            stored = await self._store.record_and_append(
+                thread, episodes, sent, tokens, message_episodes=owners
+            )
+        else:
+            for episode in episodes:
+                await self.episodic.record(thread, episode)
+            stored = await self.short_term.append(thread, sent, tokens)
+        cache = self._cache.get(thread)
+        if cache is not None and stored and stored[0].seq == cache.last_seq + 1:
+            cache.extend(stored)
+        elif stored:
+            self._forget_cache(thread)
+        if usage is not None and usage.input_tokens and request_tokens:
+            self._overhead[thread] = max(0, usage.input_tokens - request_tokens)
+        return stored
+
+    async def record_tool_call(self, thread: str, call: ToolCall) -> None:
+        """Note in the audit trail that a tool the reply asked for started running."""
+        await self.episodic.record(thread, ToolCallEpisode(call=call))
 
     async def complete_run(self, thread: str, *, clean: bool = True) -> None:
         """Record the end of a run; a clean end resets the unfinished-turns count."""
         await self.episodic.record(thread, RunCompletedEpisode(clean=clean))
 
     async def context(self, thread: str) -> list[Message]:
-        """The working context the next request is built from."""
+        """The working context the next request is built from (only rows not seen before are read)."""
+        cache = await self._fresh_cache(thread)
+        if cache is not None:
+            return cache.messages
         return (await self.short_term.load(thread)).plain
+
+    async def context_tokens(self, thread: str) -> tuple[list[Message], int]:
+        """The working context and its tokens as the trigger sees them (provider overhead included)."""
+        cache = await self._fresh_cache(thread)
+        if cache is not None:
+            return cache.messages, cache.total_tokens + self._overhead.get(thread, 0)
+        window = await self.short_term.load(thread)
+        return window.plain, window.total_tokens + self._overhead.get(thread, 0)
 
     # The per-step check ----------------------------------------------------------
 
     async def maybe_compact(self, thread: str, *, now: datetime | None = None) -> CompactionResult | None:
         """Compact ``thread`` if a trigger fires; ``None`` when it does not (the cheap path)."""
-        opts = self.options.compaction
-        if opts is None or self._config is None:
+        settings = self.settings
+        if settings is None:
             return None
-        stats = await self.short_term.stats(thread)
-        episodic = None
-        if opts.episodic is not None:
-            episodic = await self.episodic.pressure(
-                thread, now=now, estimated_context_tokens=stats.total_tokens
-            )
-        # Messages bound turns from above, so a monotone trigger that stays quiet here
-        # stays quiet on the exact turn count too; the plan re-checks with exact turns.
-        reason = self._config.trigger.reason(
-            Pressure(stats.message_count, stats.total_tokens, episodic=episodic)
+        running = self._background.get(thread)
+        if running is not None and running.done.is_set():
+            return await self._apply_background(thread, running)
+        stats, episodic = await self._observe(thread, now, settings)
+        tokens = stats.total_tokens + self._overhead.get(thread, 0)
+        cache = self._cache.get(thread)
+        turns = (
+            cache.turns
+            if cache is not None and cache.version == stats.version and cache.last_seq == stats.last_seq
+            else stats.message_count
+        )
+        reason = settings.config.trigger.reason(
+            Pressure(turns, tokens, messages=stats.message_count, episodic=episodic)
         )
         if reason is None:
+            if (
+                settings.background_at is not None
+                and settings.budget is not None
+                and running is None
+                and tokens > settings.background_at * settings.budget
+            ):
+                self._start_background(thread, settings)
+            return None
+        if reason in TOKEN_REASONS and tokens <= self._next_fold_at.get(thread, 0):
             return None
         backoff = self._backoff.get(thread)
         if backoff is not None and backoff.skips_left > 0:
             backoff.skips_left -= 1
             return None
-        return await self._compact(thread, opts, self._config, reason=None, episodic=episodic)
+        if running is not None:
+            # The hard trigger fired while the summary is on its way: wait for that one.
+            await running.done.wait()
+            return await self._apply_background(thread, running)
+        return await self._compact(thread, settings, reason, episodic=episodic)
 
-    async def compact_now(
-        self, thread: str, *, reason: str = "manual", summarize: bool = True
-    ) -> CompactionResult | None:
-        """Compact ``thread`` now, whatever the triggers say.
+    async def compact_now(self, thread: str, *, summarize: bool = True) -> CompactionResult | None:
+        """Compact ``thread`` now toward the token target, whatever the triggers say."""
+        settings = self._manual_settings(summarize)
+        return await self._compact(thread, settings, Reason.MANUAL, episodic=None, forced=True)
 
-        With ``reason="manual_recovery"`` this writes an operator's clean-slate
-        boundary: every turn but a still-running tool step is folded into the
-        summary (or dropped, with ``summarize=False``), and a
-        ``ManualRecoveryBoundary`` is recorded after the checkpoint.
+    async def manual_recovery(self, thread: str, *, summarize: bool = True) -> CompactionResult | None:
+        """Write an operator's clean-slate boundary: fold every turn but a still-running tool step.
+
+        The turns are summarized (or dropped, with ``summarize=False``) and a
+        ``ManualRecoveryBoundary`` is recorded after the checkpoint. Never
+        chosen automatically.
         """
-        opts = self.options.compaction or SummarizeOptions(
-            trigger_token_budget=self.options.max_history_tokens
+        settings = self._manual_settings(summarize)
+        result = await self._compact(
+            thread, settings, Reason.MANUAL_RECOVERY, episodic=None, forced=True, recovery=True
         )
-        if not summarize:
-            opts = opts.model_copy(update={"mode": "drop"})
-        config = opts.compaction_config()
-        manual = reason == EpisodicCompactionTrigger.MANUAL_RECOVERY.value
-        if manual:
-            config = CompactionConfig(config.trigger, SlidingWindow(0), min_recent_turns=0)
-        result = await self._compact(thread, opts, config, reason=reason, episodic=None)
-        if manual and result is not None and not result.stalled:
-            boundary = ManualRecoveryBoundary(reason=reason, through_seq=result.through_seq)
+        if result is not None and not result.stalled:
+            boundary = ManualRecoveryBoundary(reason=Reason.MANUAL_RECOVERY, through_seq=result.through_seq)
             await self.episodic.record(thread, boundary)
         return result
+
+    def _manual_settings(self, summarize: bool) -> Settings:
+        settings = self.settings
+        if settings is None:
+            budget = self.options.max_history_tokens if isinstance(self.options, RunOptions) else 128_000
+            settings = resolve_settings(
+                RunOptions(
+                    max_history_tokens=budget, compaction=SummarizeOptions(trigger_token_budget=budget)
+                ),
+                None,
+                None,
+            )
+            assert settings is not None
+        if not summarize and settings.summarize:
+            from dataclasses import replace
+
+            config = settings.config
+            settings = replace(
+                settings,
+                summarize=False,
+                config=type(config)(
+                    config.trigger,
+                    config.strategies,
+                    config.min_recent_turns,
+                    config.min_recent_messages,
+                    config.keep_first,
+                    0,
+                ),
+            )
+        return settings
+
+    # Observing the store ---------------------------------------------------------
+
+    async def _observe(
+        self, thread: str, now: datetime | None, settings: Settings
+    ) -> tuple[ThreadStats, EpisodicCompactionPressure | None]:
+        episodic: EpisodicCompactionPressure | None
+        if self._store is not None:
+            state = await self._store.state(thread, now=now)
+            stats, episodic = state.stats, state.pressure
+        else:
+            stats = await self.short_term.stats(thread)
+            episodic = (
+                await self.episodic.pressure(thread, now=now, estimated_context_tokens=stats.total_tokens)
+                if settings.episodic
+                else None
+            )
+        self._seen[thread] = stats
+        return stats, episodic if settings.episodic else None
+
+    async def _fresh_cache(self, thread: str) -> _Cache | None:
+        """The thread's cached context brought up to date; ``None`` without a ``Store``."""
+        store = self._store
+        if store is None:
+            return None
+        cache = self._cache.get(thread)
+        seen = self._seen.pop(thread, None)
+        if cache is not None and seen is not None and seen.version == cache.version:
+            if seen.last_seq == cache.last_seq:
+                self._cache.move_to_end(thread)
+                return cache
+        if cache is not None:
+            window = await store.tail(thread, after_seq=cache.last_seq)
+            if window.version == cache.version:
+                cache.extend(window.messages)
+                self._cache.move_to_end(thread)
+                return cache
+        window = await store.tail(thread, after_seq=0)
+        cache = _Cache.of(window)
+        self._cache[thread] = cache
+        self._cache.move_to_end(thread)
+        while len(self._cache) > _CACHED_THREADS:
+            self._cache.popitem(last=False)
+        return cache
+
+    async def _open_calls(self, thread: str, messages: Sequence[Message]) -> set[str]:
+        """Ids of the tool calls open in the context that ``messages`` answer (empty when none do)."""
+        wanted = {m.tool_call_id for m in messages if isinstance(m, Message) and m.role is Role.TOOL}
+        if not wanted:
+            return set()
+        cache = self._cache.get(thread)
+        if cache is None or not wanted <= cache.open_calls.keys():
+            # Another writer may have appended the call: read what this process has not seen.
+            cache = await self._fresh_cache(thread)
+        if cache is not None:
+            return set(cache.open_calls)
+        window = await self.short_term.load(thread)
+        return {call.id for _, call in unanswered_calls(window.plain)}
+
+    def _forget_cache(self, thread: str) -> None:
+        self._cache.pop(thread, None)
+
+    async def _ready_counter(self) -> None:
+        load = getattr(self.counter, "aload", None)
+        if load is not None:
+            await load()
 
     # The fold itself ---------------------------------------------------------------
 
     async def _compact(
         self,
         thread: str,
-        opts: SummarizeOptions,
-        config: CompactionConfig,
+        settings: Settings,
+        reason: str,
         *,
-        reason: str | None,
         episodic: EpisodicCompactionPressure | None,
+        forced: bool = False,
+        recovery: bool = False,
     ) -> CompactionResult | None:
         async with self.short_term.compaction_lock(thread) as acquired:
             if not acquired:
                 logger.debug("thread %r: another worker is compacting it; skipping", thread)
                 return None
-            for _ in range(_MAX_CONFLICT_RETRIES):
-                try:
-                    return await self._compact_once(thread, opts, config, reason, episodic)
-                except ConflictError:
-                    logger.info("thread %r changed during compaction; reading it again", thread)
-            logger.warning("thread %r kept changing during compaction; giving up this step", thread)
-            return None
+            prepared = await self._prepare(
+                thread, settings, reason, episodic=episodic, forced=forced, recovery=recovery
+            )
+            if not isinstance(prepared, _Prepared):
+                return prepared
+            return await self._apply(prepared, settings)
 
-    async def _load(self, thread: str, opts: SummarizeOptions) -> ContextWindow:
-        window = await self.short_term.load(thread, max_tokens=opts.window_tokens)
-        if not window.complete:
-            # Older messages than the window can see must still be summarized, never discarded.
+    async def _window(self, thread: str, settings: Settings) -> tuple[list[StoredMessage], int, int]:
+        """The rows a fold plans over, the thread's version and its total tokens."""
+        cache = await self._fresh_cache(thread)
+        if cache is not None:
+            return list(cache.rows), cache.version, cache.total_tokens
+        stats = await self.short_term.stats(thread)
+        limit = settings.window_tokens
+        if limit is not None and stats.total_tokens > limit:
             logger.warning(
                 "thread %r holds %d tokens, more than the %d-token compaction window; loading it whole",
                 thread,
-                window.total_tokens,
-                opts.window_tokens,
+                stats.total_tokens,
+                limit,
             )
-            window = await self.short_term.load(thread)
-        return window
+        window = await self.short_term.load(thread)
+        return list(window.messages), window.version, window.total_tokens
 
-    async def _compact_once(
+    async def _close_abandoned(self, thread: str, rows: Sequence[StoredMessage], settings: Settings) -> bool:
+        """Give every abandoned tool call an error result; return whether any was closed."""
+        turns_after = settings.abandon_after_turns
+        seconds = settings.abandon_after_seconds
+        if turns_after is None and seconds is None:
+            return False
+        messages = [row.message for row in rows]
+        unanswered = unanswered_calls(messages)
+        if not unanswered:
+            return False
+        now = time.monotonic()
+        closing: list[Message] = []
+        for index, call in unanswered:
+            since = self._pending_since.setdefault((thread, call.id), now)
+            later_turns = sum(1 for m in messages[index + 1 :] if m.role is not Role.TOOL)
+            by_turns = turns_after is not None and later_turns >= turns_after
+            by_time = seconds is not None and now - since >= seconds
+            if not (by_turns or by_time):
+                continue
+            why = f"{later_turns} turns" if by_turns else f"{seconds:g} s"
+            closing.append(
+                Message.tool(
+                    call.id,
+                    f"error: no result arrived for tool call {call.id!r} ({call.name}) within {why}; "
+                    "contextfold closed it so the conversation can go on",
+                    is_error=True,
+                    metadata={ABANDONED_METADATA_KEY: True},
+                )
+            )
+            self._pending_since.pop((thread, call.id), None)
+        if not closing:
+            return False
+        logger.warning(
+            "thread %r: closed %d abandoned tool call(s) with an error result", thread, len(closing)
+        )
+        await self.append(thread, closing)
+        return True
+
+    async def _prepare(
         self,
         thread: str,
-        opts: SummarizeOptions,
-        config: CompactionConfig,
-        forced: str | None,
+        settings: Settings,
+        reason: str,
+        *,
         episodic: EpisodicCompactionPressure | None,
-    ) -> CompactionResult | None:
+        forced: bool = False,
+        recovery: bool = False,
+        background: bool = False,
+    ) -> _Prepared | CompactionResult | None:
         started = time.perf_counter()
-        window = await self._load(thread, opts)
-        stored = window.messages
-        messages = window.plain
+        rows, version, total = await self._window(thread, settings)
+        if not recovery and await self._close_abandoned(thread, rows, settings):
+            rows, version, total = await self._window(thread, settings)
+        messages = [row.message for row in rows]
+        overhead = self._overhead.get(thread, 0)
+        config = settings.config
+        if recovery:
+            from ._strategies import CompactionConfig, SlidingWindow
+
+            config = CompactionConfig(
+                config.trigger,
+                SlidingWindow(0),
+                min_recent_turns=0,
+                keep_first=config.keep_first,
+                summary_tokens=config.summary_tokens,
+            )
         plan = config.plan(
             messages,
-            window.total_tokens,
-            message_tokens=window.tokens,
+            total + overhead,
+            message_tokens=[row.tokens for row in rows],
             episodic=episodic,
-            force_reason=forced,
+            force_reason=reason if forced or background else None,
+            by_tokens=True if background or reason == Reason.MANUAL else None,
+            overhead=overhead,
+            count=self.counter.count,
         )
         if plan.reason is None:
             return None
         reason = plan.reason
         for orphan in plan.orphans:
             logger.warning(
-                "thread %r: %s for tool call %r at body index %d",
+                "thread %r: tool result for call %r at body index %d has no call in the context",
                 thread,
-                orphan.problem.replace("_", " "),
                 orphan.tool_call_id,
                 orphan.index,
             )
-
+        target = settings.target
         pinned_len = len(plan.pinned)
-        previous_len = 1 if plan.previous_summary is not None else 0
-        body_start = pinned_len + previous_len
+        body_start = pinned_len + (1 if plan.previous_summary is not None else 0)
+        if target is not None and plan.pinned_tokens + overhead >= target and not recovery:
+            return self._stall(
+                thread,
+                reason,
+                total,
+                settings,
+                f"the pinned head alone holds {plan.pinned_tokens} tokens"
+                + (f" (and the provider adds {overhead})" if overhead else "")
+                + f", at or over the {target}-token target, so no fold can get under it; shorten the "
+                "system prompt, lower keep_first, or raise the target",
+            )
         kept = list(plan.kept)
-        truncated = self._cap_tool_outputs(kept, opts, window.total_tokens)
+        truncated = self._cap_tool_outputs(kept, settings, total)
         kept_start = body_start + len(plan.dropped)
-        changed_kept = [i for i, message in enumerate(kept) if message is not messages[kept_start + i]]
+        changed = [i for i, message in enumerate(kept) if message is not messages[kept_start + i]]
+        if not plan.dropped and not changed:
+            return self._stall(thread, reason, total, settings, self._floor_detail(plan, total, settings))
 
-        if not plan.dropped and not plan.masked and not truncated:
-            return self._stall(thread, reason, window.total_tokens, opts)
-
+        kept_tokens = [
+            rows[kept_start + i].tokens
+            if message is messages[kept_start + i]
+            else self.counter.count(message)
+            for i, message in enumerate(kept)
+        ]
         summary: Summary | None = None
         new_head: list[Message] = list(plan.pinned)
-        if opts.mode == "summarize" and plan.dropped:
-            summary = await self._summarize(plan, opts)
+        summary_tokens = 0
+        if settings.summarize and plan.dropped:
+            room = settings.max_summary_tokens
+            if target is not None:
+                # Only the head can squeeze the summary: protected turns that are too big are
+                # handled by holding the next fold back (see _after_fold), not by losing history.
+                room = min(room, target - plan.pinned_tokens - overhead)
+            # The summary gives way to fit the target, but not below a useful size: when the
+            # protected turns are what is too big, an empty summary would lose the history.
+            room = max(room, min(settings.max_summary_tokens, _MIN_SUMMARY_TOKENS))
+            summary = await self._summarize(plan, settings, room)
             if summary is None:  # on_summarizer_error="skip"
-                return self._stall(thread, reason, window.total_tokens, opts, "the summarizer failed")
-            new_head.append(self._summary_message(summary, opts))
+                return self._stall(thread, reason, total, settings, "the summarizer failed")
+            message = self._summary_message(summary, settings, room)
+            summary_tokens = self.counter.count(message)
+            new_head.append(message)
         elif plan.previous_summary is not None:
             new_head.append(plan.previous_summary)
+            summary_tokens = rows[pinned_len].tokens
 
         # Everything up to the last changed message is rewritten; the rest stays untouched.
-        last_changed = max(changed_kept, default=-1)
-        rewritten_kept = kept[: last_changed + 1]
+        last_changed = max(changed, default=-1)
         through_index = kept_start + last_changed
-        replacement = new_head + rewritten_kept
-        replacement_tokens = [
-            stored[i].tokens if i < pinned_len else self.counter.count(m) for i, m in enumerate(replacement)
-        ]
-        removed_tokens = sum(s.tokens for s in stored[: through_index + 1])
-        tokens_after = window.total_tokens - removed_tokens + sum(replacement_tokens)
-
-        dropped_from = stored[body_start].seq
-        through_seq = stored[through_index].seq
-        model = summary.model if summary is not None else None
-        usage = summary.usage if summary is not None else Usage()
-        degraded = summary is not None and summary.degraded
-        # The audit record comes first: a fold must never reach the working context
-        # unrecorded. If the swap below then fails, the context stays as it was and the
-        # checkpoint remains in the log as the record of an attempt that was not applied;
-        # the version check here keeps that window as small as the store allows.
-        if (await self.short_term.stats(thread)).version != window.version:
-            raise ConflictError(f"thread {thread!r} was compacted by another worker")
-        checkpoint = await self.episodic.record(
-            thread,
-            SummaryCheckpoint(
-                trigger=reason,
-                from_seq=dropped_from,
-                through_seq=through_seq,
-                summary=summary.text if summary is not None else "",
-                model=model,
-                usage=usage,
-                degraded=degraded,
-                dropped_messages=len(plan.dropped),
-                tokens_before=window.total_tokens,
-                tokens_after=tokens_after,
-            ),
+        replacement = new_head + kept[: last_changed + 1]
+        head_tokens = [row.tokens for row in rows[:pinned_len]]
+        if len(new_head) > pinned_len:
+            head_tokens.append(summary_tokens)
+        replacement_tokens = head_tokens + kept_tokens[: last_changed + 1]
+        removed_tokens = sum(row.tokens for row in rows[: through_index + 1])
+        tokens_after = total - removed_tokens + sum(replacement_tokens)
+        dropped_rows = rows[body_start:kept_start]
+        log_seqs = [row.episode_seq for row in dropped_rows if row.episode_seq is not None]
+        checkpoint = SummaryCheckpoint(
+            trigger=reason,
+            from_seq=rows[body_start].seq if body_start < len(rows) else rows[through_index].seq,
+            through_seq=rows[through_index].seq,
+            summary=summary.text if summary is not None else "",
+            model=summary.model if summary is not None else None,
+            usage=summary.usage if summary is not None else Usage(),
+            degraded=summary is not None and summary.degraded,
+            dropped_messages=len(plan.dropped),
+            tokens_before=total,
+            tokens_after=tokens_after,
+            log_from_seq=min(log_seqs) if log_seqs else None,
+            log_through_seq=max(log_seqs) if log_seqs else None,
         )
-        await self.short_term.replace_prefix(
-            thread,
-            through_seq=through_seq,
-            expected_version=window.version,
-            replacement=replacement,
-            tokens=replacement_tokens,
-        )
-        self._backoff.pop(thread, None)
-        result = CompactionResult(
+        return _Prepared(
             thread=thread,
             reason=reason,
-            dropped_messages=len(plan.dropped),
-            dropped_turns=plan.dropped_turns,
-            tokens_before=window.total_tokens,
+            version=version,
+            through_seq=rows[through_index].seq,
+            replacement=replacement,
+            tokens=replacement_tokens,
+            checkpoint=checkpoint,
+            plan=plan,
+            truncated=truncated,
+            removed_tokens=removed_tokens,
+            tokens_before=total,
+            summary=summary,
+            started=started,
+        )
+
+    async def _apply(
+        self, prepared: _Prepared, settings: Settings, *, background: bool = False
+    ) -> CompactionResult | None:
+        thread = prepared.thread
+        try:
+            if self._store is not None:
+                record = await self._store.fold(
+                    thread,
+                    checkpoint=prepared.checkpoint,
+                    through_seq=prepared.through_seq,
+                    expected_version=prepared.version,
+                    replacement=prepared.replacement,
+                    tokens=prepared.tokens,
+                )
+                checkpoint_seq: int | None = record.seq
+            else:
+                # Two stores: swap first, then record, so every checkpoint in the log was applied.
+                await self.short_term.replace_prefix(
+                    thread,
+                    through_seq=prepared.through_seq,
+                    expected_version=prepared.version,
+                    replacement=prepared.replacement,
+                    tokens=prepared.tokens,
+                )
+                checkpoint_seq = (await self.episodic.record(thread, prepared.checkpoint)).seq
+        except ConflictError as exc:
+            # Another worker folded this prefix first: its fold stands, and ours is
+            # dropped without summarizing the same messages again.
+            logger.info("thread %r: fold discarded, the thread changed under it (%s)", thread, exc)
+            self._forget_cache(thread)
+            return None
+        self._backoff.pop(thread, None)
+        self._after_fold(thread, prepared, settings)
+        current = self._seen.get(thread)
+        tokens_after = prepared.checkpoint.tokens_after
+        if current is not None and current.total_tokens > prepared.tokens_before:
+            tokens_after += current.total_tokens - prepared.tokens_before
+        summary = prepared.summary
+        result = CompactionResult(
+            thread=thread,
+            reason=prepared.reason,
+            dropped_messages=len(prepared.plan.dropped),
+            dropped_turns=prepared.plan.dropped_turns,
+            tokens_before=prepared.tokens_before,
             tokens_after=tokens_after,
-            usage=usage,
-            duration_s=time.perf_counter() - started,
-            masked_messages=plan.masked,
-            truncated_messages=truncated,
-            summarizer_model=model,
-            degraded=degraded,
-            checkpoint_seq=checkpoint.seq,
-            through_seq=through_seq,
+            usage=summary.usage if summary is not None else Usage(),
+            duration_s=time.perf_counter() - prepared.started,
+            masked_messages=prepared.plan.masked,
+            truncated_messages=prepared.truncated,
+            summarizer_model=summary.model if summary is not None else None,
+            degraded=summary is not None and summary.degraded,
+            checkpoint_seq=checkpoint_seq,
+            through_seq=prepared.through_seq,
+            background=background,
         )
         logger.info(
             "thread %r compacted (%s): %d messages dropped, %d -> %d tokens",
             thread,
-            reason,
+            result.reason,
             result.dropped_messages,
             result.tokens_before,
             result.tokens_after,
         )
         return result
 
+    def _after_fold(self, thread: str, prepared: _Prepared, settings: Settings) -> None:
+        """Bring the cache to the folded state and set when the next token fold may fire."""
+        cache = self._cache.get(thread)
+        if cache is not None and cache.version == prepared.version:
+            first = prepared.through_seq - len(prepared.replacement) + 1
+            head = [
+                StoredMessage(seq=first + n, message=message, tokens=count)
+                for n, (message, count) in enumerate(zip(prepared.replacement, prepared.tokens, strict=True))
+            ]
+            rest = [row for row in cache.rows if row.seq > prepared.through_seq]
+            rebuilt = _Cache(prepared.version + 1, 0, [], 0, {}, set())
+            rebuilt.extend(head)
+            rebuilt.extend(rest)
+            rebuilt.last_seq = max(rebuilt.last_seq, cache.last_seq)
+            self._cache[thread] = rebuilt
+        else:
+            self._forget_cache(thread)
+        after = prepared.checkpoint.tokens_after + self._overhead.get(thread, 0)
+        budget, target = settings.budget, settings.target
+        if budget is not None and target is not None and after > target:
+            # Over the target (the protected turns are large): hold the next token fold back
+            # until budget - target new tokens arrived, so folds stay amortized.
+            self._next_fold_at[thread] = after + (budget - target)
+            logger.warning(
+                "thread %r: after the fold the context holds %d tokens, over the %d-token target "
+                "(the protected recent turns are large); the next fold waits for %d tokens",
+                thread,
+                after,
+                target,
+                self._next_fold_at[thread],
+            )
+        else:
+            self._next_fold_at.pop(thread, None)
+
+    def _floor_detail(self, plan: CompactionPlan, total: int, settings: Settings) -> str:
+        budget = f"the {settings.budget}-token budget" if settings.budget is not None else "the budget"
+        return (
+            f"nothing can be folded: the protected recent turns ({plan.kept_turns} turns, about "
+            f"{plan.kept_tokens} tokens of the {total}) are all that is left over {budget}, or wait for a "
+            "tool result; raise the budget, lower min_recent_turns / min_recent_messages, or set "
+            "max_tool_output_tokens"
+        )
+
     def _stall(
-        self, thread: str, reason: str, tokens: int, opts: SummarizeOptions, why: str = ""
+        self, thread: str, reason: str, tokens: int, settings: Settings, detail: str
     ) -> CompactionResult:
         backoff = self._backoff.setdefault(thread, _Backoff())
         backoff.failures += 1
         backoff.skips_left = min(2**backoff.failures - 1, _MAX_BACKOFF_SKIPS)
-        detail = why or (
-            f"nothing can be folded: the protected recent turns alone hold about {tokens} tokens, "
-            f"over the {opts.trigger_token_budget}-token budget; raise the budget, lower "
-            "min_recent_turns / keep_recent_messages, or set max_tool_output_tokens"
-        )
         logger.warning("thread %r: %s (next %d checks skipped)", thread, detail, backoff.skips_left)
         return CompactionResult(
             thread=thread,
@@ -416,18 +877,19 @@ class Compactor:
             detail=detail,
         )
 
-    def _cap_tool_outputs(self, kept: list[Message], opts: SummarizeOptions, total: int) -> int:
+    def _cap_tool_outputs(self, kept: list[Message], settings: Settings, total: int) -> int:
         """Cut oversized tool outputs in place; return how many were cut.
 
         A tool output is oversized when it alone is over ``max_tool_output_tokens``,
         or, without that option, when the context is over the hard limit and the
         output is more than a quarter of it.
         """
-        cap = opts.max_tool_output_tokens
+        cap = settings.max_tool_output_tokens
         if cap is None:
-            if total <= self.options.max_history_tokens:
+            hard = settings.hard_limit
+            if hard is None or total <= hard:
                 return 0
-            cap = max(1, self.options.max_history_tokens // 4)
+            cap = max(1, hard // 4)
         cut = 0
         for index, message in enumerate(kept):
             if message.role is not Role.TOOL or message.metadata.get(TRUNCATED_METADATA_KEY):
@@ -449,49 +911,108 @@ class Compactor:
             cut += 1
         return cut
 
-    async def _summarize(self, plan: CompactionPlan, opts: SummarizeOptions) -> Summary | None:
+    async def _summarize(self, plan: CompactionPlan, settings: Settings, room: int) -> Summary | None:
         previous = _summary_body(plan.previous_summary) if plan.previous_summary is not None else None
         try:
-            return await self.summarizer.summarize(
-                plan.dropped, previous_summary=previous, max_summary_tokens=opts.max_summary_tokens
+            summary = await self.summarizer.summarize(
+                plan.dropped, previous_summary=previous, max_summary_tokens=room
             )
-        except Exception as exc:
-            if opts.on_summarizer_error == "raise":
-                if isinstance(exc, SummarizerError):
-                    raise
-                raise SummarizerError(f"summarizer {self.summarizer!r} failed: {exc!r}") from exc
-            logger.warning("summarizer failed (%s); on_summarizer_error=%r", exc, opts.on_summarizer_error)
-            if opts.on_summarizer_error == "skip" or self.summarizer is self.fallback:
+            if not summary.text.strip():
+                raise SummarizerError(f"summarizer {self.summarizer!r} returned an empty summary")
+            return summary
+        except (SummarizerError, TimeoutError) as exc:
+            if settings.on_summarizer_error == "raise":
+                raise
+            logger.warning(
+                "summarizer failed (%s); on_summarizer_error=%r", exc, settings.on_summarizer_error
+            )
+            if settings.on_summarizer_error == "skip" or self.summarizer is self.fallback:
                 return None
+        except Exception:
+            logger.exception(
+                "summarizer %r raised an unexpected error; it is a bug to fix, not an outage", self.summarizer
+            )
+            raise
         summary = await self.fallback.summarize(
-            plan.dropped, previous_summary=previous, max_summary_tokens=opts.max_summary_tokens
+            plan.dropped, previous_summary=previous, max_summary_tokens=room
         )
         return summary.model_copy(update={"degraded": True})
 
-    def _summary_message(self, summary: Summary, opts: SummarizeOptions) -> Message:
+    def _summary_message(self, summary: Summary, settings: Settings, room: int) -> Message:
         metadata: dict[str, Any] = {
             SUMMARY_METADATA_KEY: True,
             "contextfold.summary_model": summary.model,
         }
         if summary.degraded:
             metadata["contextfold.degraded"] = True
-        return Message(role=opts.summary_role, content=SUMMARY_PREFIX + summary.text, metadata=metadata)
+        message = Message(
+            role=settings.summary_role, content=SUMMARY_PREFIX + summary.text, metadata=metadata
+        )
+        tokens = self.counter.count(message)
+        if tokens <= room + 8:
+            return message
+        # A summarizer that overshoots is cut to the room left, keeping its start and its end.
+        text = summary.text
+        keep = max(1, int(len(text) * room / tokens * 0.9))
+        marker = "\n[... summary cut to fit the target ...]\n"
+        cut = text[: keep * 2 // 3] + marker + text[len(text) - keep // 3 :]
+        return message.model_copy(update={"content": SUMMARY_PREFIX + cut})
+
+    # Background folding -------------------------------------------------------------
+
+    def _start_background(self, thread: str, settings: Settings) -> None:
+        group = self._task_group
+        if group is None or self._closed:
+            if not self._warned_background:
+                self._warned_background = True
+                logger.warning(
+                    "background_at is set but the Compactor is not entered; folds run in the step. "
+                    "Use 'async with Compactor(...) as compactor:' to fold in the background"
+                )
+            return
+        job = _Background()
+        self._background[thread] = job
+        group.start_soon(self._run_background, thread, settings, job, name=f"contextfold fold {thread}")
+
+    async def _run_background(self, thread: str, settings: Settings, job: _Background) -> None:
+        try:
+            with job.cancel:
+                async with self.short_term.compaction_lock(thread) as acquired:
+                    if acquired:
+                        try:
+                            job.prepared = await self._prepare(
+                                thread, settings, Reason.TOKEN_COUNT, episodic=None, background=True
+                            )
+                        except Exception as exc:  # raised in the step that would have applied it
+                            job.error = exc
+                    job.done.set()
+                    # The lease is held until the fold is applied or dropped, so no other
+                    # worker summarizes the same prefix meanwhile.
+                    await job.finished.wait()
+        finally:
+            job.done.set()
+            if self._background.get(thread) is job and job.finished.is_set():
+                self._background.pop(thread, None)
+
+    async def _apply_background(self, thread: str, job: _Background) -> CompactionResult | None:
+        settings = self.settings
+        assert settings is not None
+        try:
+            if job.error is not None:
+                raise job.error
+            prepared = job.prepared
+            if isinstance(prepared, _Prepared):
+                return await self._apply(prepared, settings, background=True)
+            return prepared
+        finally:
+            job.finished.set()
+            self._background.pop(thread, None)
 
 
-async def maybe_compact(
-    store: Any,
-    thread: str,
-    *,
-    options: RunOptions,
-    summarizer: Summarizer | None = None,
-    counter: TokenCounter | None = None,
-    now: datetime | None = None,
-) -> CompactionResult | None:
-    """One compaction check for ``thread`` from any code: a ``Compactor`` used once.
-
-    Prefer a long-lived :class:`Compactor` in a loop: it keeps the per-thread
-    back-off that spares a stuck thread from being re-planned every step.
-    """
-    return await Compactor(store, options=options, summarizer=summarizer, counter=counter).maybe_compact(
-        thread, now=now
+def _late_note(message: Message) -> Message:
+    """A tool result whose call was closed, as a note the model can read without an orphaned tool message."""
+    return Message.user(
+        f"[a late result arrived for tool call {message.tool_call_id!r}, "
+        f"which had been closed as abandoned]\n{message.text}",
+        metadata={LATE_RESULT_METADATA_KEY: message.tool_call_id},
     )

@@ -7,8 +7,8 @@ bad value and a value that would work.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import fields
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 from pydantic import (
@@ -24,7 +24,7 @@ from pydantic import (
 
 from ._errors import ConfigError
 from ._messages import Role
-from ._policy import EpisodicCompactionConfig, EpisodicPolicy, TokenCount, Trigger
+from ._policy import AllOf, AnyOf, EpisodicCompactionConfig, EpisodicPolicy, TokenCount, Trigger
 from ._strategies import CompactionConfig, ObservationMasking, Strategy, TokenBudget
 
 if TYPE_CHECKING:
@@ -35,7 +35,9 @@ __all__ = [
     "CompactionMode",
     "OnSummarizerError",
     "RunOptions",
+    "Settings",
     "SummarizeOptions",
+    "resolve_settings",
 ]
 
 WINDOW_MULTIPLE_OF_TRIGGER = 4
@@ -46,7 +48,7 @@ DEFAULT_MAX_SUMMARY_TOKENS = 1024
 _SMALLEST_BUDGET = 4
 """The smallest budget whose default target (half of it) leaves room for a summary."""
 
-CompactionMode = Literal["summarize", "drop", "mask"]
+CompactionMode = Literal["summarize", "drop", "mask", "mask_then_summarize"]
 OnSummarizerError = Literal["raise", "skip", "fallback"]
 
 
@@ -157,28 +159,46 @@ def _default_summary_tokens(budget: Any, target: Any) -> int | None:
 
 
 class SummarizeOptions(_Options):
-    """When and how to fold the older part of a thread.
+    """When and how to fold the older part of a thread: the preset built on triggers and strategies.
 
     Compaction fires once the working context is above
     ``trigger_token_budget`` tokens (or the optional episodic policy fires),
-    then keeps the newest whole turns that fit ``target_tokens`` — never fewer
-    than ``keep_recent_messages`` messages or ``min_recent_turns`` turns — and
-    folds the rest into the summary. ``max_summary_tokens`` defaults to 1024
-    or half the target, whichever is smaller.
+    then keeps the newest whole turns that fit ``target_tokens`` together with
+    the pinned head and the summary — never fewer than ``min_recent_messages``
+    messages or ``min_recent_turns`` turns — and folds the rest into the
+    summary. ``max_summary_tokens`` defaults to 1024 or half the target,
+    whichever is smaller. The same objects are available directly:
+    ``Compactor(store, trigger=..., strategy=...)``.
     """
 
     _key_prefix: ClassVar[str] = "compaction"
 
     trigger_token_budget: int = Field(strict=True, examples=[8000])
-    keep_recent_messages: int = Field(default=8, ge=0, strict=True)
+    min_recent_messages: int = Field(default=8, ge=0, strict=True)
     target_tokens: int | None = Field(default=None, gt=0, strict=True)
     min_recent_turns: int = Field(default=2, ge=0, strict=True)
+    keep_first: int = Field(default=0, ge=0, strict=True)
     max_summary_tokens: int = Field(default=DEFAULT_MAX_SUMMARY_TOKENS, gt=0, strict=True)
     mode: CompactionMode = "summarize"
     episodic: EpisodicCompactionConfig | None = None
     summary_role: Role = Role.USER
     on_summarizer_error: OnSummarizerError = "fallback"
     max_tool_output_tokens: int | None = Field(default=None, gt=0, strict=True)
+    abandon_after_turns: int | None = Field(default=8, gt=0, strict=True)
+    abandon_after_seconds: float | None = Field(default=None, gt=0)
+    background_at: float | None = Field(default=None, gt=0, lt=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "keep_recent_messages" in data:
+            raise ConfigError(
+                "compaction.keep_recent_messages",
+                "was renamed min_recent_messages, the name the planner uses too; pass "
+                f"min_recent_messages={data['keep_recent_messages']!r}",
+                value=data["keep_recent_messages"],
+            )
+        return data
 
     @field_validator("episodic", mode="wrap")
     @classmethod
@@ -261,6 +281,15 @@ class SummarizeOptions(_Options):
                 "of at least 2",
                 value=getattr(self, key),
             )
+        if self.background_at is not None and self.background_at * budget <= self.effective_target_tokens:
+            smallest = self.effective_target_tokens / budget
+            raise ConfigError(
+                "compaction.background_at",
+                f"starts the summary at {self.background_at * budget:g} tokens, at or below the "
+                f"{self.effective_target_tokens}-token target a fold aims for, so it would fold again at "
+                f"once; use a fraction above {smallest:g}, for example 0.8",
+                value=self.background_at,
+            )
         if self.max_summary_tokens >= self.effective_target_tokens:
             raise ConfigError(
                 "compaction.max_summary_tokens",
@@ -288,10 +317,18 @@ class SummarizeOptions(_Options):
             return token_trigger
         return EpisodicPolicy(self.episodic) | token_trigger
 
-    def strategy(self) -> Strategy:
+    def strategy(self) -> tuple[Strategy, ...]:
+        """The strategy pipeline these options stand for."""
+        budget = TokenBudget(self.effective_target_tokens, keep_recent_turns=self.min_recent_turns)
         if self.mode == "mask":
-            return ObservationMasking(keep_recent_turns=self.min_recent_turns)
-        return TokenBudget(self.effective_target_tokens, keep_recent_turns=self.min_recent_turns)
+            return (ObservationMasking(keep_recent_turns=self.min_recent_turns),)
+        if self.mode == "mask_then_summarize":
+            return (ObservationMasking(keep_recent_turns=self.min_recent_turns), budget)
+        return (budget,)
+
+    @property
+    def summarizes(self) -> bool:
+        return self.mode in ("summarize", "mask_then_summarize")
 
     def compaction_config(self) -> CompactionConfig:
         """The pure planner these options stand for."""
@@ -299,7 +336,9 @@ class SummarizeOptions(_Options):
             self.trigger,
             self.strategy(),
             min_recent_turns=self.min_recent_turns,
-            min_recent_messages=self.keep_recent_messages,
+            min_recent_messages=self.min_recent_messages,
+            keep_first=self.keep_first,
+            summary_tokens=self.max_summary_tokens if self.summarizes else 0,
         )
 
 
@@ -331,3 +370,128 @@ class RunOptions(_Options):
     def without_compaction(cls, max_history_tokens: int = 128_000) -> Self:
         """Options that never compact: the explicit way to turn compaction off."""
         return cls(max_history_tokens=max_history_tokens, compaction=None)
+
+
+def _token_limit(trigger: Trigger) -> int | None:
+    """The smallest token limit a trigger fires above, if it has one."""
+    if isinstance(trigger, TokenCount):
+        return trigger.limit
+    if isinstance(trigger, AnyOf | AllOf):
+        limits = [limit for t in trigger.triggers if (limit := _token_limit(t)) is not None]
+        return min(limits) if limits else None
+    if isinstance(trigger, EpisodicPolicy):
+        return trigger.config.trigger_context_tokens
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything a ``Compactor`` needs, resolved from a preset or from triggers and strategies."""
+
+    config: CompactionConfig
+    summarize: bool
+    max_summary_tokens: int
+    summary_role: Role
+    on_summarizer_error: OnSummarizerError
+    max_tool_output_tokens: int | None
+    hard_limit: int | None
+    """``RunOptions.max_history_tokens``: tool outputs are cut to keep a request under it."""
+    window_tokens: int | None
+    """History a fold loads; ``None`` loads the whole thread."""
+    budget: int | None
+    """The token limit the trigger fires above, if it has one."""
+    abandon_after_turns: int | None
+    abandon_after_seconds: float | None
+    background_at: float | None
+    episodic: bool
+    """Whether the trigger needs the episodic view."""
+
+    @property
+    def target(self) -> int | None:
+        return self.config.target
+
+
+def _needs_episodic(trigger: Trigger) -> bool:
+    if isinstance(trigger, EpisodicPolicy):
+        return True
+    if isinstance(trigger, AnyOf | AllOf):
+        return any(_needs_episodic(t) for t in trigger.triggers)
+    return False
+
+
+def resolve_settings(
+    options: RunOptions | SummarizeOptions | None,
+    trigger: Trigger | None,
+    strategy: Strategy | Sequence[Strategy] | None,
+) -> Settings | None:
+    """The settings of a compactor, or ``None`` when compaction is off.
+
+    ``trigger`` and ``strategy`` replace the preset's own; given alone they
+    need no preset at all.
+    """
+    if options is not None and not isinstance(options, RunOptions | SummarizeOptions):
+        raise ConfigError("options", "must be RunOptions(...) or SummarizeOptions(...)", value=options)
+    if trigger is not None and not isinstance(trigger, Trigger):
+        raise ConfigError("trigger", "must be a Trigger such as TokenCount(8000)", value=trigger)
+    run = options if isinstance(options, RunOptions) else None
+    preset = options if isinstance(options, SummarizeOptions) else (run.compaction if run else None)
+    if preset is None and trigger is None and strategy is None:
+        return None
+    if preset is None and (trigger is None or strategy is None):
+        missing = "strategy" if trigger is not None else "trigger"
+        example = "TokenBudget(4000)" if missing == "strategy" else "TokenCount(8000)"
+        raise ConfigError(
+            missing,
+            f"is needed with {'trigger' if missing == 'strategy' else 'strategy'}= when no "
+            f"SummarizeOptions preset is given; pass {missing}={example}, or options=SummarizeOptions(...)",
+        )
+    if preset is not None:
+        base = preset.compaction_config()
+        config = CompactionConfig(
+            trigger if trigger is not None else base.trigger,
+            strategy if strategy is not None else base.strategies,
+            min_recent_turns=base.min_recent_turns,
+            min_recent_messages=base.min_recent_messages,
+            keep_first=base.keep_first,
+            summary_tokens=base.summary_tokens,
+        )
+        hard = run.max_history_tokens if run is not None else None
+        return Settings(
+            config=config,
+            summarize=preset.summarizes,
+            max_summary_tokens=preset.max_summary_tokens,
+            summary_role=preset.summary_role,
+            on_summarizer_error=preset.on_summarizer_error,
+            max_tool_output_tokens=preset.max_tool_output_tokens,
+            hard_limit=hard,
+            window_tokens=preset.window_tokens,
+            budget=_token_limit(config.trigger),
+            abandon_after_turns=preset.abandon_after_turns,
+            abandon_after_seconds=preset.abandon_after_seconds,
+            background_at=preset.background_at,
+            episodic=_needs_episodic(config.trigger),
+        )
+    assert trigger is not None and strategy is not None
+    probe = CompactionConfig(trigger, strategy, min_recent_turns=0)
+    target = probe.target
+    summary = (
+        min(DEFAULT_MAX_SUMMARY_TOKENS, target // 2) if target is not None else DEFAULT_MAX_SUMMARY_TOKENS
+    )
+    summarize = not all(s.masks for s in probe.strategies)
+    config = CompactionConfig(trigger, strategy, summary_tokens=summary if summarize else 0)
+    budget = _token_limit(trigger)
+    return Settings(
+        config=config,
+        summarize=summarize,
+        max_summary_tokens=max(1, summary),
+        summary_role=Role.USER,
+        on_summarizer_error="fallback",
+        max_tool_output_tokens=None,
+        hard_limit=None,
+        window_tokens=budget * WINDOW_MULTIPLE_OF_TRIGGER if budget is not None else None,
+        budget=budget,
+        abandon_after_turns=8,
+        abandon_after_seconds=None,
+        background_at=None,
+        episodic=_needs_episodic(trigger),
+    )

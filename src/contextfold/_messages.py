@@ -22,11 +22,19 @@ summary goes out as an ordinary message of its role, without its mark.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from ._errors import InvalidMessageError
 
@@ -118,6 +126,22 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
+def _check_finite(value: Any, path: str = "") -> None:
+    """Raise unless ``value`` holds no NaN or infinity at any depth; ``path`` says where it is."""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidMessageError(
+                path or "value", f"must be a finite number, got {value!r}: JSON has no NaN or infinity"
+            )
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            named = isinstance(key, str) and key.isidentifier()
+            _check_finite(item, f"{path}.{key}" if named and path else key if named else f"{path}[{key!r}]")
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _check_finite(item, f"{path}[{index}]")
+
+
 class ToolCall(_Validated):
     """One tool invocation requested by the assistant; ``arguments`` is a JSON text."""
 
@@ -148,6 +172,14 @@ class Message(_Validated):
     tool_call_id: str | None = None
     name: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("metadata", "content")
+    @classmethod
+    def _finite_numbers(cls, value: Any) -> Any:
+        # Unchecked, a NaN would be stored as null: the log would not hold what was appended.
+        if not isinstance(value, str):
+            _check_finite(value)
+        return value
 
     @model_validator(mode="after")
     def _check_role_fields(self) -> Message:

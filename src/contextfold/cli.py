@@ -138,7 +138,7 @@ def demo(
             if close is not None:  # the HTTP summarizers own a connection pool
                 stack.push_async_callback(close)
             store = await stack.enter_async_context(SQLiteStore(db))
-            compactor = Compactor(store, options=options, summarizer=chosen, counter=counter)
+            compactor = Compactor(store, options=options, summarizer=chosen, counter=counter)  # type: ignore[arg-type]
             loop = StepLoop(compactor)
             with Progress(
                 TextColumn("[bold]simulating"),
@@ -312,9 +312,11 @@ def compact(db: Path, thread: str, manual_recovery: bool, budget: int) -> None:
         async with SQLiteStore(db) as store:
             await _require_thread(store, thread)
             options = _options(budget)
-            compactor = Compactor(store, options=options)
-            reason = "manual_recovery" if manual_recovery else "manual"
-            result = await compactor.compact_now(thread, reason=reason)
+            compactor = Compactor(store, options=options)  # type: ignore[arg-type]
+            if manual_recovery:
+                result = await compactor.manual_recovery(thread)
+            else:
+                result = await compactor.compact_now(thread)
             if result is None:
                 raise click.ClickException(
                     f"thread {thread!r} is being compacted by another worker; try again"

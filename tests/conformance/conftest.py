@@ -2,7 +2,8 @@
 
 ``store`` is an open store for the test's backend (memory, SQLite, PostgreSQL);
 ``open_store`` opens another handle on the same data, to test durability and
-separate workers. PostgreSQL tests get a schema of their own, dropped afterwards.
+separate workers (its keyword arguments are options of the SQL stores).
+PostgreSQL tests get a schema of their own, dropped afterwards.
 ``raw_sql`` runs SQL on the backend's database directly, bypassing the store,
 for the tests that show what the database itself enforces; tests that need it
 narrow ``backend`` to ``SQL_BACKENDS``.
@@ -20,7 +21,7 @@ import pytest
 
 from contextfold.stores import MemoryStore, SQLiteStore
 
-OpenStore = Callable[[], Awaitable[Any]]
+OpenStore = Callable[..., Awaitable[Any]]
 RawSQL = Callable[[str, Sequence[Any]], Awaitable[list[tuple[Any, ...]]]]
 
 BACKENDS = [
@@ -52,15 +53,15 @@ async def open_store(backend: str, database: dict[str, str]) -> AsyncIterator[Op
     opened: list[Any] = []
     memory = MemoryStore()  # the memory backend shares data between handles only within one object
 
-    async def factory() -> Any:
+    async def factory(**options: Any) -> Any:
         if backend == "memory":
             return memory
         if backend == "sqlite":
-            store: Any = SQLiteStore(database["path"])
+            store: Any = SQLiteStore(database["path"], **options)
         else:
             from contextfold.stores import PostgresStore
 
-            store = PostgresStore(database["url"], schema=database["schema"])
+            store = PostgresStore(database["url"], schema=database["schema"], **options)
         await store.__aenter__()
         opened.append(store)
         return store

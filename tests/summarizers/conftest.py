@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-from http_fakes import ANTHROPIC, FIXED_NOW, OPENAI, Provider, Script
+from http_fakes import ANTHROPIC, OPENAI, Provider, Script
 from pytest_httpserver import HTTPServer
 
 from contextfold.summarizers import SummarizerRetry
-from contextfold.summarizers._http import ChatSummarizer
+from contextfold.summarizers._http import HTTPSummarizer
 
 
 @pytest.fixture(params=[OPENAI, ANTHROPIC], ids=lambda p: p.name)
@@ -53,16 +53,13 @@ def sleeps() -> list[float]:
 
 
 @pytest.fixture
-def retry(sleeps: list[float]) -> SummarizerRetry:
-    async def record(seconds: float) -> None:
-        sleeps.append(seconds)
-
-    return SummarizerRetry(initial_delay=0.5, max_delay=4.0, sleep=record, now=lambda: FIXED_NOW)
+def retry() -> SummarizerRetry:
+    return SummarizerRetry(initial_delay=0.5, max_delay=4.0)
 
 
 @pytest.fixture
 async def summarizer(
-    provider: Provider, base_url: str, retry: SummarizerRetry
-) -> AsyncIterator[ChatSummarizer]:
-    async with provider.make(base_url, retry=retry, timeout=2.0) as instance:
+    provider: Provider, base_url: str, retry: SummarizerRetry, sleeps: list[float]
+) -> AsyncIterator[HTTPSummarizer]:
+    async with provider.make(base_url, retry=retry, timeout=2.0, sleeps=sleeps) as instance:
         yield instance

@@ -21,7 +21,7 @@ from pydantic import TypeAdapter
 from werkzeug import Request, Response
 
 from contextfold.summarizers import AnthropicSummarizer, OpenAICompatibleSummarizer
-from contextfold.summarizers._http import ChatSummarizer
+from contextfold.summarizers._http import HTTPSummarizer
 
 API_KEY = "sk-test-0123456789abcdefSECRET"
 FIXED_NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -116,6 +116,16 @@ def redirect_to(path: str) -> Action:
     return action
 
 
+def record_waits(summarizer: HTTPSummarizer, sleeps: list[float]) -> None:
+    """Make ``summarizer`` record each retry wait in ``sleeps`` instead of waiting, on a fixed clock."""
+
+    async def record(seconds: float) -> None:
+        sleeps.append(seconds)
+
+    summarizer._sleep = record
+    summarizer._now = lambda: FIXED_NOW
+
+
 def _drain(value: Any) -> None:
     """Walk a validated value; pydantic validates ``Iterable`` fields only as they are consumed."""
     if isinstance(value, dict):
@@ -158,7 +168,7 @@ class Provider:
 
     name: str
     path: str
-    cls: type[ChatSummarizer]
+    cls: type[HTTPSummarizer]
     env_var: str
     key_header: str
     reply: Callable[[str, int, int], dict[str, Any]]
@@ -166,9 +176,13 @@ class Provider:
     user_prompt: Callable[[Any], str]
     system_prompt: Callable[[Any], str]
 
-    def make(self, base_url: str, **options: Any) -> ChatSummarizer:
+    def make(self, base_url: str, *, sleeps: list[float] | None = None, **options: Any) -> HTTPSummarizer:
+        """The provider's summarizer; with ``sleeps``, retry waits are recorded there instead of waited."""
         options.setdefault("api_key", API_KEY)
-        return self.cls("test-model", base_url=base_url, **options)
+        summarizer = self.cls("test-model", base_url=base_url, **options)
+        if sleeps is not None:
+            record_waits(summarizer, sleeps)
+        return summarizer
 
     def key_sent(self, captured: Captured) -> str | None:
         value = captured.headers.get(self.key_header)

@@ -35,6 +35,8 @@ def test_the_session_is_deterministic_and_sized_as_asked() -> None:
         if f in bench._visible(m)
     }
     assert {"user", "tool", "arguments"} <= kinds
+    assert len(first.image_urls) == 3
+    assert all(any(url.endswith(f"/{fact}.png") for fact in first.facts) for url in first.image_urls)
 
 
 def test_a_small_run_reports_retention_and_incremental_input(capsys: pytest.CaptureFixture[str]) -> None:
@@ -47,6 +49,7 @@ def test_a_small_run_reports_retention_and_incremental_input(capsys: pytest.Capt
     assert summarize.compactions > 1 and drop.compactions > 1
     assert summarize.retained >= 0.8 * summarize.facts
     assert summarize.retained > 2 * drop.retained
+    assert summarize.images == 7 and summarize.images_retained >= 6 > drop.images_retained
     counting = summarize.summarizer
     assert max(counting.sent.values()) == 1
     assert summarize.from_scratch_tokens > counting.message_tokens

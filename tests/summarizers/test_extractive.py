@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import base64
+import gc
 import json
+import struct
+import time
 
+import anyio
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from contextfold import ConfigError, Message, TiktokenCounter, ToolCall
-from contextfold.summarizers import SECTIONS, ExtractiveSummarizer, Summarizer, find_identifiers
+from contextfold import ConfigError, Message, SummarizerError, TiktokenCounter, ToolCall
+from contextfold.summarizers import ExtractiveSummarizer, Summarizer
+from contextfold.summarizers._extractive import find_identifiers
+from contextfold.summarizers._prompt import SECTIONS
 
 COUNTER = TiktokenCounter()
 
@@ -195,12 +202,13 @@ _message = st.one_of(
 @given(
     messages=st.lists(_message, max_size=12),
     previous=st.one_of(st.none(), _words),
-    budget=st.integers(1, 400),
+    budget=st.integers(41, 400),
 )
 async def test_never_exceeds_the_budget(messages: list[Message], previous: str | None, budget: int) -> None:
-    """Whatever the input, the summary fits ``max_summary_tokens``."""
+    """Whatever the input, the summary fits ``max_summary_tokens`` and holds every section heading."""
     text = await summarize(messages, previous=previous, budget=budget)
     assert COUNTER.count_text(text) <= budget
+    assert all(f"## {heading}" in text for heading in SECTIONS)
 
 
 @settings(max_examples=40, deadline=None)
@@ -281,3 +289,136 @@ async def test_facts_under_one_key_are_written_on_one_line_and_read_back_one_by_
     assert "- checksum: 5f1e09a7c3, 6a2b77c1d0, 7c3d88e2f1, 8d4e99f3a2" in whole
     tighter = await summarize([], previous=previous, budget=COUNTER.count_text(whole) - 8)
     assert "- checksum: 7c3d88e2f1, 8d4e99f3a2\n" in tighter
+
+
+# non-text parts ------------------------------------------------------------------------------------
+
+RAW_PNG = b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + b"IHDR" + struct.pack(">II", 800, 600)
+RAW_PNG += b"\0" * 150_000
+INLINE_PNG = base64.b64encode(RAW_PNG).decode()
+
+
+def with_parts(role: str, *parts: dict[str, object], text: str | None = None) -> Message:
+    content: list[dict[str, object]] = [{"type": "text", "text": text}] if text else []
+    return Message(role=role, content=[*content, *parts])  # type: ignore[arg-type]
+
+
+def noisy_session(steps: int) -> list[Message]:
+    """Many identifier-heavy tool steps that compete with everything else for the budget."""
+    out: list[Message] = []
+    for n in range(steps):
+        out.append(Message.assistant(None, tool_calls=[call(f"n{n}", "read_file", path=f"/srv/app/m{n}.py")]))
+        out.append(Message.tool(f"n{n}", f"version: v1.{n}.0\nowner: team-{n}\nid: REQ-{1000 + n}"))
+    return out
+
+
+async def test_attachments_survive_in_the_summary_as_placeholders() -> None:
+    """An image URL, an inline image, a file id and a tool's screenshot are kept as facts under pressure."""
+    screenshot_call = Message.assistant(None, tool_calls=[call("s1", "screenshot")])
+    screenshot = Message(
+        role="tool",
+        tool_call_id="s1",
+        content=[{"type": "image", "source": {"type": "url", "url": "https://shots.example.com/s1.png"}}],
+    )
+    messages = [
+        with_parts(
+            "user",
+            {"type": "image_url", "image_url": {"url": "https://cdn.example.com/chart.png"}},
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{INLINE_PNG}"}},
+            {"type": "file", "file": {"file_id": "file-abc123", "filename": "report.pdf"}},
+            text="Compare the chart with the report.",
+        ),
+        *noisy_session(30),
+        screenshot_call,
+        screenshot,
+        *noisy_session(30),
+    ]
+    text = await summarize(messages, budget=400)
+    facts = text.split("## Facts and identifiers")[1].split("## ")[0]
+    assert "[image: https://cdn.example.com/chart.png]" in facts
+    assert f"[image: inline image/png, 800x600, {round(len(RAW_PNG) / 1024)} KB]" in facts
+    assert "[file: file-abc123 report.pdf]" in facts
+    assert "[image: https://shots.example.com/s1.png]" in facts
+    assert INLINE_PNG[:40] not in text
+
+
+async def test_an_attachment_survives_the_next_merges() -> None:
+    """A placeholder in the previous summary is read back as a fact and kept through later folds."""
+    first = await summarize(
+        [with_parts("user", {"type": "image_url", "image_url": {"url": "https://cdn.example.com/a.png"}})],
+        budget=300,
+    )
+    text = first
+    for round_ in range(3):
+        text = await summarize(noisy_session(20 + round_), previous=text, budget=300)
+    assert "[image: https://cdn.example.com/a.png]" in text
+
+
+async def test_a_long_signed_url_is_kept_whole() -> None:
+    """A placeholder longer than max_line_chars is not cut: its URL must stay usable."""
+    url = "https://bucket.s3.amazonaws.com/a.png?X-Amz-Signature=" + "f" * 400
+    text = await summarize([with_parts("user", {"type": "image_url", "image_url": {"url": url}})], budget=600)
+    assert f"[image: {url}]" in text
+
+
+async def test_reasoning_parts_are_not_kept_as_facts() -> None:
+    """A thinking block is neither copied nor listed as an attachment."""
+    thinking = {"type": "thinking", "thinking": "private chain of thought", "signature": "sig"}
+    text = await summarize([with_parts("assistant", thinking, text="Done.")], budget=300)
+    assert "[thinking]" not in text and "private chain" not in text
+
+
+# off the event loop and never empty -------------------------------------------------------------------
+
+
+def big_session(steps: int) -> list[Message]:
+    out: list[Message] = []
+    for n in range(steps):
+        out.append(Message.user(f"step {n}: check /srv/app/mod{n}.py and INC-{40000 + n}. " + "lorem " * 80))
+        reading = call(f"c{n}", "read_file", path=f"/m{n}.py")
+        out.append(Message.assistant("I decided to read it.", tool_calls=[reading]))
+        out.append(Message.tool(f"c{n}", "\n".join(f"line {j}: value_{n}_{j} = {j * n}" for j in range(30))))
+    return out
+
+
+@pytest.mark.slow
+async def test_a_200k_token_summary_leaves_the_event_loop_free() -> None:
+    """During a 200k-token extractive fold a task sleeping 5 ms keeps ticking: p90 lag under 20 ms."""
+    await COUNTER.aload()
+    messages = big_session(380)
+    assert COUNTER.count_messages(messages) > 200_000
+    lateness: list[float] = []
+    done = anyio.Event()
+
+    async def tick() -> None:
+        while not done.is_set():
+            began = time.perf_counter()
+            await anyio.sleep(0.005)
+            lateness.append(time.perf_counter() - began - 0.005)
+
+    # A full collection of the test process's heap (earlier tests' objects) would stall any thread.
+    gc.collect()
+    began = time.perf_counter()
+    async with anyio.create_task_group() as group:
+        group.start_soon(tick)
+        summary = await ExtractiveSummarizer(COUNTER).summarize(
+            messages, previous_summary=None, max_summary_tokens=2000
+        )
+        done.set()
+    took = time.perf_counter() - began
+    lateness.sort()
+    assert "/srv/app/mod379.py" in summary.text
+    assert len(lateness) > took / 0.05, "the ticker ran all along"
+    p90 = lateness[int(len(lateness) * 0.9)]
+    assert p90 < 0.020, f"p90 loop lag {p90:.3f} s"
+    assert lateness[-1] < max(0.1, took / 10), f"the loop stalled {lateness[-1]:.3f} s of {took:.2f} s"
+
+
+async def test_a_budget_too_small_for_any_summary_is_a_summarizer_error() -> None:
+    """A budget below the headings' 41 tokens raises SummarizerError instead of returning "" or a stub."""
+    for budget in (1, 40):
+        with pytest.raises(SummarizerError, match=f"max_summary_tokens={budget} cannot hold"):
+            await ExtractiveSummarizer(COUNTER).summarize(
+                SESSION, previous_summary=None, max_summary_tokens=budget
+            )
+    assert (await summarize(SESSION, budget=41)).startswith("## Goal and constraints")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from contextfold import Message, Usage
+import pytest
+
+from contextfold import Message, SummarizerError, Usage
 from contextfold.summarizers import FunctionSummarizer, Summarizer, Summary
 
 
@@ -30,3 +32,43 @@ async def test_a_returned_summary_is_passed_through() -> None:
         return made
 
     assert await FunctionSummarizer(fn).summarize([], previous_summary=None, max_summary_tokens=1) is made
+
+
+@pytest.mark.parametrize(
+    "empty", ["", "  \n\t", Summary(text=" ", model="m")], ids=["empty", "blank", "blank-summary"]
+)
+async def test_an_empty_or_blank_summary_is_a_summarizer_error(empty: str | Summary) -> None:
+    """A function returning "" or whitespace raises SummarizerError rather than erasing the folded turns."""
+
+    async def fn(messages: Sequence[Message], previous: str | None, budget: int) -> str | Summary:
+        return empty
+
+    with pytest.raises(SummarizerError, match="empty summary"):
+        await FunctionSummarizer(fn).summarize(
+            [Message.user("a")], previous_summary=None, max_summary_tokens=64
+        )
+
+
+async def test_a_compactor_given_an_empty_summary_falls_back_instead_of_writing_it() -> None:
+    """Through a Compactor, an empty summary follows on_summarizer_error: the fold uses the fallback."""
+    from contextfold import ApproximateCounter, Compactor, RunOptions, SummarizeOptions
+    from contextfold.stores import MemoryStore
+
+    async def fn(messages: Sequence[Message], previous: str | None, budget: int) -> str:
+        return ""
+
+    options = RunOptions(
+        max_history_tokens=4000,
+        compaction=SummarizeOptions(trigger_token_budget=1000, max_summary_tokens=200),
+    )
+    async with MemoryStore() as store:
+        compactor = Compactor(
+            store, options=options, summarizer=FunctionSummarizer(fn), counter=ApproximateCounter()
+        )
+        for n in range(14):
+            await compactor.append("t", [Message.user(f"step {n}: read /srv/f{n}.txt " + "please " * 40)])
+        result = await compactor.maybe_compact("t")
+        context = await compactor.context("t")
+    assert result is not None and result.compacted and result.degraded
+    assert context[0].is_summary
+    assert "## Facts and identifiers" in context[0].text and "/srv/f0.txt" in context[0].text

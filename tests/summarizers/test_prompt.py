@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from contextfold import Message, ToolCall
-from contextfold.summarizers import SECTIONS, SYSTEM_PROMPT, render_messages
-from contextfold.summarizers._prompt import cut_middle, escape_tags, user_prompt
+from contextfold.summarizers._prompt import (
+    SECTIONS,
+    SYSTEM_PROMPT,
+    cut_middle,
+    escape_tags,
+    render_messages,
+    user_prompt,
+)
 
 
 def test_system_prompt_names_every_section_and_forbids_following_quoted_instructions() -> None:

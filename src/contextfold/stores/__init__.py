@@ -1,4 +1,9 @@
-"""Storage backends: the two protocols and their implementations.
+"""Storage backends: the protocols and their implementations.
+
+``ShortTermStore`` (the working context) and ``EpisodicStore`` (the
+append-only log) are the two memories; ``Store`` is both in one backend, where
+recording a step and folding a prefix are each one transaction. Every bundled
+backend is a ``Store``.
 
 ``PostgresStore`` needs the optional ``contextfold[postgres]`` extra; its
 module (and psycopg) is imported only when the name is first looked up.
@@ -6,7 +11,17 @@ module (and psycopg) is imported only when the name is first looked up.
 
 from typing import TYPE_CHECKING, Any
 
-from ._base import ContextWindow, EpisodicStore, ShortTermStore, StoredMessage, ThreadStats
+from ._base import (
+    ContextWindow,
+    EpisodicStore,
+    ShortTermStore,
+    Store,
+    StoredMessage,
+    ThreadInfo,
+    ThreadState,
+    ThreadStats,
+    Tombstone,
+)
 from ._memory import MemoryStore
 from ._sqlite import SQLiteStore
 
@@ -20,8 +35,12 @@ __all__ = [
     "PostgresStore",
     "SQLiteStore",
     "ShortTermStore",
+    "Store",
     "StoredMessage",
+    "ThreadInfo",
+    "ThreadState",
     "ThreadStats",
+    "Tombstone",
 ]
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "Store",
     "StoredMessage",
     "ThreadInfo",
+    "ThreadState",
     "ThreadStats",
     "Tombstone",
 ]
@@ -63,6 +64,20 @@ class ThreadStats(BaseModel):
     """Bumped by every ``replace_prefix``; the guard a caller passes back."""
     last_seq: int = 0
     """Sequence number of the newest message (0 for an empty thread)."""
+
+
+class ThreadState(BaseModel):
+    """What a compactor checks before every request: working-context stats and episodic pressure.
+
+    Read in one query, so the per-step check costs one round trip however
+    long the thread is. ``pressure.estimated_context_tokens`` is
+    ``stats.total_tokens``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    stats: ThreadStats
+    pressure: EpisodicCompactionPressure
 
 
 class ContextWindow(BaseModel):
@@ -147,8 +162,12 @@ class ShortTermStore(_Resource, Protocol):
     def compaction_lock(self, thread: str) -> AbstractAsyncContextManager[bool]:
         """Try to become the thread's one compactor; yields whether it did (never waits).
 
-        Holds across processes for the SQL backends, and is released if the
-        holder crashes.
+        On the SQL backends this is a lease row timed by the database's own
+        clock, taken and released in short transactions: no connection or lock
+        is held while the body runs, and a crashed holder's lease expires after
+        the store's ``lease_seconds`` (300 by default). A body that outlives its
+        lease may meet a second compactor; the version guard of the fold then
+        lets only one of them apply.
         """
         ...
 
@@ -217,8 +236,15 @@ class Store(ShortTermStore, EpisodicStore, Protocol):
 
     Every bundled backend is a ``Store``. With two separate objects (a
     ``ShortTermStore`` and an ``EpisodicStore``) recording and folding are
-    two writes, not one: see ``Compactor``.
+    two writes, not one: each write is atomic on its own, but a crash or a
+    failure between them can leave episodes that never reached the context,
+    or a checkpoint whose prefix swap did not happen. Only a ``Store`` makes
+    ``record_and_append`` and ``fold`` one transaction.
     """
+
+    async def state(self, thread: str, *, now: datetime | None = None) -> ThreadState:
+        """``stats`` and ``pressure`` (age measured at ``now``, default now) in one read."""
+        ...
 
     async def tail(self, thread: str, *, after_seq: int) -> ContextWindow:
         """Messages with ``seq > after_seq``, oldest first, with the thread's current state.

@@ -1,7 +1,8 @@
 """``MemoryStore``: both stores in one process's memory, for tests, examples and short runs.
 
 Each method runs without awaiting in between its reads and writes, so on one
-event loop every operation is atomic. Messages are copied through their JSON
+event loop every operation is atomic: a ``fold`` checks the guard, records the
+checkpoint and swaps the prefix with nothing else running in between. Messages are copied through their JSON
 on the way in, exactly as the SQL backends store them, so what a caller reads
 back never aliases what it appended.
 """
@@ -12,26 +13,32 @@ import bisect
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Self
 
 from anyio.lowlevel import checkpoint
 
-from .._episodes import Episode, EpisodeRecord
+from .._episodes import Episode, EpisodeRecord, SummaryCheckpoint
 from .._errors import StoreClosedError
 from .._messages import Message
 from .._policy import EpisodicCompactionPressure
 from .._resource import AsyncResource
-from ._base import ContextWindow, StoredMessage, ThreadStats
+from ._base import ContextWindow, StoredMessage, ThreadInfo, ThreadState, ThreadStats, Tombstone
 from ._rows import (
     PressureCounters,
+    by_activity,
+    check_after_seq,
+    check_checkpoint,
     check_from_seq,
     check_max_tokens,
+    check_message_episodes,
     check_replace,
     check_thread,
+    check_total,
     decode_episode,
     encode_episode,
-    encode_messages,
+    encode_episodes,
+    encode_rows,
     missing_seq_conflict,
     utc,
     version_conflict,
@@ -44,7 +51,6 @@ __all__ = ["MemoryStore"]
 class _Context:
     messages: list[StoredMessage] = field(default_factory=list)
     stats: ThreadStats = field(default_factory=ThreadStats)
-    compacting: bool = False
 
 
 @dataclass
@@ -53,12 +59,22 @@ class _Log:
     counters: PressureCounters = field(default_factory=PressureCounters)
 
 
+_Row = tuple[str, int, Message]
+"""A message's JSON, its token count and the copy read back from that JSON."""
+
+
 class MemoryStore(AsyncResource):
-    """A ``ShortTermStore`` and ``EpisodicStore`` in memory; the data lives as long as the object."""
+    """A ``Store`` (both memories) in memory; the data lives as long as the object.
+
+    The compaction lock is a flag in this object: it spans the tasks of one
+    process, and a second ``MemoryStore`` is a different store.
+    """
 
     def __init__(self) -> None:
         self._contexts: dict[str, _Context] = {}
         self._logs: dict[str, _Log] = {}
+        self._tombstones: dict[str, list[Tombstone]] = {}
+        self._compacting: set[str] = set()
         self._closed = False
 
     async def aclose(self) -> None:
@@ -76,6 +92,46 @@ class MemoryStore(AsyncResource):
         await checkpoint()
         self._check_open()
 
+    def _append_rows(
+        self, thread: str, rows: list[_Row], episode_seqs: list[int | None]
+    ) -> list[StoredMessage]:
+        context = self._contexts.setdefault(thread, _Context())
+        stats = context.stats
+        total = check_total(thread, stats.total_tokens + sum(count for _, count, _ in rows))
+        stored = [
+            StoredMessage(seq=stats.last_seq + n, tokens=count, message=copy, episode_seq=episode_seq)
+            for n, ((_, count, copy), episode_seq) in enumerate(zip(rows, episode_seqs, strict=True), start=1)
+        ]
+        context.messages.extend(stored)
+        context.stats = stats.model_copy(
+            update={
+                "message_count": stats.message_count + len(stored),
+                "total_tokens": total,
+                "last_seq": stats.last_seq + len(stored),
+            }
+        )
+        return stored
+
+    def _record_body(self, thread: str, episode: Episode, body: str, when: datetime) -> EpisodeRecord:
+        log = self._logs.setdefault(thread, _Log())
+        counters = log.counters.after(episode, when)
+        stored = EpisodeRecord(
+            thread=thread, seq=counters.last_seq, at=when, episode=decode_episode(thread, 0, body)
+        )
+        log.records.append(stored)
+        log.counters = counters
+        return stored
+
+    def _window(self, thread: str, context: _Context, start: int, *, complete: bool) -> ContextWindow:
+        return ContextWindow(
+            thread=thread,
+            messages=tuple(context.messages[start:]),
+            version=context.stats.version,
+            total_tokens=context.stats.total_tokens,
+            complete=complete,
+            last_seq=context.stats.last_seq,
+        )
+
     # short-term -----------------------------------------------------------
 
     async def append(
@@ -83,22 +139,8 @@ class MemoryStore(AsyncResource):
     ) -> list[StoredMessage]:
         await self._enter()
         check_thread(thread)
-        rows = encode_messages(messages, tokens)
-        context = self._contexts.setdefault(thread, _Context())
-        stats = context.stats
-        stored = [
-            StoredMessage(seq=stats.last_seq + n, tokens=count, message=Message.model_validate_json(body))
-            for n, (body, count) in enumerate(rows, start=1)
-        ]
-        context.messages.extend(stored)
-        context.stats = stats.model_copy(
-            update={
-                "message_count": stats.message_count + len(stored),
-                "total_tokens": stats.total_tokens + sum(count for _, count in rows),
-                "last_seq": stats.last_seq + len(stored),
-            }
-        )
-        return stored
+        rows = encode_rows(messages, tokens)
+        return self._append_rows(thread, rows, [None] * len(rows))
 
     async def load(self, thread: str, *, max_tokens: int | None = None) -> ContextWindow:
         await self._enter()
@@ -114,19 +156,73 @@ class MemoryStore(AsyncResource):
             while start > 0 and messages[start - 1].tokens <= left:
                 start -= 1
                 left -= messages[start].tokens
-        return ContextWindow(
-            thread=thread,
-            messages=tuple(messages[start:]),
-            version=context.stats.version,
-            total_tokens=context.stats.total_tokens,
-            complete=start == 0,
-        )
+        return self._window(thread, context, start, complete=start == 0)
+
+    async def tail(self, thread: str, *, after_seq: int) -> ContextWindow:
+        await self._enter()
+        check_thread(thread)
+        after = check_after_seq(after_seq)
+        context = self._contexts.get(thread, _Context())
+        start = bisect.bisect_right(context.messages, after, key=lambda stored: stored.seq)
+        return self._window(thread, context, start, complete=after == 0)
 
     async def stats(self, thread: str) -> ThreadStats:
         await self._enter()
         check_thread(thread)
         context = self._contexts.get(thread)
         return context.stats if context else ThreadStats()
+
+    async def state(self, thread: str, *, now: datetime | None = None) -> ThreadState:
+        await self._enter()
+        check_thread(thread)
+        when = utc(now, "now")
+        context = self._contexts.get(thread)
+        stats = context.stats if context else ThreadStats()
+        counters = self._logs.get(thread, _Log()).counters
+        return ThreadState(stats=stats, pressure=counters.pressure(when, stats.total_tokens))
+
+    def _swap(
+        self, thread: str, through_seq: int, expected_version: int, rows: list[_Row]
+    ) -> tuple[_Context, int, ThreadStats]:
+        """Check the guard; return the context, the cut index and the stats after the swap."""
+        context = self._contexts.get(thread, _Context())
+        stats = context.stats
+        if stats.version != expected_version:
+            raise version_conflict(thread, stats.version, expected_version)
+        messages = context.messages
+        cut = bisect.bisect_right(messages, through_seq, key=lambda stored: stored.seq)
+        if cut == 0 or messages[cut - 1].seq != through_seq:
+            raise missing_seq_conflict(thread, through_seq)
+        removed = sum(stored.tokens for stored in messages[:cut])
+        new = stats.model_copy(
+            update={
+                "message_count": stats.message_count - cut + len(rows),
+                "total_tokens": check_total(
+                    thread, stats.total_tokens - removed + sum(count for _, count, _ in rows)
+                ),
+                "version": stats.version + 1,
+            }
+        )
+        return context, cut, new
+
+    @staticmethod
+    def _apply(
+        context: _Context,
+        cut: int,
+        stats: ThreadStats,
+        through_seq: int,
+        rows: list[_Row],
+        summary_episode_seq: int | None,
+    ) -> None:
+        first = through_seq - len(rows) + 1
+        new = [
+            StoredMessage(
+                seq=first + n, tokens=count, message=copy, episode_seq=summary_episode_seq if n == 0 else None
+            )
+            for n, (_, count, copy) in enumerate(rows)
+        ]
+        context.messages = new + context.messages[cut:]
+        context.stats = stats
 
     async def replace_prefix(
         self,
@@ -140,46 +236,23 @@ class MemoryStore(AsyncResource):
         await self._enter()
         check_thread(thread)
         check_replace(through_seq, expected_version)
-        rows = encode_messages(replacement, tokens, field="replacement")
-        context = self._contexts.get(thread, _Context())
-        stats = context.stats
-        if stats.version != expected_version:
-            raise version_conflict(thread, stats.version, expected_version)
-        messages = context.messages
-        cut = bisect.bisect_right(messages, through_seq, key=lambda stored: stored.seq)
-        if cut == 0 or messages[cut - 1].seq != through_seq:
-            raise missing_seq_conflict(thread, through_seq)
-        first = through_seq - len(rows) + 1
-        new = [
-            StoredMessage(seq=first + n, tokens=count, message=Message.model_validate_json(body))
-            for n, (body, count) in enumerate(rows)
-        ]
-        removed = messages[:cut]
-        context.messages = new + messages[cut:]
-        context.stats = stats.model_copy(
-            update={
-                "message_count": stats.message_count - len(removed) + len(new),
-                "total_tokens": stats.total_tokens
-                - sum(stored.tokens for stored in removed)
-                + sum(stored.tokens for stored in new),
-                "version": stats.version + 1,
-            }
-        )
-        return context.stats
+        rows = encode_rows(replacement, tokens, field="replacement")
+        context, cut, stats = self._swap(thread, through_seq, expected_version, rows)
+        self._apply(context, cut, stats, through_seq, rows, None)
+        return stats
 
     @asynccontextmanager
     async def compaction_lock(self, thread: str) -> AsyncIterator[bool]:
         await self._enter()
         check_thread(thread)
-        context = self._contexts.setdefault(thread, _Context())
-        if context.compacting:
+        if thread in self._compacting:
             yield False
             return
-        context.compacting = True
+        self._compacting.add(thread)
         try:
             yield True
         finally:
-            context.compacting = False
+            self._compacting.discard(thread)
 
     # episodic -------------------------------------------------------------
 
@@ -190,22 +263,15 @@ class MemoryStore(AsyncResource):
         check_thread(thread)
         when = utc(at, "at")
         body = encode_episode(episode)
-        log = self._logs.setdefault(thread, _Log())
-        counters = log.counters.after(episode, when)
-        stored = EpisodeRecord(
-            thread=thread, seq=counters.last_seq, at=when, episode=decode_episode(thread, 0, body)
-        )
-        log.records.append(stored)
-        log.counters = counters
-        return stored
+        return self._record_body(thread, episode, body, when)
 
     async def replay(self, thread: str, *, from_seq: int = 0) -> AsyncIterator[EpisodeRecord]:
         await self._enter()
         check_thread(thread)
         index = max(check_from_seq(from_seq), 1) - 1
-        records = self._logs.get(thread, _Log()).records
-        while index < len(records):
-            yield records[index]
+        log = self._logs.get(thread, _Log())
+        while index < len(log.records) and self._logs.get(thread) is log:
+            yield log.records[index]
             index += 1
             await self._enter()
 
@@ -228,3 +294,91 @@ class MemoryStore(AsyncResource):
         if log is None or log.counters.boundary_seq is None:
             return None
         return log.records[log.counters.boundary_seq - 1]
+
+    # both memories --------------------------------------------------------
+
+    async def record_and_append(
+        self,
+        thread: str,
+        episodes: Sequence[Episode],
+        messages: Sequence[Message],
+        tokens: Sequence[int],
+        *,
+        message_episodes: Sequence[int] | None = None,
+    ) -> list[StoredMessage]:
+        await self._enter()
+        check_thread(thread)
+        bodies = encode_episodes(episodes)
+        rows = encode_rows(messages, tokens)
+        links = check_message_episodes(message_episodes, len(rows), len(bodies))
+        context = self._contexts.get(thread, _Context())
+        check_total(thread, context.stats.total_tokens + sum(count for _, count, _ in rows))
+        when = datetime.now(UTC)
+        pairs = zip(episodes, bodies, strict=True)
+        seqs = [self._record_body(thread, episode, body, when).seq for episode, body in pairs]
+        return self._append_rows(thread, rows, [None if link is None else seqs[link] for link in links])
+
+    async def fold(
+        self,
+        thread: str,
+        *,
+        checkpoint: SummaryCheckpoint,
+        through_seq: int,
+        expected_version: int,
+        replacement: Sequence[Message],
+        tokens: Sequence[int],
+    ) -> EpisodeRecord:
+        await self._enter()
+        check_thread(thread)
+        body = check_checkpoint(checkpoint)
+        check_replace(through_seq, expected_version)
+        rows = encode_rows(replacement, tokens, field="replacement")
+        context, cut, stats = self._swap(thread, through_seq, expected_version, rows)
+        record = self._record_body(thread, checkpoint, body, datetime.now(UTC))
+        self._contexts[thread] = context
+        self._apply(context, cut, stats, through_seq, rows, record.seq)
+        return record
+
+    async def forget(self, thread: str) -> Tombstone:
+        await self._enter()
+        check_thread(thread)
+        context = self._contexts.get(thread)
+        log = self._logs.pop(thread, None)
+        tombstone = Tombstone(
+            thread=thread,
+            forgotten_at=datetime.now(UTC),
+            messages=len(context.messages) if context else 0,
+            episodes=len(log.records) if log else 0,
+        )
+        if context is not None:
+            # The version and seq counter go on, so a cache of the forgotten context never matches.
+            context.messages = []
+            context.stats = ThreadStats(version=context.stats.version + 1, last_seq=context.stats.last_seq)
+        self._tombstones.setdefault(thread, []).append(tombstone)
+        return tombstone
+
+    async def tombstones(self, thread: str) -> list[Tombstone]:
+        await self._enter()
+        check_thread(thread)
+        return list(self._tombstones.get(thread, ()))
+
+    async def threads(self) -> list[ThreadInfo]:
+        await self._enter()
+        infos: list[ThreadInfo] = []
+        for thread in self._contexts.keys() | self._logs.keys():
+            context = self._contexts.get(thread)
+            log = self._logs.get(thread)
+            stats = context.stats if context else ThreadStats()
+            if stats.message_count == 0 and not (log and log.records):
+                continue
+            infos.append(
+                ThreadInfo(
+                    thread=thread,
+                    message_count=stats.message_count,
+                    total_tokens=stats.total_tokens,
+                    episodes=len(log.records) if log else 0,
+                    last_activity=log.records[-1].at if log and log.records else None,
+                )
+            )
+        return by_activity(infos)
+

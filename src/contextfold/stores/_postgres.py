@@ -1,25 +1,36 @@
 """The PostgreSQL backend: one schema shared by many workers on many hosts.
 
 Needs the ``contextfold[postgres]`` extra (psycopg 3 and psycopg-pool). Every
-operation is one short transaction on a pooled connection:
+operation is one statement, or one short transaction, on a pooled connection:
 
 * A thread's working context is a run of ``messages`` rows keyed by
   ``(thread, seq)``; its ``threads`` row holds the counters ``stats()`` reads
-  and is row-locked by every append and prefix replacement, so writers on any
-  host get distinct sequence numbers and a replacement sees a stable prefix.
+  and is row-locked by every append and fold, so writers on any host get
+  distinct sequence numbers and a fold sees a stable prefix.
 * The episodic log is the ``episodes`` table; a trigger makes the database
-  refuse UPDATE, DELETE and TRUNCATE on it. Pressure counters live in
-  ``episode_threads`` and change in the same statement that appends the episode.
-* ``compaction_lock`` is a session advisory lock on a connection held for the
-  body; the server releases it when a crashed holder's connection drops. It
-  needs session-level pooling if a pooler sits in between.
+  refuse UPDATE, DELETE and TRUNCATE on it, except the DELETE of a thread's
+  episodes in the transaction that wrote its tombstone (``forget``). Pressure
+  counters live in ``episode_threads`` and change in the same statement that
+  appends the episode.
+* ``record_and_append`` and ``fold`` are one statement each (one round trip):
+  episodes, counters and working-context rows commit together or not at all.
+  Whenever a statement locks both counter rows of a thread, it locks the
+  ``threads`` row first, so writers never deadlock.
+* ``compaction_lock`` is a lease row in ``compaction_leases`` that expires on
+  the server's clock (``lease_seconds``, 300 s by default). Taking and
+  releasing it are one short statement each; no connection is held while the
+  compaction runs, so a crashed holder's lease simply runs out.
+* Every pooled session has a ``statement_timeout`` (30 s by default), and
+  every section shielded from cancellation ends by a deadline.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
-from collections.abc import AsyncIterator, Sequence
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any, Self
@@ -34,38 +45,54 @@ from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 from .._episodes import (
     Episode,
     EpisodeRecord,
-    ManualRecoveryBoundary,
     RunCompletedEpisode,
     SummaryCheckpoint,
-    UserMessageEpisode,
 )
 from .._errors import ConfigError, ConflictError, StoreClosedError, StoreError
 from .._messages import Message
 from .._policy import EpisodicCompactionPressure
 from .._resource import AsyncResource
-from ._base import ContextWindow, StoredMessage, ThreadStats
+from ._base import ContextWindow, StoredMessage, ThreadInfo, ThreadState, ThreadStats, Tombstone
 from ._rows import (
     PressureCounters,
     Window,
+    check_after_seq,
+    check_checkpoint,
     check_from_seq,
     check_max_tokens,
+    check_message_episodes,
     check_replace,
+    check_seconds,
+    check_text,
     check_thread,
+    check_total,
     decode_episode,
-    encode_episode,
+    encode_episodes,
     encode_messages,
+    missing_seq_conflict,
+    stored_message,
     utc,
+    version_conflict,
 )
 
-__all__ = ["PostgresStore"]
+__all__ = ["DEFAULT_LEASE_SECONDS", "DEFAULT_STATEMENT_TIMEOUT", "PostgresStore"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """The newest schema this code writes; a database at a higher version is refused."""
+
+DEFAULT_LEASE_SECONDS = 300.0
+"""How long a compaction lease outlives a holder that never released it."""
+DEFAULT_STATEMENT_TIMEOUT = 30.0
+"""Seconds the server lets one statement of a pooled session run."""
 
 _REPLAY_BATCH = 500
 _CONNECT_TIMEOUT_SECONDS = 10
-_UNLOCK_SECONDS = 10
+_GRACE_SECONDS = 5.0
+"""How long a shielded section waits beyond ``statement_timeout`` for the server's answer."""
+_CLOSE_SECONDS = 10.0
 _IDENTIFIER_MAX_BYTES = 63
+_MAX_SECONDS = 86_400.0 * 366
+_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
 
 # Each entry takes the schema from version N to N+1; ``{s}`` is the schema identifier.
 _MIGRATIONS: tuple[tuple[str, ...], ...] = (
@@ -128,6 +155,62 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
             FOR EACH STATEMENT EXECUTE FUNCTION {s}.reject_episode_change()
         """,
     ),
+    (
+        # 64-bit token counts like the other backends, and the episode that recorded each message.
+        "ALTER TABLE {s}.messages ALTER COLUMN tokens TYPE bigint, ADD COLUMN episode_seq bigint",
+        """
+        CREATE TABLE {s}.compaction_leases (
+            thread text PRIMARY KEY,
+            owner uuid NOT NULL,
+            expires_at timestamptz NOT NULL
+        )
+        """,
+        """
+        CREATE TABLE {s}.tombstones (
+            id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+            thread text NOT NULL,
+            forgotten_at timestamptz NOT NULL DEFAULT now(),
+            messages bigint NOT NULL,
+            episodes bigint NOT NULL,
+            xact xid8 NOT NULL DEFAULT pg_current_xact_id()
+        )
+        """,
+        "CREATE INDEX tombstones_thread ON {s}.tombstones (thread, xact)",
+        # The one removal the log permits: deleting a thread's episodes in the transaction
+        # that left its tombstone. UPDATE and TRUNCATE stay refused, whoever issues them.
+        """
+        CREATE OR REPLACE FUNCTION {s}.reject_episode_change() RETURNS trigger LANGUAGE plpgsql AS $body$
+        BEGIN
+            IF TG_OP = 'DELETE' AND TG_LEVEL = 'ROW' THEN
+                IF EXISTS (SELECT 1 FROM {s}.tombstones
+                           WHERE thread = OLD.thread AND xact = pg_current_xact_id()) THEN
+                    RETURN OLD;
+                END IF;
+            END IF;
+            RAISE EXCEPTION 'the episodic log is append-only: % on %.% is not allowed',
+                TG_OP, TG_TABLE_SCHEMA, TG_TABLE_NAME
+                USING HINT = 'record a new episode (for example a manual_recovery boundary) instead, '
+                    'or erase a whole thread with forget()';
+        END
+        $body$
+        """,
+        """
+        CREATE FUNCTION {s}.reject_tombstone_change() RETURNS trigger LANGUAGE plpgsql AS $body$
+        BEGIN
+            RAISE EXCEPTION 'tombstones are append-only: % on %.% is not allowed',
+                TG_OP, TG_TABLE_SCHEMA, TG_TABLE_NAME;
+        END
+        $body$
+        """,
+        """
+        CREATE TRIGGER tombstones_append_only BEFORE UPDATE OR DELETE ON {s}.tombstones
+            FOR EACH ROW EXECUTE FUNCTION {s}.reject_tombstone_change()
+        """,
+        """
+        CREATE TRIGGER tombstones_no_truncate BEFORE TRUNCATE ON {s}.tombstones
+            FOR EACH STATEMENT EXECUTE FUNCTION {s}.reject_tombstone_change()
+        """,
+    ),
 )
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -155,57 +238,207 @@ def _as_utc(moment: datetime) -> datetime:
     return moment.astimezone(UTC)
 
 
+def _pool_size(key: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= 10_000:
+        raise ConfigError(key, f"must be a whole number from {minimum} to 10000", value=value)
+    return value
+
+
+def _batch(episodes: Sequence[Episode], bodies: list[str] | None = None) -> dict[str, Any]:
+    """A batch of episodes as the parameters of one counters upsert.
+
+    The counters after a batch are either the old ones plus what the batch
+    adds, or, past a reset in the batch, just what it adds after the last
+    reset; ``PressureCounters`` from zero gives the second, the flags say which.
+    """
+    bodies = encode_episodes(episodes) if bodies is None else bodies
+    fresh = PressureCounters()
+    for episode in episodes:
+        fresh = fresh.after(episode, _EPOCH)
+    reset_boundary = fresh.boundary_seq is not None
+    return {
+        "e_n": len(episodes),
+        "e_kinds": [episode.kind for episode in episodes],
+        "e_bodies": bodies,
+        "e_total": fresh.total_user_messages,
+        "e_since": fresh.user_messages_since_boundary,
+        "e_runs": fresh.run_completed_since_boundary,
+        "e_after": fresh.user_messages_after_latest_run_completed,
+        "e_boundary": fresh.boundary_seq,
+        "e_reset_boundary": reset_boundary,
+        "e_reset_after": reset_boundary
+        or any(isinstance(episode, RunCompletedEpisode) and episode.clean for episode in episodes),
+    }
+
+
+# The counters upsert and the episode insert of a batch (``_batch``). ``{source}`` is
+# the FROM clause that gates them (and orders their row lock after the threads row's).
+_RECORD_CTES = """
+    e AS (
+        INSERT INTO {s}.episode_threads AS e (thread, last_seq, first_at, total_user_messages,
+            user_messages_since_boundary, run_completed_since_boundary,
+            user_messages_after_latest_run_completed, boundary_seq)
+        SELECT %(thread)s, %(e_n)s, coalesce(%(at)s::timestamptz, now()), %(e_total)s, %(e_since)s,
+            %(e_runs)s, %(e_after)s, %(e_boundary)s::bigint {source}
+        ON CONFLICT (thread) DO UPDATE SET
+            last_seq = e.last_seq + EXCLUDED.last_seq,
+            total_user_messages = e.total_user_messages + EXCLUDED.total_user_messages,
+            user_messages_since_boundary = CASE WHEN %(e_reset_boundary)s
+                THEN EXCLUDED.user_messages_since_boundary
+                ELSE e.user_messages_since_boundary + EXCLUDED.user_messages_since_boundary END,
+            run_completed_since_boundary = CASE WHEN %(e_reset_boundary)s
+                THEN EXCLUDED.run_completed_since_boundary
+                ELSE e.run_completed_since_boundary + EXCLUDED.run_completed_since_boundary END,
+            user_messages_after_latest_run_completed = CASE WHEN %(e_reset_after)s
+                THEN EXCLUDED.user_messages_after_latest_run_completed
+                ELSE e.user_messages_after_latest_run_completed
+                    + EXCLUDED.user_messages_after_latest_run_completed END,
+            boundary_seq = CASE WHEN %(e_reset_boundary)s
+                THEN e.last_seq + EXCLUDED.boundary_seq ELSE e.boundary_seq END
+        RETURNING last_seq),
+    recorded AS (
+        INSERT INTO {s}.episodes (thread, seq, at, kind, body)
+        SELECT %(thread)s, e.last_seq - %(e_n)s + u.n, coalesce(%(at)s::timestamptz, now()), u.kind, u.body
+        FROM e, unnest(%(e_kinds)s::text[], %(e_bodies)s::text[]) WITH ORDINALITY AS u(kind, body, n)
+        RETURNING seq, at)
+"""
+
+# Appends a batch of messages: the upsert row-locks the thread, so concurrent appenders
+# get disjoint seqs. ``m_episodes`` holds, per message, the index of its episode in the
+# batch recorded by the same statement (or null).
+_THREADS_CTE = """
+    t AS (
+        INSERT INTO {s}.threads AS t (thread, message_count, total_tokens, last_seq)
+        VALUES (%(thread)s, %(m_n)s, %(m_total)s, %(m_n)s) ON CONFLICT (thread) DO UPDATE SET
+            message_count = t.message_count + EXCLUDED.message_count,
+            total_tokens = t.total_tokens + EXCLUDED.total_tokens,
+            last_seq = t.last_seq + EXCLUDED.last_seq
+        RETURNING last_seq)
+"""
+_ADDED_CTE = """
+    added AS (
+        INSERT INTO {s}.messages (thread, seq, tokens, body, episode_seq)
+        SELECT %(thread)s, t.last_seq - %(m_n)s + u.n, u.tokens, u.body, {episode_seq}
+        FROM t, {episodes}
+            unnest(%(m_tokens)s::bigint[], %(m_bodies)s::text[], %(m_episodes)s::bigint[])
+            WITH ORDINALITY AS u(tokens, body, episode, n))
+"""
+
+_FOLD = """
+WITH
+    guard AS (
+        SELECT thread FROM {s}.threads
+        WHERE thread = %(thread)s AND version = %(expected_version)s
+            AND EXISTS (SELECT 1 FROM {s}.messages WHERE thread = %(thread)s AND seq = %(through_seq)s)
+        FOR UPDATE),
+    gone AS (
+        DELETE FROM {s}.messages
+        WHERE thread = %(thread)s AND seq <= %(through_seq)s AND EXISTS (SELECT 1 FROM guard)
+        RETURNING tokens),
+    removed AS (SELECT count(*) AS n, coalesce(sum(tokens), 0) AS tokens FROM gone),
+    {record},
+    added AS (
+        INSERT INTO {s}.messages (thread, seq, tokens, body, episode_seq)
+        SELECT %(thread)s, %(through_seq)s - %(m_n)s + u.n, u.tokens, u.body,
+            CASE WHEN u.n = 1 THEN e.last_seq END
+        FROM removed, e,
+            unnest(%(m_tokens)s::bigint[], %(m_bodies)s::text[]) WITH ORDINALITY AS u(tokens, body, n)
+        WHERE removed.n > 0),
+    folded AS (
+        UPDATE {s}.threads AS t SET
+            message_count = t.message_count + %(m_n)s - removed.n,
+            total_tokens = t.total_tokens + %(m_total)s - removed.tokens,
+            version = t.version + 1
+        FROM removed
+        WHERE t.thread = %(thread)s AND EXISTS (SELECT 1 FROM guard)
+        RETURNING t.version)
+SELECT
+    (SELECT version FROM folded),
+    (SELECT max(seq) FROM recorded),
+    (SELECT max(at) FROM recorded),
+    (SELECT version FROM {s}.threads WHERE thread = %(thread)s),
+    EXISTS (SELECT 1 FROM {s}.messages WHERE thread = %(thread)s AND seq = %(through_seq)s)
+"""
+
+_COUNTER_COLUMNS = (
+    "e.last_seq, e.total_user_messages, e.user_messages_since_boundary, e.run_completed_since_boundary,"
+    " e.user_messages_after_latest_run_completed, e.boundary_seq, e.first_at"
+)
+
+
+def _message_batch(
+    thread: str, messages: Sequence[Message], tokens: Sequence[int], *, field: str = "messages"
+) -> dict[str, Any]:
+    rows = encode_messages(messages, tokens, field=field)
+    counts = [count for _, count in rows]
+    return {
+        "m_n": len(rows),
+        "m_total": check_total(thread, sum(counts)),
+        "m_tokens": counts,
+        "m_bodies": [body for body, _ in rows],
+    }
+
+
 class PostgresStore(AsyncResource):
     """Both stores on PostgreSQL, for many workers on many hosts.
 
     ``schema`` is created (with its tables) on open if missing, and migrated;
     concurrent first opens are serialized by an advisory lock. The pool keeps
-    between ``min_size`` and ``max_size`` connections; ``compaction_lock``
-    holds one for its body, so ``max_size`` must be at least 2.
+    between ``min_size`` and ``max_size`` connections, and no call holds one
+    for longer than its own statements. ``lease_seconds`` bounds how long a
+    compaction lease outlives a holder that crashed; a compaction that runs
+    longer may see a second one start, and then the version guard of ``fold``
+    lets only one of them apply. ``statement_timeout`` (seconds) is set on
+    every pooled session; a write the server has not answered within it and
+    a few seconds more raises ``StoreError``, its outcome unknown to the caller.
     """
 
     def __init__(
-        self, dsn: str, *, schema: str = "contextfold", min_size: int = 1, max_size: int = 10
+        self,
+        dsn: str,
+        *,
+        schema: str = "contextfold",
+        min_size: int = 1,
+        max_size: int = 10,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT,
     ) -> None:
-        if not isinstance(dsn, str) or not dsn.strip():
+        if not isinstance(dsn, str) or not dsn.strip() or "\x00" in dsn:
             raise ConfigError(
-                "dsn", "must be a PostgreSQL URL such as postgresql://user@host:5432/dbname", value=dsn
+                "dsn", "must be a PostgreSQL URL such as postgresql://user@host:5432/dbname", value="<hidden>"
             )
         try:
-            given = conninfo_to_dict(dsn)
+            given = conninfo_to_dict(check_text("dsn", dsn, example="postgresql://user@host:5432/dbname"))
         except psycopg.ProgrammingError as exc:
             raise ConfigError(
                 "dsn", f"is not a valid PostgreSQL connection string ({exc})", value="<hidden>"
             ) from None
-        if not isinstance(schema, str) or not schema or "\x00" in schema:
-            raise ConfigError("schema", "must be a non-empty name such as 'contextfold'", value=schema)
+        check_text("schema", schema, example="contextfold")
         if len(schema.encode()) > _IDENTIFIER_MAX_BYTES:
             raise ConfigError(
                 "schema",
                 f"PostgreSQL names are at most {_IDENTIFIER_MAX_BYTES} bytes; shorten it",
                 value=schema,
             )
-        if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
-            raise ConfigError("min_size", "must be a whole number >= 0", value=min_size)
-        if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < max(2, min_size):
-            raise ConfigError(
-                "max_size",
-                f"must be >= 2 and >= min_size ({min_size}): compaction_lock holds one connection "
-                "while the compaction writes through another",
-                value=max_size,
-            )
+        self._min_size = _pool_size("min_size", min_size, 0)
+        self._max_size = _pool_size("max_size", max_size, max(1, min_size))
+        self._lease_seconds = check_seconds(
+            "lease_seconds", lease_seconds, example=300, maximum=_MAX_SECONDS
+        )
+        self._statement_timeout = check_seconds(
+            "statement_timeout", statement_timeout, example=30, maximum=_MAX_SECONDS
+        )
         self._dsn = dsn
         # Defaults for what neither the DSN nor the PG* environment says.
         self._connect_options: dict[str, Any] = {"fallback_application_name": "contextfold"}
         if "connect_timeout" not in given and "PGCONNECT_TIMEOUT" not in os.environ:
             self._connect_options["connect_timeout"] = _CONNECT_TIMEOUT_SECONDS
         self._schema = schema
-        self._min_size = min_size
-        self._max_size = max_size
         self._s = sql.Identifier(schema)
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
         self._closed = False
         self._opening = anyio.Lock()
+        self._queries: dict[str, sql.Composed] = {}
 
     def __repr__(self) -> str:
         return f"PostgresStore({_where(self._dsn)!r}, schema={self._schema!r})"
@@ -243,6 +476,7 @@ class PostgresStore(AsyncResource):
             min_size=self._min_size,
             max_size=self._max_size,
             kwargs={"autocommit": True, **self._connect_options},
+            configure=self._configure,
             open=False,
             name=f"contextfold-{self._schema}",
         )
@@ -256,12 +490,23 @@ class PostgresStore(AsyncResource):
             ) from exc
         self._pool = pool
 
+    async def _configure(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        # A session setting, so it holds for every statement the pool runs on it.
+        milliseconds = max(1, round(self._statement_timeout * 1000))
+        await conn.execute(sql.SQL("SET statement_timeout = {}").format(sql.Literal(milliseconds)))
+
     async def aclose(self) -> None:
-        """Close the pool; later calls raise ``StoreClosedError``. Closing twice is fine."""
-        self._closed = True
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            await pool.close()
+        """Close the pool; later calls raise ``StoreClosedError``. Closing twice is fine.
+
+        Shielded and bounded: a cancelled caller still closes the pool, and an
+        ``open()`` in progress finishes first, so no pool outlives the store.
+        """
+        with anyio.CancelScope(shield=True, deadline=anyio.current_time() + _CONNECT_TIMEOUT_SECONDS * 3):
+            self._closed = True
+            async with self._opening:
+                pool, self._pool = self._pool, None
+                if pool is not None:
+                    await pool.close(timeout=_CLOSE_SECONDS)
 
     async def __aenter__(self) -> Self:
         await self.open()
@@ -340,6 +585,9 @@ class PostgresStore(AsyncResource):
         end. Otherwise psycopg would drop the connection mid-statement and the
         server could still commit the write after the call had returned, to be
         seen (or retried, and then duplicated) by whatever the caller does next.
+        The shield lasts at most ``statement_timeout`` and a grace period: the
+        server gives up on the statement first, so the deadline only ends the
+        wait for a server or network that stopped answering.
         """
         pool = self._require_open(action)
         # The pool hands out an idle connection without yielding, so this is where a
@@ -353,24 +601,60 @@ class PostgresStore(AsyncResource):
             except PoolTimeout as exc:
                 raise StoreError(
                     f"no PostgreSQL connection free for {action} of thread {thread!r} "
-                    f"(pool max_size={self._max_size}); raise max_size or hold fewer compaction locks"
+                    f"(pool max_size={self._max_size}); raise max_size"
                 ) from exc
             try:
-                with anyio.CancelScope(shield=write):
+                deadline = anyio.current_time() + self._statement_timeout + _GRACE_SECONDS
+                with anyio.CancelScope(shield=write, deadline=deadline if write else math.inf) as scope:
                     yield conn
+                if scope.cancelled_caught:
+                    raise StoreError(
+                        f"PostgreSQL did not answer {action} of thread {thread!r} within "
+                        f"statement_timeout={self._statement_timeout:g} s and {_GRACE_SECONDS:g} s more; "
+                        "whether it was applied is unknown: read the thread before retrying"
+                    )
             finally:
                 # Shielded: a cancellation landing while the pool takes the connection
                 # back would leave it neither pooled nor closed, a pool slot lost for good.
                 # The pool rolls back an open transaction and replaces a broken connection.
-                with anyio.CancelScope(shield=True):
+                with anyio.CancelScope(shield=True, deadline=anyio.current_time() + _GRACE_SECONDS):
                     await pool.putconn(conn)
+        except psycopg.errors.NumericValueOutOfRange:
+            # Token counts are the only sums the statements can take past 64 bits.
+            raise ConfigError(
+                "tokens",
+                f"would take thread {thread!r}'s token total past 2**63 - 1; pass real token counts",
+            ) from None
+        except psycopg.errors.QueryCanceled as exc:
+            raise StoreError(
+                f"PostgreSQL cancelled {action} of thread {thread!r} after "
+                f"statement_timeout={self._statement_timeout:g} s ({str(exc).strip()}); nothing of it was "
+                "applied: raise statement_timeout, or find what holds the thread's rows locked"
+            ) from exc
         except psycopg.Error as exc:
             raise StoreError(
                 f"PostgreSQL failed during {action} of thread {thread!r}: {str(exc).strip()}"
             ) from exc
 
     def _q(self, text: str) -> sql.Composed:
-        return sql.SQL(text).format(s=self._s)
+        """``text`` with the schema filled in, composed once per store (the hot path reuses it)."""
+        return self._composed(text, lambda: sql.SQL(text).format(s=self._s))
+
+    def _composed(self, key: str, build: Callable[[], sql.Composed]) -> sql.Composed:
+        query = self._queries.get(key)
+        if query is None:
+            query = self._queries[key] = build()
+        return query
+
+    async def _one(
+        self, action: str, thread: str, query: sql.Composed, params: Any, *, write: bool = False
+    ) -> tuple[Any, ...]:
+        """The one row ``query`` returns, run as one statement on a pooled connection."""
+        async with self._connection(action, thread, write=write) as conn:
+            cur = await conn.execute(query, params)
+            row: tuple[Any, ...] | None = await cur.fetchone()
+        assert row is not None
+        return row
 
     # short-term --------------------------------------------------------------
 
@@ -378,57 +662,75 @@ class PostgresStore(AsyncResource):
         self, thread: str, messages: Sequence[Message], tokens: Sequence[int]
     ) -> list[StoredMessage]:
         """Append messages (with their token counts) after the newest one; return them stored."""
+        return await self.record_and_append(thread, [], messages, tokens)
+
+    async def record_and_append(
+        self,
+        thread: str,
+        episodes: Sequence[Episode],
+        messages: Sequence[Message],
+        tokens: Sequence[int],
+        *,
+        message_episodes: Sequence[int] | None = None,
+    ) -> list[StoredMessage]:
+        """Record ``episodes`` and append ``messages`` in one statement, so one transaction."""
         check_thread(thread)
-        rows = encode_messages(messages, tokens)
-        if not rows:
-            self._require_open("append")
+        bodies = encode_episodes(episodes)
+        params: dict[str, Any] = {"thread": thread, "at": None, **_message_batch(thread, messages, tokens)}
+        links = check_message_episodes(message_episodes, params["m_n"], len(episodes))
+        params.update(_batch(episodes, bodies), m_episodes=links)
+        if not params["m_n"]:
+            if episodes:
+                await self._record_batch(thread, params)
+            else:
+                self._require_open("record_and_append")
             return []
-        counts = [count for _, count in rows]
-        # One statement, one round trip: the upsert row-locks the thread, so concurrent
-        # appenders get disjoint seqs, and both inserts commit together or not at all.
-        query = self._q(
-            "WITH t AS ("
-            " INSERT INTO {s}.threads AS t (thread, message_count, total_tokens, last_seq)"
-            " VALUES (%(thread)s, %(n)s, %(total)s, %(n)s) ON CONFLICT (thread) DO UPDATE SET"
-            "  message_count = t.message_count + EXCLUDED.message_count,"
-            "  total_tokens = t.total_tokens + EXCLUDED.total_tokens,"
-            "  last_seq = t.last_seq + EXCLUDED.last_seq"
-            " RETURNING last_seq),"
-            " added AS ("
-            " INSERT INTO {s}.messages (thread, seq, tokens, body)"
-            " SELECT %(thread)s, t.last_seq - %(n)s + u.n, u.tokens, u.body"
-            " FROM t, unnest(%(tokens)b::integer[], %(bodies)b::text[])"
-            "  WITH ORDINALITY AS u(tokens, body, n))"
-            " SELECT last_seq FROM t"
-        )
-        params = {
-            "thread": thread,
-            "n": len(rows),
-            "total": sum(counts),
-            "tokens": counts,
-            "bodies": [body for body, _ in rows],
-        }
-        async with self._connection("append", thread, write=True) as conn:
+        query = self._append_query(recording=bool(episodes))
+        async with self._connection("record_and_append", thread, write=True) as conn:
             cur = await conn.execute(query, params)
-            last = await cur.fetchone()
-        assert last is not None
-        first = int(last[0]) - len(rows) + 1
+            row = await cur.fetchone()
+        assert row is not None
+        first = int(row[0]) - params["m_n"] + 1
+        # The episodes took the seqs up to the counters' new last_seq.
+        first_episode = None if row[1] is None else int(row[1]) - len(episodes) + 1
         return [
-            StoredMessage(seq=first + n, message=message, tokens=count)
-            for n, (message, count) in enumerate(zip(messages, counts, strict=True))
+            StoredMessage(
+                seq=first + n,
+                message=message,
+                tokens=count,
+                episode_seq=None if link is None or first_episode is None else first_episode + link,
+            )
+            for n, (message, count, link) in enumerate(zip(messages, params["m_tokens"], links, strict=True))
         ]
 
-    async def _insert_messages(
-        self, conn: psycopg.AsyncConnection[Any], thread: str, first: int, rows: list[tuple[str, int]]
-    ) -> None:
-        await conn.execute(
-            self._q(
-                "INSERT INTO {s}.messages (thread, seq, tokens, body) "
-                "SELECT %s, %s + u.n - 1, u.tokens, u.body "
-                "FROM unnest(%b::integer[], %b::text[]) WITH ORDINALITY AS u(tokens, body, n)"
-            ),
-            (thread, first, [count for _, count in rows], [body for body, _ in rows]),
+    def _append_query(self, *, recording: bool) -> sql.Composed:
+        return self._composed(f"append recording={recording}", lambda: self._build_append(recording))
+
+    def _build_append(self, recording: bool) -> sql.Composed:
+        threads = sql.SQL(_THREADS_CTE).format(s=self._s)
+        if not recording:
+            added = sql.SQL(_ADDED_CTE).format(
+                s=self._s, episodes=sql.SQL(""), episode_seq=sql.SQL("NULL::bigint")
+            )
+            return sql.SQL("WITH {}, {} SELECT (SELECT last_seq FROM t), NULL").format(threads, added)
+        # The counters upsert reads ``t``, so the threads row is locked first.
+        record = sql.SQL(_RECORD_CTES).format(s=self._s, source=sql.SQL("FROM t"))
+        added = sql.SQL(_ADDED_CTE).format(
+            s=self._s, episodes=sql.SQL("e,"), episode_seq=sql.SQL("e.last_seq - %(e_n)s + 1 + u.episode")
         )
+        return sql.SQL("WITH {}, {}, {} SELECT (SELECT last_seq FROM t), (SELECT last_seq FROM e)").format(
+            threads, record, added
+        )
+
+    async def _record_batch(self, thread: str, params: dict[str, Any]) -> tuple[int, datetime]:
+        """Record the batch ``params`` holds; the seq and time of its newest episode."""
+        newest = "WITH {} SELECT (SELECT max(seq) FROM recorded), (SELECT max(at) FROM recorded)"
+        query = self._composed(
+            "record",
+            lambda: sql.SQL(newest).format(sql.SQL(_RECORD_CTES).format(s=self._s, source=sql.SQL(""))),
+        )
+        seq, at = await self._one("record", thread, query, params, write=True)
+        return int(seq), _as_utc(at)
 
     async def load(self, thread: str, *, max_tokens: int | None = None) -> ContextWindow:
         """The working context; with ``max_tokens``, only the newest messages that fit.
@@ -448,7 +750,7 @@ class PostgresStore(AsyncResource):
                 rows = await cur.fetchall()
                 window = Window(thread, limit)
                 for row in rows:
-                    if row[4] is None or not window.offer(row[4], row[5], row[6]):
+                    if row[4] is None or not window.offer(row[4], row[5], row[6], row[8]):
                         break
                 asked = rows[0][7] if rows else None
                 # Within one statement the counters and the rows come from one snapshot.
@@ -458,26 +760,55 @@ class PostgresStore(AsyncResource):
         stats = ThreadStats() if not rows else _thread_stats(rows[0][:4])
         return ContextWindow(
             thread=thread,
-            messages=window.messages(),
+            messages=await _decode(len(rows), window.messages),
             version=stats.version,
             total_tokens=stats.total_tokens,
             complete=not window.full,
+            last_seq=stats.last_seq,
         )
 
     @property
     def _load_query(self) -> sql.Composed:
         return self._q(
-            "SELECT t.message_count, t.total_tokens, t.version, t.last_seq, m.seq, m.tokens, m.body, lim.n"
+            "SELECT t.message_count, t.total_tokens, t.version, t.last_seq, m.seq, m.tokens, m.body, lim.n,"
+            " m.episode_seq"
             " FROM {s}.threads t"
             " CROSS JOIN LATERAL (SELECT CASE"
             "  WHEN %(limit)s::bigint IS NULL OR t.total_tokens <= %(limit)s::bigint THEN NULL"
-            "  ELSE %(percent)s::bigint * %(limit)s::bigint * t.message_count"
-            "   / (100 * greatest(t.total_tokens, 1)) + 16"
+            # numeric, so that a limit near 2**63 cannot overflow the product
+            "  ELSE least(div(%(percent)s::numeric * %(limit)s::bigint * t.message_count,"
+            "   100 * greatest(t.total_tokens, 1)) + 16, t.message_count + 1)::bigint"
             "  END AS n) lim"
-            " LEFT JOIN LATERAL (SELECT seq, tokens, body FROM {s}.messages"
+            " LEFT JOIN LATERAL (SELECT seq, tokens, body, episode_seq FROM {s}.messages"
             "  WHERE thread = t.thread ORDER BY seq DESC LIMIT lim.n) m ON true"
             " WHERE t.thread = %(thread)s"
             " ORDER BY m.seq DESC"
+        )
+
+    async def tail(self, thread: str, *, after_seq: int) -> ContextWindow:
+        """Messages with ``seq > after_seq``, oldest first, with the thread's state, in one statement."""
+        check_thread(thread)
+        after = check_after_seq(after_seq)
+        async with self._connection("tail", thread) as conn:
+            cur = await conn.execute(
+                self._q(
+                    "SELECT t.message_count, t.total_tokens, t.version, t.last_seq,"
+                    " m.seq, m.tokens, m.body, m.episode_seq"
+                    " FROM {s}.threads t LEFT JOIN {s}.messages m ON m.thread = t.thread AND m.seq > %s"
+                    " WHERE t.thread = %s ORDER BY m.seq"
+                ),
+                (after, thread),
+            )
+            rows = await cur.fetchall()
+        stats = ThreadStats() if not rows else _thread_stats(rows[0][:4])
+        found = [row[4:] for row in rows if row[4] is not None]
+        return ContextWindow(
+            thread=thread,
+            messages=await _decode(len(found), lambda: tuple(stored_message(thread, *row) for row in found)),
+            version=stats.version,
+            total_tokens=stats.total_tokens,
+            complete=after == 0,
+            last_seq=stats.last_seq,
         )
 
     async def stats(self, thread: str) -> ThreadStats:
@@ -499,6 +830,25 @@ class PostgresStore(AsyncResource):
         row = await cur.fetchone()
         return ThreadStats() if row is None else _thread_stats(row)
 
+    async def state(self, thread: str, *, now: datetime | None = None) -> ThreadState:
+        """The working context's stats and the episodic pressure, in one statement by primary key."""
+        check_thread(thread)
+        when = utc(now, "now")
+        row = await self._one(
+            "state",
+            thread,
+            self._q(
+                "SELECT t.message_count, t.total_tokens, t.version, t.last_seq, "
+                f"{_COUNTER_COLUMNS} FROM (SELECT %(thread)s::text AS thread) k"
+                " LEFT JOIN {s}.threads t ON t.thread = k.thread"
+                " LEFT JOIN {s}.episode_threads e ON e.thread = k.thread"
+            ),
+            {"thread": thread},
+        )
+        stats = ThreadStats() if row[0] is None else _thread_stats(row[:4])
+        counters = PressureCounters() if row[4] is None else _counters(row[4:])
+        return ThreadState(stats=stats, pressure=counters.pressure(when, stats.total_tokens))
+
     async def replace_prefix(
         self,
         thread: str,
@@ -516,10 +866,7 @@ class PostgresStore(AsyncResource):
             # Locking the thread row waits out in-flight appends and other replacements.
             stats = await self._stats(conn, thread, for_update=True)
             if stats.version != expected_version:
-                raise ConflictError(
-                    f"thread {thread!r} is at version {stats.version}, not {expected_version}: another "
-                    "compaction replaced its prefix since it was loaded; load it again and retry"
-                )
+                raise version_conflict(thread, stats.version, expected_version)
             cur = await conn.execute(
                 self._q(
                     "WITH gone AS (DELETE FROM {s}.messages WHERE thread = %s AND seq <= %s "
@@ -533,11 +880,15 @@ class PostgresStore(AsyncResource):
             removed, removed_tokens, found = int(row[0]), int(row[1]), bool(row[2])
             if not found:
                 # Raising rolls the transaction back, so the delete above never happened.
-                raise ConflictError(
-                    f"thread {thread!r} holds no message with seq {through_seq}; load it again and "
-                    "cut at a seq the window returned"
-                )
-            await self._insert_messages(conn, thread, through_seq - len(rows) + 1, rows)
+                raise missing_seq_conflict(thread, through_seq)
+            await conn.execute(
+                self._q(
+                    "INSERT INTO {s}.messages (thread, seq, tokens, body) "
+                    "SELECT %s, %s + u.n - 1, u.tokens, u.body "
+                    "FROM unnest(%s::bigint[], %s::text[]) WITH ORDINALITY AS u(tokens, body, n)"
+                ),
+                (thread, through_seq - len(rows) + 1, [n for _, n in rows], [body for body, _ in rows]),
+            )
             cur = await conn.execute(
                 self._q(
                     "UPDATE {s}.threads SET message_count = message_count + %s, "
@@ -550,28 +901,93 @@ class PostgresStore(AsyncResource):
             assert updated is not None
         return _thread_stats(updated)
 
+    async def fold(
+        self,
+        thread: str,
+        *,
+        checkpoint: SummaryCheckpoint,
+        through_seq: int,
+        expected_version: int,
+        replacement: Sequence[Message],
+        tokens: Sequence[int],
+    ) -> EpisodeRecord:
+        """Record ``checkpoint`` and swap the prefix in one statement; on a conflict, write nothing.
+
+        Every write of the statement is gated on one locked, checked row (the
+        thread at ``expected_version``, holding ``through_seq``), so it either
+        does all of them or none.
+        """
+        check_thread(thread)
+        check_replace(through_seq, expected_version)
+        body = check_checkpoint(checkpoint)
+        params: dict[str, Any] = {
+            "thread": thread,
+            "at": None,
+            "through_seq": through_seq,
+            "expected_version": expected_version,
+            **_message_batch(thread, replacement, tokens, field="replacement"),
+            **_batch([checkpoint], [body]),
+        }
+        query = self._composed(
+            "fold",
+            lambda: sql.SQL(_FOLD).format(
+                s=self._s, record=sql.SQL(_RECORD_CTES).format(s=self._s, source=sql.SQL("FROM guard"))
+            ),
+        )
+        version, seq, at, current, found = await self._one("fold", thread, query, params, write=True)
+        if version is None:
+            if (current or 0) != expected_version:
+                raise version_conflict(thread, current or 0, expected_version)
+            if not found:
+                raise missing_seq_conflict(thread, through_seq)
+            raise ConflictError(f"thread {thread!r} changed during the fold; load it again and retry")
+        return EpisodeRecord(thread=thread, seq=int(seq), at=_as_utc(at), episode=checkpoint)
+
     @asynccontextmanager
     async def compaction_lock(self, thread: str) -> AsyncIterator[bool]:
-        """Try to become the thread's one compactor, across processes; yields whether it did."""
+        """Try to become the thread's one compactor, across processes; yields whether it did.
+
+        A lease row that expires ``lease_seconds`` after it was taken, on the
+        server's clock; an expired lease is taken over. Each of taking and
+        releasing is one statement: nothing is held while the body runs.
+        """
         check_thread(thread)
-        key = _key("contextfold.compaction", self._schema, thread)
-        async with self._connection("compaction_lock", thread) as conn:
-            # Shielded so that whether the session took the lock is always known, and the
-            # unlock below runs for it (the query never waits: it is a try).
-            with anyio.CancelScope(shield=True):
-                cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (key,))
-                row = await cur.fetchone()
-            acquired = bool(row and row[0])
-            try:
-                yield acquired
-            finally:
-                if acquired:
-                    # Shielded, so a cancelled holder still unlocks before the connection, which
-                    # would otherwise carry the session lock, goes back to the pool. Should the
-                    # server not answer in time, the cancelled query makes psycopg close the
-                    # connection, and the server drops the lock with the session.
-                    with anyio.CancelScope(shield=True, deadline=anyio.current_time() + _UNLOCK_SECONDS):
-                        await conn.execute("SELECT pg_advisory_unlock(%s)", (key,))
+        owner = uuid.uuid4()
+        row = await self._one(
+            "compaction_lock",
+            thread,
+            self._q(
+                "WITH taken AS (INSERT INTO {s}.compaction_leases AS l (thread, owner, expires_at)"
+                " VALUES (%(thread)s, %(owner)s, clock_timestamp() + %(seconds)s * interval '1 second')"
+                " ON CONFLICT (thread) DO UPDATE SET owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at"
+                " WHERE l.expires_at <= clock_timestamp() RETURNING owner)"
+                " SELECT EXISTS (SELECT 1 FROM taken)"
+            ),
+            {"thread": thread, "owner": owner, "seconds": self._lease_seconds},
+            write=True,
+        )
+        if not row[0]:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            # Shielded, so a cancelled holder still hands the lease back; bounded, since
+            # a lease the server never hears about expires by itself.
+            limit = self._statement_timeout + 2 * _GRACE_SECONDS
+            with anyio.CancelScope(shield=True, deadline=anyio.current_time() + limit):
+                if self._pool is not None:
+                    await self._one(
+                        "compaction_lock release",
+                        thread,
+                        self._q(
+                            "WITH gone AS (DELETE FROM {s}.compaction_leases"
+                            " WHERE thread = %s AND owner = %s RETURNING 1)"
+                            " SELECT count(*) FROM gone"
+                        ),
+                        (thread, owner),
+                        write=True,
+                    )
 
     # episodic ----------------------------------------------------------------
 
@@ -581,53 +997,9 @@ class PostgresStore(AsyncResource):
         """Append one episode (``at`` defaults to the server's clock) and update the pressure counters."""
         check_thread(thread)
         when = None if at is None else utc(at, "at")
-        body = encode_episode(episode)
-        # A first episode's counters come from the shared arithmetic; a later one's must be
-        # computed by the server, against the locked row, to stay one round trip.
-        first = PressureCounters().after(episode, when or datetime.now(UTC))
-        params = {
-            "thread": thread,
-            "at": when,
-            "kind": episode.kind,
-            "body": body,
-            "user": int(isinstance(episode, UserMessageEpisode)),
-            "clean_run": isinstance(episode, RunCompletedEpisode) and episode.clean,
-            "boundary": isinstance(episode, SummaryCheckpoint | ManualRecoveryBoundary),
-            "f_total": first.total_user_messages,
-            "f_since": first.user_messages_since_boundary,
-            "f_runs": first.run_completed_since_boundary,
-            "f_after": first.user_messages_after_latest_run_completed,
-            "f_boundary": first.boundary_seq,
-        }
-        query = self._q(
-            "WITH t AS ("
-            " INSERT INTO {s}.episode_threads AS e (thread, last_seq, first_at, total_user_messages,"
-            "  user_messages_since_boundary, run_completed_since_boundary,"
-            "  user_messages_after_latest_run_completed, boundary_seq)"
-            " VALUES (%(thread)s, 1, coalesce(%(at)s, now()), %(f_total)s, %(f_since)s, %(f_runs)s,"
-            "  %(f_after)s, %(f_boundary)s)"
-            " ON CONFLICT (thread) DO UPDATE SET"
-            "  last_seq = e.last_seq + 1,"
-            "  total_user_messages = e.total_user_messages + %(user)s,"
-            "  user_messages_since_boundary = CASE WHEN %(boundary)s THEN 0"
-            "   ELSE e.user_messages_since_boundary + %(user)s END,"
-            "  run_completed_since_boundary = CASE WHEN %(boundary)s THEN 0"
-            "   WHEN %(clean_run)s THEN e.run_completed_since_boundary + 1"
-            "   ELSE e.run_completed_since_boundary END,"
-            "  user_messages_after_latest_run_completed = CASE WHEN %(boundary)s OR %(clean_run)s THEN 0"
-            "   ELSE e.user_messages_after_latest_run_completed + %(user)s END,"
-            "  boundary_seq = CASE WHEN %(boundary)s THEN e.last_seq + 1 ELSE e.boundary_seq END"
-            " RETURNING last_seq)"
-            " INSERT INTO {s}.episodes (thread, seq, at, kind, body)"
-            " SELECT %(thread)s, t.last_seq, coalesce(%(at)s, now()), %(kind)s, %(body)s FROM t"
-            " RETURNING seq, at"
-        )
-        async with self._connection("record", thread, write=True) as conn:
-            # One statement, so the counters and the episode commit together or not at all.
-            cur = await conn.execute(query, params)
-            row = await cur.fetchone()
-        assert row is not None
-        return EpisodeRecord(thread=thread, seq=row[0], at=_as_utc(row[1]), episode=episode)
+        params = {"thread": thread, "at": when, **_batch([episode])}
+        seq, recorded_at = await self._record_batch(thread, params)
+        return EpisodeRecord(thread=thread, seq=seq, at=recorded_at, episode=episode)
 
     async def replay(self, thread: str, *, from_seq: int = 0) -> AsyncIterator[EpisodeRecord]:
         """Episodes of ``thread`` with ``seq >= from_seq``, oldest first, read in batches.
@@ -667,11 +1039,7 @@ class PostgresStore(AsyncResource):
         when = utc(now, "now")
         async with self._connection("pressure", thread) as conn:
             cur = await conn.execute(
-                self._q(
-                    "SELECT last_seq, total_user_messages, user_messages_since_boundary,"
-                    " run_completed_since_boundary, user_messages_after_latest_run_completed,"
-                    " boundary_seq, first_at FROM {s}.episode_threads WHERE thread = %s"
-                ),
+                self._q(f"SELECT {_COUNTER_COLUMNS} FROM {{s}}.episode_threads e WHERE thread = %s"),
                 (thread,),
             )
             row = await cur.fetchone()
@@ -693,13 +1061,106 @@ class PostgresStore(AsyncResource):
             row = await cur.fetchone()
         return None if row is None else self._episode(thread, row)
 
+    # both --------------------------------------------------------------------
+
+    async def forget(self, thread: str) -> Tombstone:
+        """Remove every row of ``thread`` and leave a tombstone, in one transaction.
+
+        The tombstone is written first: the log's trigger lets a DELETE of the
+        thread's episodes through only in the transaction that wrote it. The
+        thread's counters row stays, emptied and one version on, so a fold read
+        before the erasure conflicts and seqs keep counting up.
+        """
+        check_thread(thread)
+        key = {"thread": thread}
+        async with self._connection("forget", thread, write=True) as conn, conn.transaction():
+            # The same lock order as every other writer: threads row, then counters row.
+            await conn.execute(self._q("SELECT 1 FROM {s}.threads WHERE thread = %(thread)s FOR UPDATE"), key)
+            await conn.execute(
+                self._q("SELECT 1 FROM {s}.episode_threads WHERE thread = %(thread)s FOR UPDATE"), key
+            )
+            cur = await conn.execute(
+                self._q(
+                    "INSERT INTO {s}.tombstones (thread, messages, episodes) SELECT %(thread)s,"
+                    " (SELECT count(*) FROM {s}.messages WHERE thread = %(thread)s),"
+                    " (SELECT count(*) FROM {s}.episodes WHERE thread = %(thread)s)"
+                    " RETURNING forgotten_at, messages, episodes"
+                ),
+                key,
+            )
+            row = await cur.fetchone()
+            assert row is not None
+            for statement in (
+                "DELETE FROM {s}.messages WHERE thread = %(thread)s",
+                "DELETE FROM {s}.episodes WHERE thread = %(thread)s",
+                "DELETE FROM {s}.episode_threads WHERE thread = %(thread)s",
+                "UPDATE {s}.threads SET message_count = 0, total_tokens = 0, version = version + 1"
+                " WHERE thread = %(thread)s",
+            ):
+                await conn.execute(self._q(statement), key)
+        return Tombstone(thread=thread, forgotten_at=_as_utc(row[0]), messages=row[1], episodes=row[2])
+
+    async def tombstones(self, thread: str) -> list[Tombstone]:
+        """The tombstones ``forget`` left for ``thread``, oldest first."""
+        check_thread(thread)
+        async with self._connection("tombstones", thread) as conn:
+            cur = await conn.execute(
+                self._q(
+                    "SELECT forgotten_at, messages, episodes FROM {s}.tombstones"
+                    " WHERE thread = %s ORDER BY id"
+                ),
+                (thread,),
+            )
+            rows = await cur.fetchall()
+        return [
+            Tombstone(thread=thread, forgotten_at=_as_utc(at), messages=messages, episodes=episodes)
+            for at, messages, episodes in rows
+        ]
+
+    async def threads(self) -> list[ThreadInfo]:
+        """Every thread with a working context or a log, by last activity, newest first."""
+        async with self._connection("threads", "*") as conn:
+            cur = await conn.execute(
+                self._q(
+                    "SELECT coalesce(t.thread, e.thread), coalesce(t.message_count, 0),"
+                    " coalesce(t.total_tokens, 0), coalesce(e.last_seq, 0), last.at"
+                    " FROM {s}.threads t FULL JOIN {s}.episode_threads e ON e.thread = t.thread"
+                    " LEFT JOIN LATERAL (SELECT at FROM {s}.episodes"
+                    "  WHERE thread = e.thread AND seq = e.last_seq) last ON true"
+                    " WHERE t.message_count > 0 OR e.thread IS NOT NULL"
+                    " ORDER BY last.at DESC NULLS LAST, 1"
+                )
+            )
+            rows = await cur.fetchall()
+        return [
+            ThreadInfo(
+                thread=name,
+                message_count=count,
+                total_tokens=total,
+                episodes=episodes,
+                last_activity=None if at is None else _as_utc(at),
+            )
+            for name, count, total, episodes, at in rows
+        ]
+
+
+_DECODE_IN_THREAD = 16
+"""Rows beyond which decoding moves to a worker thread, off the event loop."""
+
+
+async def _decode(rows: int, decode: Callable[[], tuple[StoredMessage, ...]]) -> tuple[StoredMessage, ...]:
+    """``decode()``, in a worker thread when it has more than a few rows to parse."""
+    if rows <= _DECODE_IN_THREAD:
+        return decode()
+    return await anyio.to_thread.run_sync(decode)
+
 
 def _thread_stats(row: Sequence[Any]) -> ThreadStats:
     count, total, version, last_seq = row
     return ThreadStats(message_count=count, total_tokens=total, version=version, last_seq=last_seq)
 
 
-def _counters(row: tuple[Any, ...]) -> PressureCounters:
+def _counters(row: Sequence[Any]) -> PressureCounters:
     last_seq, total, since, runs, after, boundary_seq, first_at = row
     return PressureCounters(
         last_seq=last_seq,

@@ -11,6 +11,7 @@ transaction as the episode it counts.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -27,22 +28,35 @@ from .._episodes import (
     UserMessageEpisode,
 )
 from .._errors import ConfigError, ConflictError, InvalidMessageError, StoreError
-from .._messages import Message
+from .._messages import Message, _check_finite
 from .._policy import EpisodicCompactionPressure
-from ._base import StoredMessage
+from ._base import StoredMessage, ThreadInfo
 
 __all__ = [
+    "INT64_MAX",
     "PressureCounters",
     "Window",
+    "by_activity",
+    "check_after_seq",
+    "check_checkpoint",
+    "check_choice",
     "check_from_seq",
     "check_max_tokens",
+    "check_message_episodes",
+    "check_path",
     "check_replace",
+    "check_seconds",
+    "check_text",
     "check_thread",
+    "check_total",
     "decode_episode",
     "decode_message",
     "encode_episode",
+    "encode_episodes",
     "encode_messages",
+    "encode_rows",
     "missing_seq_conflict",
+    "stored_message",
     "utc",
     "version_conflict",
     "whole_days",
@@ -52,9 +66,19 @@ _EPISODE_ADAPTER: TypeAdapter[Episode] = TypeAdapter(Episode)
 _EPISODE_TYPES: tuple[type, ...] = get_args(get_args(Episode)[0])
 
 
+INT64_MAX = 2**63 - 1
+"""The largest whole number every backend stores (a signed 64-bit integer)."""
+
+
 def _whole_number(key: str, value: Any, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(key, f"must be a whole number >= {minimum}", value=value)
+    if value > INT64_MAX:
+        raise ConfigError(
+            key,
+            f"must be at most 2**63 - 1 ({INT64_MAX}), the largest number every backend stores",
+            value=value,
+        )
     return value
 
 
@@ -65,6 +89,16 @@ def check_thread(thread: Any) -> str:
     if "\x00" in thread:
         # PostgreSQL text cannot hold NUL; refusing it everywhere keeps thread ids portable.
         raise ConfigError("thread", "cannot contain NUL characters; remove them", value=thread)
+    if not thread.isascii():
+        try:
+            thread.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConfigError(
+                "thread",
+                f"must be encodable as UTF-8, but has a lone surrogate {thread[exc.start]!r} at index "
+                f"{exc.start}; decode the id with errors='replace' or use another id",
+                value=thread,
+            ) from None
     return thread
 
 
@@ -78,6 +112,13 @@ def encode_messages(
     messages: Sequence[Message], tokens: Sequence[int], *, field: str = "messages"
 ) -> list[tuple[str, int]]:
     """Each message's JSON with its token count, checked to read back before anything is written."""
+    return [(body, count) for body, count, _ in encode_rows(messages, tokens, field=field)]
+
+
+def encode_rows(
+    messages: Sequence[Message], tokens: Sequence[int], *, field: str = "messages"
+) -> list[tuple[str, int, Message]]:
+    """``encode_messages`` with the copy each JSON reads back as, for a backend that keeps objects."""
     if isinstance(messages, Message | str) or not isinstance(messages, Sequence):
         raise ConfigError(field, "must be a sequence of Message objects", value=messages)
     if not isinstance(tokens, Sequence) or isinstance(tokens, str):
@@ -87,7 +128,7 @@ def encode_messages(
             "tokens",
             f"needs one count per message: got {len(tokens)} counts for {len(messages)} {field}",
         )
-    rows: list[tuple[str, int]] = []
+    rows: list[tuple[str, int, Message]] = []
     for index, (message, count) in enumerate(zip(messages, tokens, strict=True)):
         where = f"{field}[{index}]"
         if not isinstance(message, Message):
@@ -95,17 +136,79 @@ def encode_messages(
                 where, f"must be a Message, got {type(message).__name__}; build one with Message.user(...)"
             )
         _whole_number(f"tokens[{index}]", count, minimum=0)
+        # Metadata edited in place after the message was built would be written as null.
+        _check_finite(message.metadata, f"{where}.metadata")
+        if isinstance(message.content, list):
+            _check_finite(message.content, f"{where}.content")
         try:
             body = message.model_dump_json(warnings="error")
-            Message.model_validate_json(body)
+            copy = Message.model_validate_json(body)
         except (ValidationError, PydanticSerializationError) as exc:
             raise InvalidMessageError(where, _first_error(exc)) from None
-        rows.append((body, count))
+        rows.append((body, count, copy))
     return rows
 
 
 def check_from_seq(from_seq: Any) -> int:
     return _whole_number("from_seq", from_seq, minimum=0)
+
+
+def check_after_seq(after_seq: Any) -> int:
+    return _whole_number("after_seq", after_seq, minimum=0)
+
+
+def check_total(thread: str, total: int) -> int:
+    """``total`` (a thread's token total after a write), once known to fit every backend."""
+    if total > INT64_MAX:
+        raise ConfigError(
+            "tokens",
+            f"would bring thread {thread!r} to {total} tokens, over 2**63 - 1; pass real token counts",
+            value=total,
+        )
+    return total
+
+
+def check_seconds(key: str, value: Any, *, example: float, maximum: float) -> float:
+    """A store option in seconds: a finite number above 0 and at most ``maximum``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(key, f"must be a number of seconds, e.g. {example}", value=value)
+    if not math.isfinite(value) or not 0 < value <= maximum:
+        raise ConfigError(
+            key,
+            f"must be a finite number of seconds above 0 and at most {maximum:g}, e.g. {example}",
+            value=value,
+        )
+    return float(value)
+
+
+def check_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        shown = " or ".join(repr(choice) for choice in choices)
+        raise ConfigError(key, f"must be {shown}", value=value)
+    return value
+
+
+def check_path(key: str, value: Any) -> str:
+    """A file path option as text, refused before anything touches the file system."""
+    if isinstance(value, bool) or not isinstance(value, str | os.PathLike):
+        raise ConfigError(key, "must be a file path (str or pathlib.Path), e.g. 'agent.db'", value=value)
+    path = os.fspath(value)
+    if not isinstance(path, str):
+        raise ConfigError(key, "must be a text path, not bytes; decode it with os.fsdecode()", value=value)
+    return check_text(key, path, example="agent.db")
+
+
+def check_text(key: str, value: Any, *, example: str) -> str:
+    """A string option (a URL, a schema, a path) with no NUL character, which no database or OS accepts."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(key, f"must be a non-empty string, e.g. {example!r}", value=value)
+    if "\x00" in value:
+        raise ConfigError(key, "cannot contain NUL characters; remove them", value=value)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(key, "must be encodable as UTF-8 (it has a lone surrogate)", value=value) from None
+    return value
 
 
 def check_replace(through_seq: Any, expected_version: Any) -> None:
@@ -138,6 +241,58 @@ def encode_episode(episode: Episode) -> str:
     except (ValidationError, PydanticSerializationError) as exc:
         raise InvalidMessageError("episode", _first_error(exc)) from None
     return body
+
+
+def encode_episodes(episodes: Sequence[Episode]) -> list[str]:
+    """Each episode's JSON, all checked before anything is written."""
+    if not isinstance(episodes, Sequence) or isinstance(episodes, str):
+        raise ConfigError("episodes", "must be a sequence of episodes", value=episodes)
+    bodies: list[str] = []
+    for index, episode in enumerate(episodes):
+        try:
+            bodies.append(encode_episode(episode))
+        except InvalidMessageError as exc:
+            raise InvalidMessageError(f"episodes[{index}]", exc.reason) from None
+    return bodies
+
+
+def check_message_episodes(
+    message_episodes: Sequence[int] | None, messages: int, episodes: int
+) -> list[int | None]:
+    """For each message, the index of the episode that records it (``None`` when not given)."""
+    if message_episodes is None:
+        return [None] * messages
+    if not isinstance(message_episodes, Sequence) or isinstance(message_episodes, str):
+        raise ConfigError(
+            "message_episodes",
+            "must be a sequence of episode indexes, one per message",
+            value=message_episodes,
+        )
+    if len(message_episodes) != messages:
+        raise ConfigError(
+            "message_episodes",
+            f"needs one episode index per message: got {len(message_episodes)} for {messages} messages",
+        )
+    for index, value in enumerate(message_episodes):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < episodes:
+            raise ConfigError(
+                f"message_episodes[{index}]",
+                f"must index the episodes passed with it (0 to {episodes - 1})",
+                value=value,
+            )
+    return list(message_episodes)
+
+
+def check_checkpoint(checkpoint: Any) -> str:
+    """The fold's checkpoint as JSON, once known to be a ``SummaryCheckpoint``."""
+    if not isinstance(checkpoint, SummaryCheckpoint):
+        raise InvalidMessageError(
+            "checkpoint", f"must be a SummaryCheckpoint, got {type(checkpoint).__name__}"
+        )
+    try:
+        return encode_episode(checkpoint)
+    except InvalidMessageError as exc:
+        raise InvalidMessageError("checkpoint", exc.reason) from None
 
 
 def decode_message(thread: str, seq: int, body: str | bytes) -> Message:
@@ -250,10 +405,10 @@ class Window:
     def __init__(self, thread: str, max_tokens: int | None) -> None:
         self.thread = thread
         self._left = max_tokens
-        self._rows: list[tuple[int, int, str | bytes]] = []
+        self._rows: list[tuple[int, int, str | bytes, int | None]] = []
         self.full = False
 
-    def offer(self, seq: int, tokens: int, body: str | bytes) -> bool:
+    def offer(self, seq: int, tokens: int, body: str | bytes, episode_seq: int | None = None) -> bool:
         """Take one older row if it fits; ``False`` once the budget is spent (take no more)."""
         if self.full:
             return False
@@ -268,12 +423,39 @@ class Window:
                 self.full = True
                 return False
             self._left -= tokens
-        self._rows.append((seq, tokens, body))
+        self._rows.append((seq, tokens, body, episode_seq))
         return True
 
     def messages(self) -> tuple[StoredMessage, ...]:
         """The taken rows, oldest first, parsed."""
         return tuple(
-            StoredMessage(seq=seq, tokens=tokens, message=decode_message(self.thread, seq, body))
-            for seq, tokens, body in reversed(self._rows)
+            stored_message(self.thread, seq, tokens, body, episode_seq)
+            for seq, tokens, body, episode_seq in reversed(self._rows)
         )
+
+
+def stored_message(
+    thread: str, seq: int, tokens: int, body: str | bytes, episode_seq: int | None = None
+) -> StoredMessage:
+    """A message row read back, its JSON parsed and its numbers checked."""
+    whole = type(seq) is int and type(tokens) is int and (episode_seq is None or type(episode_seq) is int)
+    if not whole:
+        raise StoreError(
+            f"thread {thread!r}: short-term message seq {seq!r} is corrupt (tokens {tokens!r}, episode seq "
+            f"{episode_seq!r} are not whole numbers); restore the row from a backup or compact past it"
+        )
+    return StoredMessage(
+        seq=seq, tokens=tokens, message=decode_message(thread, seq, body), episode_seq=episode_seq
+    )
+
+
+def by_activity(infos: list[ThreadInfo]) -> list[ThreadInfo]:
+    """Threads by last activity, newest first; threads without a log last; ties by thread id."""
+    return sorted(
+        infos,
+        key=lambda info: (
+            info.last_activity is None,
+            -info.last_activity.timestamp() if info.last_activity else 0.0,
+            info.thread,
+        ),
+    )

@@ -1,63 +1,70 @@
 """``SQLiteStore``: both stores in one SQLite file, the embedded default.
 
-Every write and every read of messages or episodes is one short transaction
-run in a worker thread, so the event loop never waits on the disk or on
-another process's write lock. The file is in WAL mode, so readers do not
-block the writer, and several processes may open it at once: ``BEGIN
-IMMEDIATE`` serializes their writes and ``busy_timeout`` makes them queue
-instead of failing.
-
-``stats()`` and ``pressure()``, which a step loop calls before every model
-request, read one row by primary key on the event loop itself, through a
-second, read-only connection that never waits (see ``SQLiteStore._read``); anything
-that would make them wait sends them to the worker thread instead.
+Every call is one short transaction run in a worker thread, so the event loop
+never waits on the disk or on another process's write lock. The file is in WAL
+mode, so readers do not block the writer, and several processes may open it at
+once: ``BEGIN IMMEDIATE`` serializes their writes and ``busy_timeout`` makes
+them queue instead of failing. Writes go through one connection; the reads a
+step makes before each request (``state``, ``stats``, ``pressure``, ``tail``)
+go through a second, read-only one, so they never queue behind the store's own
+write waiting for another process.
 
 The schema version lives in ``PRAGMA user_version`` and is migrated on open.
 The episode table is append-only in the database itself: triggers reject
-UPDATE, DELETE and a replacing INSERT, whoever issues them.
+UPDATE, DELETE and a replacing INSERT, whoever issues them. The one DELETE
+they let through is ``forget``'s: it opens a row in ``forgetting`` for the
+thread, deletes, and removes the row again, all in one transaction.
 """
 
 from __future__ import annotations
 
 import os
 import sqlite3
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from datetime import datetime
+from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal, Self, TypeVar
 
 import anyio
 from anyio import to_thread
-from anyio.lowlevel import checkpoint
 
-from .._episodes import Episode, EpisodeRecord
-from .._errors import ConfigError, StoreClosedError, StoreError
+from .._episodes import Episode, EpisodeRecord, SummaryCheckpoint
+from .._errors import StoreClosedError, StoreError
 from .._messages import Message
 from .._policy import EpisodicCompactionPressure
 from .._resource import AsyncResource
-from ._base import ContextWindow, StoredMessage, ThreadStats
+from ._base import ContextWindow, StoredMessage, ThreadInfo, ThreadState, ThreadStats, Tombstone
 from ._rows import (
     PressureCounters,
     Window,
+    by_activity,
+    check_after_seq,
+    check_checkpoint,
+    check_choice,
     check_from_seq,
     check_max_tokens,
+    check_message_episodes,
+    check_path,
     check_replace,
+    check_seconds,
     check_thread,
+    check_total,
     decode_episode,
     encode_episode,
+    encode_episodes,
     encode_messages,
     missing_seq_conflict,
+    stored_message,
     utc,
     version_conflict,
 )
 
 __all__ = ["SCHEMA_VERSION", "SQLiteStore"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """The schema this code writes; ``PRAGMA user_version`` of every file it opened."""
 
 _T = TypeVar("_T")
@@ -112,7 +119,34 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
             expires_at REAL NOT NULL
         ) WITHOUT ROWID""",
     ),
+    2: (
+        "ALTER TABLE messages ADD COLUMN episode_seq INTEGER",
+        """CREATE TABLE tombstones (
+            thread TEXT NOT NULL,
+            forgotten_at TEXT NOT NULL,
+            messages INTEGER NOT NULL,
+            episodes INTEGER NOT NULL
+        )""",
+        "CREATE INDEX tombstones_by_thread ON tombstones (thread)",
+        # Holds a thread only inside forget()'s transaction: the one DELETE the log allows.
+        "CREATE TABLE forgetting (thread TEXT PRIMARY KEY) WITHOUT ROWID",
+        "DROP TRIGGER episodes_no_delete",
+        """CREATE TRIGGER episodes_no_delete BEFORE DELETE ON episodes
+        WHEN NOT EXISTS (SELECT 1 FROM forgetting WHERE thread = OLD.thread)
+        BEGIN SELECT RAISE(ABORT, 'contextfold episodes are append-only: DELETE is not allowed'); END""",
+    ),
 }
+
+_MAX_BUSY_TIMEOUT = 2_000_000.0
+"""Seconds; SQLite takes the timeout as a C int of milliseconds."""
+
+_MAX_LEASE = 366 * 86_400.0
+
+_CLOSE_GRACE = 5.0
+"""Seconds ``aclose`` waits beyond ``busy_timeout`` for a call in progress to end."""
+
+_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
+"""The database's clock in Unix seconds (millisecond precision): every handle measures leases by it."""
 
 _COUNTERS = (
     "last_seq, total_user_messages, user_messages_since_boundary, run_completed_since_boundary, "
@@ -151,10 +185,18 @@ def _whole_numbers(thread: str, what: str, values: Sequence[object]) -> None:
 
 
 def _read_stats(conn: sqlite3.Connection, thread: str) -> ThreadStats:
-    row = _one(
-        conn, "SELECT message_count, total_tokens, version, last_seq FROM threads WHERE thread = ?", (thread,)
+    return _stats(
+        thread,
+        _one(
+            conn,
+            "SELECT message_count, total_tokens, version, last_seq FROM threads WHERE thread = ?",
+            (thread,),
+        ),
     )
-    if row is None:
+
+
+def _stats(thread: str, row: tuple[Any, ...] | None) -> ThreadStats:
+    if row is None or row[0] is None:
         return ThreadStats()
     _whole_numbers(thread, "the threads row", row)
     return ThreadStats(message_count=row[0], total_tokens=row[1], version=row[2], last_seq=row[3])
@@ -171,11 +213,19 @@ def _write_stats(conn: sqlite3.Connection, thread: str, stats: ThreadStats) -> N
 
 
 def _insert_messages(
-    conn: sqlite3.Connection, thread: str, first_seq: int, rows: list[tuple[str, int]]
+    conn: sqlite3.Connection,
+    thread: str,
+    first_seq: int,
+    rows: list[tuple[str, int]],
+    episode_seqs: Sequence[int | None] = (),
 ) -> None:
+    links = list(episode_seqs) or [None] * len(rows)
     conn.executemany(
-        "INSERT INTO messages (thread, seq, tokens, body) VALUES (?, ?, ?, ?)",
-        [(thread, first_seq + n, count, body) for n, (body, count) in enumerate(rows)],
+        "INSERT INTO messages (thread, seq, tokens, body, episode_seq) VALUES (?, ?, ?, ?, ?)",
+        [
+            (thread, first_seq + n, count, body, link)
+            for n, ((body, count), link) in enumerate(zip(rows, links, strict=True))
+        ],
     )
 
 
@@ -188,7 +238,11 @@ def _parse_time(thread: str, what: str, text: str) -> datetime:
 
 def _read_counters(conn: sqlite3.Connection, thread: str) -> PressureCounters:
     row = _one(conn, f"SELECT {_COUNTERS} FROM episode_threads WHERE thread = ?", (thread,))
-    if row is None:
+    return _counters(thread, row)
+
+
+def _counters(thread: str, row: tuple[Any, ...] | None) -> PressureCounters:
+    if row is None or row[0] is None:
         return PressureCounters()
     first_at = None if row[6] is None else _parse_time(thread, "the first episode", row[6])
     last_seq, total, since, runs, after, boundary_seq = row[:6]
@@ -220,6 +274,100 @@ def _write_counters(conn: sqlite3.Connection, thread: str, counters: PressureCou
     )
 
 
+def _record_rows(
+    conn: sqlite3.Connection, thread: str, episodes: Sequence[Episode], bodies: list[str], when: datetime
+) -> list[int]:
+    """Insert episodes after the thread's newest and update its counters; return their seqs."""
+    counters = _read_counters(conn, thread)
+    seqs: list[int] = []
+    rows: list[tuple[object, ...]] = []
+    for episode, body in zip(episodes, bodies, strict=True):
+        counters = counters.after(episode, when)
+        seqs.append(counters.last_seq)
+        rows.append((thread, counters.last_seq, when.isoformat(), episode.kind, body))
+    conn.executemany("INSERT INTO episodes (thread, seq, at, kind, body) VALUES (?, ?, ?, ?, ?)", rows)
+    if rows:
+        _write_counters(conn, thread, counters)
+    return seqs
+
+
+def _append_rows(
+    conn: sqlite3.Connection, thread: str, rows: list[tuple[str, int]], links: Sequence[int | None] = ()
+) -> int:
+    """Append message rows after the thread's newest and update its stats; return the first seq."""
+    stats = _read_stats(conn, thread)
+    total = check_total(thread, stats.total_tokens + sum(count for _, count in rows))
+    _insert_messages(conn, thread, stats.last_seq + 1, rows, links)
+    _write_stats(
+        conn,
+        thread,
+        stats.model_copy(
+            update={
+                "message_count": stats.message_count + len(rows),
+                "total_tokens": total,
+                "last_seq": stats.last_seq + len(rows),
+            }
+        ),
+    )
+    return stats.last_seq + 1
+
+
+def _swap(
+    conn: sqlite3.Connection,
+    thread: str,
+    through_seq: int,
+    expected_version: int,
+    rows: list[tuple[str, int]],
+    summary_episode_seq: Callable[[], int | None],
+) -> ThreadStats:
+    """The guarded prefix swap; ``summary_episode_seq`` runs once the guard held (a fold records there)."""
+    stats = _read_stats(conn, thread)
+    if stats.version != expected_version:
+        raise version_conflict(thread, stats.version, expected_version)
+    if _one(conn, "SELECT 1 FROM messages WHERE thread = ? AND seq = ?", (thread, through_seq)) is None:
+        raise missing_seq_conflict(thread, through_seq)
+    count, removed = conn.execute(
+        "SELECT count(*), coalesce(sum(tokens), 0) FROM messages WHERE thread = ? AND seq <= ?",
+        (thread, through_seq),
+    ).fetchone()
+    total = check_total(thread, stats.total_tokens - removed + sum(n for _, n in rows))
+    link = summary_episode_seq()
+    conn.execute("DELETE FROM messages WHERE thread = ? AND seq <= ?", (thread, through_seq))
+    links = [link if n == 0 else None for n in range(len(rows))]
+    _insert_messages(conn, thread, through_seq - len(rows) + 1, rows, links)
+    new = stats.model_copy(
+        update={
+            "message_count": stats.message_count - count + len(rows),
+            "total_tokens": total,
+            "version": stats.version + 1,
+        }
+    )
+    _write_stats(conn, thread, new)
+    return new
+
+
+_ENCODE_ON_LOOP = 16
+"""Messages a call encodes on the event loop; a larger batch is encoded in a worker thread."""
+
+
+async def _encode(
+    messages: Sequence[Message], tokens: Sequence[int], *, field: str = "messages"
+) -> list[tuple[str, int]]:
+    """``encode_messages``, off the event loop when the batch is large enough to stall it."""
+    if isinstance(messages, Sequence) and len(messages) > _ENCODE_ON_LOOP:
+        return await to_thread.run_sync(partial(encode_messages, messages, tokens, field=field))
+    return encode_messages(messages, tokens, field=field)
+
+
+def _tombstone(thread: str, row: tuple[Any, ...]) -> Tombstone:
+    return Tombstone(
+        thread=thread,
+        forgotten_at=_parse_time(thread, "a tombstone", row[0]),
+        messages=row[1],
+        episodes=row[2],
+    )
+
+
 def _episode_record(thread: str, seq: int, at: str, body: str) -> EpisodeRecord:
     return EpisodeRecord(
         thread=thread,
@@ -230,15 +378,21 @@ def _episode_record(thread: str, seq: int, at: str, body: str) -> EpisodeRecord:
 
 
 class SQLiteStore(AsyncResource):
-    """A ``ShortTermStore`` and ``EpisodicStore`` in one SQLite file.
+    """A ``Store`` (both memories) in one SQLite file.
 
-    ``busy_timeout`` is how long, in seconds, a write waits for another
-    process's transaction before failing. ``lease_seconds`` bounds how long a
-    compaction lock outlives a holder that crashed; a compaction that runs
-    longer may see a second one start, and then the version guard of
-    ``replace_prefix`` lets only one of them apply. ``synchronous="FULL"``
-    survives power loss; ``"NORMAL"`` is faster and still survives a crashed
-    process. ``clock`` gives the wall time leases are measured in.
+    ``busy_timeout`` is how long, in seconds, a call waits for another
+    process's transaction before failing. ``compaction_lock`` is a lease row
+    timed by the database's own clock, taken and released in short
+    transactions; ``lease_seconds`` (default 300) is how long a lease outlives
+    a holder that crashed before another worker may take it. A compaction that
+    runs longer may see a second one start, and then the fold's version guard
+    lets only one of them apply.
+
+    ``synchronous="FULL"`` (the default) syncs the WAL to disk at every
+    commit: a committed write survives a crashed process and a power loss.
+    ``"NORMAL"`` syncs only at checkpoints: much faster, still safe against a
+    crashed process, but a power loss or OS crash may undo the last commits
+    (the file stays consistent; the log and the context still agree).
     """
 
     def __init__(
@@ -248,26 +402,19 @@ class SQLiteStore(AsyncResource):
         busy_timeout: float = 30.0,
         lease_seconds: float = 300.0,
         synchronous: Literal["NORMAL", "FULL"] = "FULL",
-        clock: Callable[[], float] = time.time,
     ) -> None:
-        if not busy_timeout > 0:
-            raise ConfigError(
-                "busy_timeout", "must be a positive number of seconds, e.g. 30", value=busy_timeout
-            )
-        if not lease_seconds > 0:
-            raise ConfigError(
-                "lease_seconds", "must be a positive number of seconds, e.g. 300", value=lease_seconds
-            )
-        if synchronous not in ("NORMAL", "FULL"):
-            raise ConfigError("synchronous", "must be 'FULL' or 'NORMAL'", value=synchronous)
-        self.path = Path(path)
-        self._busy_timeout = busy_timeout
-        self._lease_seconds = lease_seconds
-        self._synchronous = synchronous
-        self._clock = clock
+        self.path = Path(check_path("path", path))
+        self._busy_timeout = check_seconds(
+            "busy_timeout", busy_timeout, example=30, maximum=_MAX_BUSY_TIMEOUT
+        )
+        self._lease_seconds = check_seconds(
+            "lease_seconds", lease_seconds, example=300, maximum=_MAX_LEASE
+        )
+        self._synchronous = check_choice("synchronous", synchronous, ("FULL", "NORMAL"))
         self._conn: sqlite3.Connection | None = None
         self._reader: sqlite3.Connection | None = None
         self._lock = anyio.Lock()
+        self._read_lock = anyio.Lock()
         self._closed = False
         self._leases: set[tuple[str, str]] = set()
 
@@ -281,19 +428,25 @@ class SQLiteStore(AsyncResource):
         return self
 
     async def aclose(self) -> None:
-        if self._closed:
-            return
+        """Close both connections, releasing this store's leases; idempotent, and never cut short.
+
+        Shielded from cancellation, it waits for a call in progress (at most
+        ``busy_timeout`` plus a few seconds) and then closes, so a store
+        closed by a cancelled task holds no connection afterwards.
+        """
         self._closed = True
-        with anyio.CancelScope(shield=True):
-            async with self._lock:
+        with anyio.move_on_after(self._busy_timeout + _CLOSE_GRACE, shield=True):
+            async with self._lock, self._read_lock:
                 conn, self._conn = self._conn, None
                 reader, self._reader = self._reader, None
-                if conn is not None:
+                if conn is not None or reader is not None:
                     await to_thread.run_sync(self._close, conn, reader)
 
-    def _close(self, conn: sqlite3.Connection, reader: sqlite3.Connection | None) -> None:
+    def _close(self, conn: sqlite3.Connection | None, reader: sqlite3.Connection | None) -> None:
         if reader is not None:
             reader.close()
+        if conn is None:
+            return
         try:
             if self._leases:
                 with _transaction(conn, "IMMEDIATE"):
@@ -307,20 +460,14 @@ class SQLiteStore(AsyncResource):
             conn.close()
 
     def _connect(self) -> tuple[sqlite3.Connection, sqlite3.Connection]:
-        """The writing connection, with the file in WAL mode and migrated, and the on-loop reader."""
-        conn = sqlite3.connect(
-            self.path, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False
-        )
+        """The writing connection, with the file in WAL mode and migrated, and the read-only one."""
+        conn = self._open()
         try:
-            conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout * 1000)}")
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute(f"PRAGMA synchronous = {self._synchronous}")
             self._migrate(conn)
-            # No busy handler: where the writer would sleep waiting for a lock, the
-            # reader gets SQLITE_BUSY at once (see _read).
-            reader = sqlite3.connect(self.path, timeout=0, isolation_level=None, check_same_thread=False)
+            reader = self._open()
             try:
-                reader.execute("PRAGMA busy_timeout = 0")
                 reader.execute("PRAGMA query_only = ON")
             except BaseException:
                 reader.close()
@@ -329,6 +476,17 @@ class SQLiteStore(AsyncResource):
             conn.close()
             raise
         return conn, reader
+
+    def _open(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            self.path, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False
+        )
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout * 1000)}")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     def _migrate(self, conn: sqlite3.Connection) -> None:
         with _transaction(conn, "IMMEDIATE"):
@@ -347,60 +505,33 @@ class SQLiteStore(AsyncResource):
     def _closed_error(self) -> StoreClosedError:
         return StoreClosedError(f"{self!r} was closed with aclose(); open a new SQLiteStore")
 
+    def _error(self, exc: sqlite3.Error) -> StoreError:
+        return StoreError(f"SQLite database {str(self.path)!r}: {exc}")
+
     async def _call(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
-        """Run ``fn`` on the connection in a worker thread, one call at a time."""
+        """Run ``fn`` on the writing connection in a worker thread, one call at a time."""
         async with self._lock:
             if self._closed:
                 raise self._closed_error()
             try:
                 if self._conn is None:
-                    conn, self._reader = await to_thread.run_sync(self._connect)
-                    self._conn = conn
+                    conn, reader = await to_thread.run_sync(self._connect)
+                    self._conn, self._reader = conn, reader
                 return await to_thread.run_sync(fn, self._conn)
             except sqlite3.Error as exc:
-                raise StoreError(f"SQLite database {str(self.path)!r}: {exc}") from exc
+                raise self._error(exc) from exc
 
     async def _read(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
-        """A one-row read on the event loop when it cannot wait, else in the worker thread.
-
-        A hop to the worker thread and back costs far more than reading one row
-        by primary key, and a step loop pays it before every model request. The
-        read may stay on the loop because it cannot wait on anything another
-        transaction holds for long:
-
-        * In WAL mode a reader takes no lock that a writer or a checkpoint holds
-          for the length of its work; it reads the last committed snapshot.
-        * The reader has no busy handler (``busy_timeout = 0``), so where SQLite
-          would sleep for a lock (another connection rebuilding the WAL index
-          after a crash, say) it returns SQLITE_BUSY at once, and the read is
-          redone in the worker thread, which may wait.
-        * What remains is SQLite's own retry of a race with a writer that is
-          updating the WAL index header, a window of a few instructions with no
-          I/O. SQLite bounds that retry below 10 s in total, a limit reached only
-          when another process ignores the locking protocol (then SQLITE_PROTOCOL).
-        * The rows read are one B-tree path in a table every write touches, so
-          their pages come from the page cache.
-        * Once, after a writer crashed half-way through updating the WAL index,
-          the first reader to notice rebuilds the index by reading the WAL file,
-          which automatic checkpoints keep to a few megabytes.
-
-        The statement runs to completion, so no read snapshot stays open to hold
-        back checkpoints (the WAL could otherwise grow without bound).
-        """
-        await checkpoint()
-        if self._closed:
-            raise self._closed_error()
-        reader = self._reader
-        if reader is not None:
+        """Run ``fn`` on the read-only connection in a worker thread, beside the writes."""
+        if self._reader is None:
+            await self._call(lambda conn: None)  # opens the file
+        async with self._read_lock:
+            if self._closed or self._reader is None:
+                raise self._closed_error()
             try:
-                return fn(reader)
-            except sqlite3.OperationalError as exc:
-                code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
-                if code not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
-                    raise StoreError(f"SQLite database {str(self.path)!r}: {exc}") from exc
+                return await to_thread.run_sync(fn, self._reader)
             except sqlite3.Error as exc:
-                raise StoreError(f"SQLite database {str(self.path)!r}: {exc}") from exc
-        return await self._call(fn)
+                raise self._error(exc) from exc
 
     # short-term -----------------------------------------------------------
 
@@ -408,25 +539,11 @@ class SQLiteStore(AsyncResource):
         self, thread: str, messages: Sequence[Message], tokens: Sequence[int]
     ) -> list[StoredMessage]:
         check_thread(thread)
-        rows = encode_messages(messages, tokens)
+        rows = await _encode(messages, tokens)
 
         def run(conn: sqlite3.Connection) -> int:
             with _transaction(conn, "IMMEDIATE"):
-                stats = _read_stats(conn, thread)
-                _insert_messages(conn, thread, stats.last_seq + 1, rows)
-                added = sum(count for _, count in rows)
-                _write_stats(
-                    conn,
-                    thread,
-                    stats.model_copy(
-                        update={
-                            "message_count": stats.message_count + len(rows),
-                            "total_tokens": stats.total_tokens + added,
-                            "last_seq": stats.last_seq + len(rows),
-                        }
-                    ),
-                )
-            return stats.last_seq + 1
+                return _append_rows(conn, thread, rows)
 
         first = await self._call(run)
         return [
@@ -445,11 +562,12 @@ class SQLiteStore(AsyncResource):
                 # The cursor steps through the index newest first, one row at a time,
                 # so stopping here leaves the older rows unread.
                 rows = conn.execute(
-                    "SELECT seq, tokens, body FROM messages WHERE thread = ? ORDER BY seq DESC", (thread,)
+                    "SELECT seq, tokens, body, episode_seq FROM messages WHERE thread = ? ORDER BY seq DESC",
+                    (thread,),
                 )
                 try:
-                    for seq, tokens, body in rows:
-                        if not window.offer(seq, tokens, body):
+                    for seq, tokens, body, episode_seq in rows:
+                        if not window.offer(seq, tokens, body, episode_seq):
                             break
                 finally:
                     rows.close()
@@ -459,13 +577,57 @@ class SQLiteStore(AsyncResource):
                 version=stats.version,
                 total_tokens=stats.total_tokens,
                 complete=not window.full,
+                last_seq=stats.last_seq,
             )
 
-        return await self._call(run)
+        return await self._read(run)
+
+    async def tail(self, thread: str, *, after_seq: int) -> ContextWindow:
+        check_thread(thread)
+        after = check_after_seq(after_seq)
+
+        def run(conn: sqlite3.Connection) -> ContextWindow:
+            with _transaction(conn, "DEFERRED"):
+                stats = _read_stats(conn, thread)
+                rows = conn.execute(
+                    "SELECT seq, tokens, body, episode_seq FROM messages WHERE thread = ? AND seq > ? "
+                    "ORDER BY seq",
+                    (thread, after),
+                ).fetchall()
+            return ContextWindow(
+                thread=thread,
+                messages=tuple(stored_message(thread, *row) for row in rows),
+                version=stats.version,
+                total_tokens=stats.total_tokens,
+                complete=after == 0,
+                last_seq=stats.last_seq,
+            )
+
+        return await self._read(run)
 
     async def stats(self, thread: str) -> ThreadStats:
         check_thread(thread)
         return await self._read(partial(_read_stats, thread=thread))
+
+    async def state(self, thread: str, *, now: datetime | None = None) -> ThreadState:
+        check_thread(thread)
+        when = utc(now, "now")
+
+        def run(conn: sqlite3.Connection) -> tuple[ThreadStats, PressureCounters]:
+            row = _one(
+                conn,
+                f"""SELECT t.message_count, t.total_tokens, t.version, t.last_seq,
+                    {", ".join(f"c.{name.strip()}" for name in _COUNTERS.split(","))}
+                FROM (SELECT ? AS thread) AS k
+                LEFT JOIN threads AS t ON t.thread = k.thread
+                LEFT JOIN episode_threads AS c ON c.thread = k.thread""",
+                (thread,),
+            )
+            assert row is not None
+            return _stats(thread, row[:4]), _counters(thread, row[4:])
+
+        stats, counters = await self._read(run)
+        return ThreadState(stats=stats, pressure=counters.pressure(when, stats.total_tokens))
 
     async def replace_prefix(
         self,
@@ -478,33 +640,11 @@ class SQLiteStore(AsyncResource):
     ) -> ThreadStats:
         check_thread(thread)
         check_replace(through_seq, expected_version)
-        rows = encode_messages(replacement, tokens, field="replacement")
+        rows = await _encode(replacement, tokens, field="replacement")
 
         def run(conn: sqlite3.Connection) -> ThreadStats:
             with _transaction(conn, "IMMEDIATE"):
-                stats = _read_stats(conn, thread)
-                if stats.version != expected_version:
-                    raise version_conflict(thread, stats.version, expected_version)
-                found = conn.execute(
-                    "SELECT 1 FROM messages WHERE thread = ? AND seq = ?", (thread, through_seq)
-                ).fetchone()
-                if found is None:
-                    raise missing_seq_conflict(thread, through_seq)
-                count, removed = conn.execute(
-                    "SELECT count(*), coalesce(sum(tokens), 0) FROM messages WHERE thread = ? AND seq <= ?",
-                    (thread, through_seq),
-                ).fetchone()
-                conn.execute("DELETE FROM messages WHERE thread = ? AND seq <= ?", (thread, through_seq))
-                _insert_messages(conn, thread, through_seq - len(rows) + 1, rows)
-                new = stats.model_copy(
-                    update={
-                        "message_count": stats.message_count - count + len(rows),
-                        "total_tokens": stats.total_tokens - removed + sum(n for _, n in rows),
-                        "version": stats.version + 1,
-                    }
-                )
-                _write_stats(conn, thread, new)
-            return new
+                return _swap(conn, thread, through_seq, expected_version, rows, lambda: None)
 
         return await self._call(run)
 
@@ -514,25 +654,19 @@ class SQLiteStore(AsyncResource):
         owner = uuid.uuid4().hex
 
         def take(conn: sqlite3.Connection) -> bool:
-            with _transaction(conn, "IMMEDIATE"):
-                now = self._clock()
-                row = conn.execute(
-                    "SELECT expires_at FROM compaction_leases WHERE thread = ?", (thread,)
-                ).fetchone()
-                if row is not None and row[0] > now:
-                    return False
-                conn.execute(
-                    "INSERT OR REPLACE INTO compaction_leases (thread, owner, expires_at) VALUES (?, ?, ?)",
-                    (thread, owner, now + self._lease_seconds),
-                )
+            # One statement, timed by the database: the lease is free, expired, or refused.
+            taken = conn.execute(
+                f"""INSERT INTO compaction_leases (thread, owner, expires_at) VALUES (?, ?, {_NOW} + ?)
+                ON CONFLICT (thread) DO UPDATE SET owner = excluded.owner, expires_at = excluded.expires_at
+                WHERE compaction_leases.expires_at <= {_NOW}""",
+                (thread, owner, self._lease_seconds),
+            ).rowcount
+            if taken == 1:
                 self._leases.add((thread, owner))
-                return True
+            return taken == 1
 
         def release(conn: sqlite3.Connection) -> None:
-            with _transaction(conn, "IMMEDIATE"):
-                conn.execute(
-                    "DELETE FROM compaction_leases WHERE thread = ? AND owner = ?", (thread, owner)
-                )
+            conn.execute("DELETE FROM compaction_leases WHERE thread = ? AND owner = ?", (thread, owner))
             self._leases.discard((thread, owner))
 
         if not await self._call(take):
@@ -541,7 +675,7 @@ class SQLiteStore(AsyncResource):
         try:
             yield True
         finally:
-            with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(self._busy_timeout + _CLOSE_GRACE, shield=True):
                 if not self._closed:
                     await self._call(release)
 
@@ -556,13 +690,7 @@ class SQLiteStore(AsyncResource):
 
         def run(conn: sqlite3.Connection) -> int:
             with _transaction(conn, "IMMEDIATE"):
-                counters = _read_counters(conn, thread).after(episode, when)
-                conn.execute(
-                    "INSERT INTO episodes (thread, seq, at, kind, body) VALUES (?, ?, ?, ?, ?)",
-                    (thread, counters.last_seq, when.isoformat(), episode.kind, body),
-                )
-                _write_counters(conn, thread, counters)
-            return counters.last_seq
+                return _record_rows(conn, thread, [episode], [body], when)[0]
 
         seq = await self._call(run)
         return EpisodeRecord(thread=thread, seq=seq, at=when, episode=episode)
@@ -579,7 +707,7 @@ class SQLiteStore(AsyncResource):
             return [_episode_record(thread, *row) for row in rows]
 
         while True:
-            records = await self._call(partial(batch, next_seq))
+            records = await self._read(partial(batch, next_seq))
             for record in records:
                 yield record
             if len(records) < _REPLAY_BATCH:
@@ -611,4 +739,130 @@ class SQLiteStore(AsyncResource):
             )
             return None if row is None else _episode_record(thread, *row)
 
+        return await self._read(run)
+
+    # both memories --------------------------------------------------------
+
+    async def record_and_append(
+        self,
+        thread: str,
+        episodes: Sequence[Episode],
+        messages: Sequence[Message],
+        tokens: Sequence[int],
+        *,
+        message_episodes: Sequence[int] | None = None,
+    ) -> list[StoredMessage]:
+        check_thread(thread)
+        bodies = encode_episodes(episodes)
+        rows = await _encode(messages, tokens)
+        links = check_message_episodes(message_episodes, len(rows), len(bodies))
+        when = datetime.now(UTC)
+
+        def run(conn: sqlite3.Connection) -> tuple[int, list[int | None]]:
+            with _transaction(conn, "IMMEDIATE"):
+                seqs = _record_rows(conn, thread, episodes, bodies, when)
+                linked = [None if link is None else seqs[link] for link in links]
+                return _append_rows(conn, thread, rows, linked), linked
+
+        first, linked = await self._call(run)
+        return [
+            StoredMessage(seq=first + n, message=message, tokens=count, episode_seq=link)
+            for n, (message, count, link) in enumerate(zip(messages, tokens, linked, strict=True))
+        ]
+
+    async def fold(
+        self,
+        thread: str,
+        *,
+        checkpoint: SummaryCheckpoint,
+        through_seq: int,
+        expected_version: int,
+        replacement: Sequence[Message],
+        tokens: Sequence[int],
+    ) -> EpisodeRecord:
+        check_thread(thread)
+        body = check_checkpoint(checkpoint)
+        check_replace(through_seq, expected_version)
+        rows = await _encode(replacement, tokens, field="replacement")
+        when = datetime.now(UTC)
+
+        def run(conn: sqlite3.Connection) -> int:
+            seqs: list[int] = []
+
+            def record() -> int:
+                seqs.extend(_record_rows(conn, thread, [checkpoint], [body], when))
+                return seqs[0]
+
+            with _transaction(conn, "IMMEDIATE"):
+                _swap(conn, thread, through_seq, expected_version, rows, record)
+            return seqs[0]
+
+        seq = await self._call(run)
+        return EpisodeRecord(thread=thread, seq=seq, at=when, episode=checkpoint)
+
+    async def forget(self, thread: str) -> Tombstone:
+        check_thread(thread)
+        when = datetime.now(UTC)
+
+        def run(conn: sqlite3.Connection) -> Tombstone:
+            with _transaction(conn, "IMMEDIATE"):
+                (messages,) = conn.execute(
+                    "SELECT count(*) FROM messages WHERE thread = ?", (thread,)
+                ).fetchone()
+                (episodes,) = conn.execute(
+                    "SELECT count(*) FROM episodes WHERE thread = ?", (thread,)
+                ).fetchone()
+                conn.execute("INSERT INTO forgetting (thread) VALUES (?)", (thread,))
+                conn.execute("DELETE FROM episodes WHERE thread = ?", (thread,))
+                conn.execute("DELETE FROM forgetting WHERE thread = ?", (thread,))
+                conn.execute("DELETE FROM episode_threads WHERE thread = ?", (thread,))
+                conn.execute("DELETE FROM messages WHERE thread = ?", (thread,))
+                # The version and seq counter go on, so a cache of the forgotten context never matches.
+                conn.execute(
+                    "UPDATE threads SET message_count = 0, total_tokens = 0, version = version + 1 "
+                    "WHERE thread = ?",
+                    (thread,),
+                )
+                conn.execute(
+                    "INSERT INTO tombstones (thread, forgotten_at, messages, episodes) VALUES (?, ?, ?, ?)",
+                    (thread, when.isoformat(), messages, episodes),
+                )
+            return Tombstone(thread=thread, forgotten_at=when, messages=messages, episodes=episodes)
+
         return await self._call(run)
+
+    async def tombstones(self, thread: str) -> list[Tombstone]:
+        check_thread(thread)
+
+        def run(conn: sqlite3.Connection) -> list[Tombstone]:
+            rows = conn.execute(
+                "SELECT forgotten_at, messages, episodes FROM tombstones WHERE thread = ? ORDER BY rowid",
+                (thread,),
+            ).fetchall()
+            return [_tombstone(thread, row) for row in rows]
+
+        return await self._read(run)
+
+    async def threads(self) -> list[ThreadInfo]:
+        def run(conn: sqlite3.Connection) -> list[ThreadInfo]:
+            rows = conn.execute(
+                """SELECT k.thread, coalesce(t.message_count, 0), coalesce(t.total_tokens, 0),
+                    coalesce(c.last_seq, 0), e.at
+                FROM (SELECT thread FROM threads WHERE message_count > 0
+                      UNION SELECT thread FROM episode_threads) AS k
+                LEFT JOIN threads AS t ON t.thread = k.thread
+                LEFT JOIN episode_threads AS c ON c.thread = k.thread
+                LEFT JOIN episodes AS e ON e.thread = k.thread AND e.seq = c.last_seq"""
+            ).fetchall()
+            return [
+                ThreadInfo(
+                    thread=thread,
+                    message_count=count,
+                    total_tokens=total,
+                    episodes=episodes,
+                    last_activity=None if at is None else _parse_time(thread, "the newest episode", at),
+                )
+                for thread, count, total, episodes, at in rows
+            ]
+
+        return by_activity(await self._read(run))

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from .._episodes import Usage
-from ._http import ChatSummarizer
+from ._http import HTTPSummarizer
 
 __all__ = ["AnthropicSummarizer"]
 
@@ -14,12 +14,14 @@ ANTHROPIC_BASE_URL = "https://api.anthropic.com"
 ANTHROPIC_VERSION = "2023-06-01"
 
 
-class AnthropicSummarizer(ChatSummarizer):
+class AnthropicSummarizer(HTTPSummarizer):
     """Summarizes with a Claude model through the Messages API.
 
     The key comes from ``api_key`` or ``ANTHROPIC_API_KEY``; it is required for
     api.anthropic.com, optional for a compatible server or proxy given as
-    ``base_url``. Every other option is described on ``ChatSummarizer``.
+    ``base_url``. The other options (``timeout``, ``retry``,
+    ``context_window_tokens``, ``summary_prompt``, ...) are those of every
+    HTTP summarizer; see ``ChatSummarizer`` and ``SummarizerRetry``.
     """
 
     provider: ClassVar[str] = "Anthropic"

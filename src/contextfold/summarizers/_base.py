@@ -8,6 +8,7 @@ from typing import Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field
 
 from .._episodes import Usage
+from .._errors import SummarizerError
 from .._messages import Message
 
 __all__ = ["FunctionSummarizer", "Summarizer", "Summary"]
@@ -51,7 +52,9 @@ class FunctionSummarizer:
     """A summarizer backed by any async callable ``fn(messages, previous_summary, max_tokens)``.
 
     Records every call in ``calls`` so tests can assert exactly what was sent.
-    ``fn`` may return a ``Summary`` or a plain string.
+    ``fn`` may return a ``Summary`` or a plain string; an empty or blank one
+    raises :class:`SummarizerError`, as a summary that says nothing would
+    erase the folded turns.
     """
 
     def __init__(self, fn: SummarizeFn, *, model: str = "function") -> None:
@@ -68,6 +71,10 @@ class FunctionSummarizer:
     ) -> Summary:
         self.calls.append((tuple(messages), previous_summary, max_summary_tokens))
         result = await self.fn(messages, previous_summary, max_summary_tokens)
-        if isinstance(result, Summary):
-            return result
-        return Summary(text=result, model=self.model)
+        summary = result if isinstance(result, Summary) else Summary(text=result, model=self.model)
+        if not summary.text.strip():
+            raise SummarizerError(
+                f"FunctionSummarizer {summary.model!r}: {self.fn!r} returned an empty summary "
+                f"({summary.text!r}); return the summary's text"
+            )
+        return summary

@@ -10,8 +10,12 @@ that no one recurring kind fills the budget, newest first within each kind;
 the summary keeps the best lines that fit ``max_summary_tokens``, so the
 oldest low-value lines go first. Identifiers under one label or key are
 written on one line (``read_file(path): a.py, b.py``) and compete one by one.
-It writes the same sections as the model prompt, and reads a previous summary
-back by those sections to merge with it.
+Every non-text part (an image, a file, audio) becomes a fact of its own, its
+placeholder kept whole (``user attachment: [image: https://…/a.png]``), so
+the summary still says what was shown and where to find it. It writes the
+same sections as the model prompt, and reads a previous summary back by those
+sections to merge with it. The work runs in a worker thread: it is the
+default summarizer and the fallback, and a large fold takes a while.
 """
 
 from __future__ import annotations
@@ -24,12 +28,16 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
+import anyio.to_thread
+
 from .._episodes import Usage
-from .._errors import ConfigError
+from .._errors import ConfigError, SummarizerError
 from .._messages import Message, Role
 from .._tokens import TiktokenCounter, TokenCounter
 from ._base import Summary
+from ._parts import REASONING_PARTS, segments
 from ._prompt import SECTIONS, cut_middle, tool_names_of
+from ._threads import Breather
 
 __all__ = ["ExtractiveSummarizer", "find_identifiers"]
 
@@ -81,6 +89,9 @@ _MAX_KEY_VALUE_LINE_CHARS = 500
 _MAX_FACTS_PER_MESSAGE = 10
 _OPEN_LINES_KEPT = 3
 _COST_CACHE_SIZE = 32_768
+_ATTACHMENT = " attachment"
+"""The end of the label of a fact that is a non-text part's placeholder."""
+_BETWEEN_PLACEHOLDERS = re.compile(r"(?<=\]), (?=\[)")
 
 
 def _one_line(text: str) -> str:
@@ -142,6 +153,8 @@ def _fact_priority(text: str) -> tuple[int, str | None, bool]:
     keeps its rank across merges.
     """
     label, colon, rest = text.partition(": ")
+    if colon and label.endswith(_ATTACHMENT):  # what the user attached ranks with what the user said
+        return (5 if label in ("user attachment", "system attachment") else 4), None, False
     if colon and label in ("user", "system"):
         return 5, label, True
     if colon and label.endswith(" arguments"):
@@ -287,7 +300,10 @@ class ExtractiveSummarizer:
         previous_summary: str | None,
         max_summary_tokens: int,
     ) -> Summary:
-        """The best lines of ``previous_summary`` and ``messages`` that fit ``max_summary_tokens``."""
+        """The best lines of ``previous_summary`` and ``messages`` that fit ``max_summary_tokens``.
+
+        The work is done in a worker thread, so the event loop keeps running.
+        """
         if (
             isinstance(max_summary_tokens, bool)
             or not isinstance(max_summary_tokens, int)
@@ -298,11 +314,24 @@ class ExtractiveSummarizer:
                 "must be a positive token count, for example 1024",
                 value=max_summary_tokens,
             )
+        return await anyio.to_thread.run_sync(
+            self._summarize, tuple(messages), previous_summary, max_summary_tokens
+        )
+
+    def _summarize(
+        self, messages: Sequence[Message], previous_summary: str | None, max_summary_tokens: int
+    ) -> Summary:
         lines = self._parse_previous(previous_summary or "")
         for message in messages:
             if message.is_summary:
                 lines.extend(self._parse_previous(message.text, start=len(lines)))
         lines.extend(self._extract(messages, start=len(lines)))
+        skeleton = self._cost(self._render([]))
+        if skeleton > max_summary_tokens:  # cutting would leave "" or a stub of a heading
+            raise SummarizerError(
+                f"extractive summarizer: max_summary_tokens={max_summary_tokens} cannot hold even the "
+                f"section headings ({skeleton} tokens); give it at least {skeleton + 64}"
+            )
         text = self._select(lines, max_summary_tokens)
         counter = self.counter
         input_tokens = sum(counter.count(m) for m in messages)
@@ -343,6 +372,13 @@ class ExtractiveSummarizer:
         written back as one line, ``label: a, b, c``.
         """
         priority, label, bare = _fact_priority(text)
+        owner, _, rest = text.partition(": ")
+        if owner.endswith(_ATTACHMENT):  # placeholders are kept whole (their URL is the point), one row each
+            pieces = [_one_line(piece) for piece in _BETWEEN_PLACEHOLDERS.split(rest) if piece.strip()]
+            return [
+                _Line(FACTS, f"{owner}: {piece}", priority, order + index, (piece,), owner)
+                for index, piece in enumerate(pieces)
+            ]
         if label is None:
             return [self._line(FACTS, text, priority, order)]
         ids = [part.strip() for part in text.partition(": ")[2].split(", ") if part.strip()]
@@ -377,11 +413,20 @@ class ExtractiveSummarizer:
         results = {m.tool_call_id: m.text for m in messages if m.role is Role.TOOL and m.tool_call_id}
         first_goal = start == 0
         out: list[_Line] = []
+        breathe = Breather()
         for offset, message in enumerate(messages):
+            breathe()
             order = start + offset
             text = message.text
             if message.is_summary:
                 continue
+            if isinstance(message.content, list):
+                owner = message.role.value
+                if message.role is Role.TOOL:
+                    owner = f"{names.get(message.tool_call_id or '') or 'tool'} result"
+                for is_text, piece in segments(message):
+                    if not is_text and piece.strip("[]").partition(":")[0] not in REASONING_PARTS:
+                        out.extend(self._fact(f"{owner}{_ATTACHMENT}: {piece}", order))
             if message.role is Role.USER or message.role is Role.SYSTEM:
                 if message.role is Role.USER and text.strip():
                     priority = 5 if first_goal else 2
@@ -427,7 +472,9 @@ class ExtractiveSummarizer:
         section = FACTS
         seen_goal = start > 0
         known = {heading.lower(): index for index, heading in enumerate(SECTIONS)}
+        breathe = Breather()
         for raw in summary.splitlines():
+            breathe()
             heading = _HEADING.match(raw)
             if heading:
                 section = known.get(heading.group(1).lower(), FACTS)
@@ -460,7 +507,9 @@ class ExtractiveSummarizer:
         chosen: list[_Line] = []
         kept_ids: set[str] = set()
         labels: set[str] = set()
+        breathe = Breather()
         for line in ranked:
+            breathe()
             if used >= budget:  # every line costs a token at least
                 break
             if line.bare and line.ids[0] in kept_ids:

@@ -11,8 +11,9 @@ from pydantic import SecretStr
 
 from .._episodes import Usage
 from .._tokens import TokenCounter
-from ._http import ChatSummarizer, SummarizerRetry
+from ._http import HTTPSummarizer
 from ._prompt import DEFAULT_MAX_MESSAGE_CHARS
+from ._retry import SummarizerRetry
 
 __all__ = ["OpenAICompatibleSummarizer"]
 
@@ -21,15 +22,16 @@ OPENAI_BASE_URL = "https://api.openai.com/v1"
 TokenLimitField = Literal["max_tokens", "max_completion_tokens"]
 
 
-class OpenAICompatibleSummarizer(ChatSummarizer):
+class OpenAICompatibleSummarizer(HTTPSummarizer):
     """Summarizes with a Chat Completions model: OpenAI, or vLLM, Ollama, LM Studio, OpenRouter, ....
 
     The key comes from ``api_key`` or ``OPENAI_API_KEY``; a local server given
     as ``base_url`` may need none. ``token_limit_field`` names the output
     limit: by default ``max_completion_tokens`` for api.openai.com (its newer
     models reject ``max_tokens``) and ``max_tokens`` elsewhere, which every
-    compatible server accepts. Every other option is described on
-    ``ChatSummarizer``.
+    compatible server accepts. The other options (``timeout``, ``retry``,
+    ``context_window_tokens``, ``summary_prompt``, ...) are those of every
+    HTTP summarizer; see ``ChatSummarizer`` and ``SummarizerRetry``.
     """
 
     provider: ClassVar[str] = "OpenAI-compatible"
@@ -46,11 +48,11 @@ class OpenAICompatibleSummarizer(ChatSummarizer):
         api_key: str | SecretStr | None = None,
         client: httpx.AsyncClient | None = None,
         timeout: float = 60.0,
-        max_retries: int = 2,
         retry: SummarizerRetry | None = None,
         context_window_tokens: int = 128_000,
         max_message_chars: int = DEFAULT_MAX_MESSAGE_CHARS,
         counter: TokenCounter | None = None,
+        summary_prompt: str | None = None,
         headers: Mapping[str, str] | None = None,
         extra_body: Mapping[str, Any] | None = None,
         token_limit_field: TokenLimitField | None = None,
@@ -61,11 +63,11 @@ class OpenAICompatibleSummarizer(ChatSummarizer):
             api_key=api_key,
             client=client,
             timeout=timeout,
-            max_retries=max_retries,
             retry=retry,
             context_window_tokens=context_window_tokens,
             max_message_chars=max_message_chars,
             counter=counter,
+            summary_prompt=summary_prompt,
             headers=headers,
             extra_body=extra_body,
         )

@@ -1,0 +1,196 @@
+"""Background folding: the summary starts early, the step does not wait, nothing is lost or sent twice."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from contextfold import (
+    ApproximateCounter,
+    Compactor,
+    Message,
+    RunOptions,
+    SummarizeOptions,
+    SummaryCheckpoint,
+    ToolCall,
+    conversation,
+)
+from contextfold.stores import MemoryStore, SQLiteStore
+from contextfold.summarizers import FunctionSummarizer
+
+THREAD = "bg"
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    backend = MemoryStore() if request.param == "memory" else SQLiteStore(tmp_path / "cf.db")
+    async with backend:
+        yield backend
+
+
+def options(background_at: float | None = 0.6) -> RunOptions:
+    return RunOptions(
+        max_history_tokens=8_000,
+        compaction=SummarizeOptions(
+            trigger_token_budget=2_000,
+            max_summary_tokens=100,
+            min_recent_messages=2,
+            background_at=background_at,
+        ),
+    )
+
+
+class SlowSummarizer(FunctionSummarizer):
+    """Takes ``delay`` seconds, records every message it was sent, and can be told to wait for a gate."""
+
+    def __init__(self, delay: float) -> None:
+        self.sent: list[Any] = []
+        self.gate = anyio.Event()
+        self.gate.set()
+        self.started = anyio.Event()
+
+        async def fn(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+            self.started.set()
+            await self.gate.wait()
+            await anyio.sleep(delay)
+            self.sent.extend(m.metadata.get("n") for m in messages)
+            return f"{(previous or '')[:100]} covered {len(messages)}"
+
+        super().__init__(fn)
+
+
+def turn(n: int) -> list[Message]:
+    call = ToolCall(id=f"c{n}", name="read_file", arguments=json.dumps({"path": f"src/f{n}.py"}))
+    return [
+        Message.user(f"step {n} " + "word " * 40, metadata={"n": f"u{n}"}),
+        Message.assistant(None, tool_calls=[call], metadata={"n": f"a{n}"}),
+        Message.tool(call.id, "line " * 80, metadata={"n": f"r{n}"}),
+    ]
+
+
+async def test_the_step_does_not_wait_for_a_background_summary(store: Any) -> None:
+    """Crossing background_at starts the summary in the background; a later step applies it at once."""
+    summarizer = SlowSummarizer(0.3)
+    async with Compactor(
+        store, options=options(), summarizer=summarizer, counter=ApproximateCounter()
+    ) as compactor:
+        results = []
+        n = 0
+        while not summarizer.started.is_set():
+            await compactor.append(THREAD, turn(n))
+            n += 1
+            with anyio.fail_after(0.1):  # the check never waits for the summarizer
+                results.append(await compactor.maybe_compact(THREAD))
+        assert all(r is None for r in results)
+        await anyio.sleep(0.5)
+        await compactor.append(THREAD, turn(n))
+        with anyio.fail_after(0.1):
+            applied = await compactor.maybe_compact(THREAD)
+        assert applied is not None and applied.compacted and applied.background
+        context = await compactor.context(THREAD)
+        assert context[0].is_summary
+        assert context[-1].metadata["n"] == f"r{n}"  # appended after the summary started, kept on top
+    log = [r async for r in store.replay(THREAD)]
+    assert len([r for r in log if isinstance(r.episode, SummaryCheckpoint)]) == 1
+    assert len(conversation(log)) == 3 * (n + 1)
+
+
+async def test_the_hard_trigger_waits_for_the_same_background_summary(store: Any) -> None:
+    """Reaching the budget while the background summary runs waits for it, never starting a second one."""
+    summarizer = SlowSummarizer(0.05)
+    summarizer.gate = anyio.Event()
+    async with Compactor(
+        store, options=options(), summarizer=summarizer, counter=ApproximateCounter()
+    ) as compactor:
+        n = 0
+        while not summarizer.started.is_set():
+            await compactor.append(THREAD, turn(n))
+            n += 1
+            assert await compactor.maybe_compact(THREAD) is None
+            await anyio.sleep(0)
+        for _ in range(6):  # well past the budget while the summarizer is held at its gate
+            await compactor.append(THREAD, turn(n))
+            n += 1
+        with anyio.move_on_after(0.2) as waited:
+            await compactor.maybe_compact(THREAD)
+        assert waited.cancelled_caught  # the step waits for the summary under way
+        summarizer.gate.set()
+        result = await compactor.maybe_compact(THREAD)
+        assert result is not None and result.compacted
+    assert len(summarizer.calls) == 1 or len(summarizer.sent) == len(set(summarizer.sent))
+    assert len(summarizer.sent) == len(set(summarizer.sent)), "a message was summarized twice"
+
+
+async def test_leaving_the_compactor_cancels_the_background_summary_and_writes_nothing(store: Any) -> None:
+    """Exiting 'async with Compactor' cancels a running summary, and nothing is written for it afterwards."""
+    summarizer = SlowSummarizer(0)
+    summarizer.gate = anyio.Event()  # never opened
+    async with Compactor(
+        store, options=options(), summarizer=summarizer, counter=ApproximateCounter()
+    ) as compactor:
+        n = 0
+        while not summarizer.started.is_set():
+            await compactor.append(THREAD, turn(n))
+            n += 1
+            await compactor.maybe_compact(THREAD)
+            await anyio.sleep(0)
+        before = [r async for r in store.replay(THREAD)]
+    await anyio.sleep(0.05)
+    assert [r async for r in store.replay(THREAD)] == before
+    assert await store.latest_checkpoint(THREAD) is None
+    # The lease went with the cancelled task: another compactor folds the thread at once.
+    other = Compactor(store, options=options(None), counter=ApproximateCounter())
+    result = await other.compact_now(THREAD)
+    assert result is not None and result.compacted
+
+
+async def test_background_at_without_entering_the_compactor_folds_in_the_step(
+    store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A compactor that was never entered warns once and folds at the hard trigger as usual."""
+    compactor = Compactor(store, options=options(), counter=ApproximateCounter())
+    results = []
+    for n in range(24):
+        await compactor.append(THREAD, turn(n))
+        results.append(await compactor.maybe_compact(THREAD))
+    assert any(r is not None and r.compacted and not r.background for r in results)
+    assert sum("not entered" in r.message for r in caplog.records) == 1
+
+
+def test_background_at_must_be_a_fraction() -> None:
+    """background_at outside (0, 1) is a ConfigError naming the key."""
+    from contextfold import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        SummarizeOptions(trigger_token_budget=1_000, background_at=1.5)
+    assert info.value.key == "compaction.background_at"
+
+
+def test_background_at_at_or_below_the_target_is_rejected() -> None:
+    """A background_at that starts at or below the fold's target would refold at once, so it is refused."""
+    from contextfold import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        SummarizeOptions(trigger_token_budget=1_000, background_at=0.5)
+    assert info.value.key == "compaction.background_at"
+    assert "above 0.5" in info.value.reason
+
+
+def test_the_latency_benchmark_runs_and_loses_nothing() -> None:
+    """bench_background runs both sessions against a loopback HTTP summarizer and checks nothing was lost."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).parent.parent / "benchmarks" / "bench_background.py"
+    spec = importlib.util.spec_from_file_location("bench_background", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_background"] = module
+    spec.loader.exec_module(module)
+    args = ["--steps", "40", "--budget", "2000", "--summary-seconds", "0.05", "--agent-seconds", "0.01"]
+    assert module.main(args) == 0

@@ -1,0 +1,390 @@
+"""Every public trigger and strategy folds through a real Compactor, and the policy's guarantees hold there.
+
+Each test asserts the context after the fold, not only the reason: a stalled
+result carries a reason too.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from contextfold import (
+    AllOf,
+    ApproximateCounter,
+    Compactor,
+    EpisodicCompactionConfig,
+    EpisodicPolicy,
+    Message,
+    ObservationMasking,
+    RunOptions,
+    SlidingWindow,
+    SummarizeOptions,
+    TokenBudget,
+    TokenCount,
+    ToolCall,
+    TurnCount,
+    Usage,
+    UserMessageEpisode,
+    conversation,
+)
+from contextfold._compactor import ABANDONED_METADATA_KEY, LATE_RESULT_METADATA_KEY
+from contextfold._policy import MessageCount, Reason
+from contextfold._strategies import MASKED_METADATA_KEY, group_units
+from contextfold.stores import MemoryStore, SQLiteStore
+from contextfold.summarizers import FunctionSummarizer
+
+THREAD = "policy"
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    backend = MemoryStore() if request.param == "memory" else SQLiteStore(tmp_path / "cf.db")
+    async with backend:
+        yield backend
+
+
+def counting_summarizer() -> FunctionSummarizer:
+    async def fn(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        tags = [str(m.metadata.get("n", "?")) for m in messages]
+        return f"{previous or ''} covered {','.join(tags)}"[-(limit * 3) :]
+
+    return FunctionSummarizer(fn)
+
+
+def tool_turn(n: int, size: int = 40, tool: str = "read_file") -> list[Message]:
+    call = ToolCall(id=f"c{n}", name=tool, arguments=json.dumps({"path": f"src/f{n}.py"}))
+    return [
+        Message.user(f"turn {n} " + "word " * size, metadata={"n": f"u{n}"}),
+        Message.assistant(None, tool_calls=[call], metadata={"n": f"a{n}"}),
+        Message.tool(call.id, f"contents of src/f{n}.py " + "line " * size, metadata={"n": f"r{n}"}),
+    ]
+
+
+def no_orphans(context: Sequence[Message]) -> None:
+    """Every tool result in the context has its call before it."""
+    seen: set[str] = set()
+    for message in context:
+        seen.update(call.id for call in message.tool_calls)
+        if message.tool_call_id is not None:
+            assert message.tool_call_id in seen, f"orphaned tool result {message.tool_call_id}"
+
+
+async def test_a_turn_trigger_with_a_sliding_window_folds_to_the_window(store: Any) -> None:
+    """TurnCount with SlidingWindow given straight to the Compactor keeps exactly the newest turns."""
+    summarizer = counting_summarizer()
+    compactor = Compactor(
+        store,
+        trigger=TurnCount(6),
+        strategy=SlidingWindow(2),
+        summarizer=summarizer,
+        counter=ApproximateCounter(),
+    )
+    for n in range(4):
+        await compactor.append(THREAD, tool_turn(n, size=2))
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.compacted and result.reason == Reason.TURN_COUNT
+    context = await compactor.context(THREAD)
+    assert context[0].is_summary
+    assert [m.metadata.get("n") for m in context[1:]] == ["u3", "a3", "r3"]
+    assert "u0" in context[0].text and "r2" in context[0].text
+
+
+async def test_a_message_count_trigger_folds(store: Any) -> None:
+    """MessageCount fires on messages, and a token budget strategy then keeps the protected turns only."""
+    compactor = Compactor(
+        store,
+        trigger=MessageCount(8),
+        strategy=TokenBudget(100_000, keep_recent_turns=2),
+        summarizer=counting_summarizer(),
+        counter=ApproximateCounter(),
+    )
+    for n in range(3):
+        await compactor.append(THREAD, tool_turn(n, size=2))
+    assert await compactor.maybe_compact(THREAD) is not None
+    context = await compactor.context(THREAD)
+    assert context[0].is_summary
+    assert [m.metadata.get("n") for m in context[1:]] == ["u2", "a2", "r2"]
+
+
+async def test_combined_triggers_fold_through_the_compactor(store: Any) -> None:
+    """TokenCount.fraction_of | TurnCount and an AllOf fire and fold at run time."""
+    either = Compactor(
+        store,
+        trigger=TokenCount.fraction_of(1_000, 0.5) | TurnCount(1_000),
+        strategy=TokenBudget(250),
+        summarizer=counting_summarizer(),
+        counter=ApproximateCounter(),
+    )
+    for n in range(8):
+        await either.append(THREAD, tool_turn(n))
+    result = await either.maybe_compact(THREAD)
+    assert result is not None and result.compacted and result.tokens_after <= 250
+    both = Compactor(
+        store,
+        trigger=AllOf(TokenCount(10), TurnCount(3)),
+        strategy=SlidingWindow(1),
+        summarizer=counting_summarizer(),
+        counter=ApproximateCounter(),
+    )
+    for n in range(8, 12):
+        await both.append("other", tool_turn(n, size=2))
+    assert (await both.maybe_compact("other")) is not None
+    assert [m.metadata.get("n") for m in (await both.context("other"))[1:]] == ["u11", "a11", "r11"]
+
+
+async def test_unfinished_turns_fold_instead_of_stalling(store: Any) -> None:
+    """The episodic unfinished-turns trigger on a small context folds all but the protected turns."""
+    options = RunOptions(
+        max_history_tokens=60_000,
+        compaction=SummarizeOptions(
+            trigger_token_budget=60_000,
+            episodic=EpisodicCompactionConfig(trigger_unfinished_turns=3),
+            min_recent_messages=0,
+        ),
+    )
+    summarizer = counting_summarizer()
+    compactor = Compactor(store, options=options, summarizer=summarizer, counter=ApproximateCounter())
+    results = []
+    for n in range(40):
+        await compactor.append(THREAD, [Message.user(f"ping {n}", metadata={"n": n})])
+        results.append(await compactor.maybe_compact(THREAD))
+    folds = [r for r in results if r is not None]
+    assert folds and all(r.compacted and r.reason == "unfinished_turns" for r in folds)
+    context = await compactor.context(THREAD)
+    assert context[0].is_summary
+    assert len(context) <= 1 + 3  # the summary and at most the turns since the last fold
+    assert len(summarizer.calls) == len(folds)
+
+
+async def test_the_age_rule_counts_from_the_last_checkpoint() -> None:
+    """Once age_and_turns has folded, it waits for new user messages instead of firing on every check."""
+    from datetime import UTC, datetime, timedelta
+
+    policy = EpisodicPolicy(
+        EpisodicCompactionConfig(trigger_unfinished_turns=1_000, trigger_age_days=1, trigger_age_turn_count=5)
+    )
+    async with MemoryStore() as store:
+        compactor = Compactor(
+            store, trigger=policy, strategy=SlidingWindow(1), summarizer=counting_summarizer()
+        )
+        old = datetime.now(UTC) - timedelta(days=3)
+        for n in range(6):
+            await store.record(THREAD, UserMessageEpisode(message=Message.user(f"q{n}")), at=old)
+        await store.append(THREAD, [Message.user(f"q{n}") for n in range(6)], [3] * 6)
+        first = await compactor.maybe_compact(THREAD)
+        assert first is not None and first.compacted and first.reason == "age_and_turns"
+        assert await compactor.maybe_compact(THREAD) is None
+        assert (await compactor.context(THREAD))[0].is_summary
+
+
+async def test_a_pinned_head_over_the_target_stalls_naming_it_without_calling_the_summarizer(
+    store: Any,
+) -> None:
+    """A system prompt bigger than the target stalls with its size and the target, and summarizes nothing."""
+    summarizer = counting_summarizer()
+    compactor = Compactor(
+        store,
+        options=RunOptions(
+            max_history_tokens=32_000, compaction=SummarizeOptions(trigger_token_budget=8_000)
+        ),
+        summarizer=summarizer,
+        counter=ApproximateCounter(),
+    )
+    await compactor.append(THREAD, [Message.system("rule " * 3_600)])
+    for n in range(40):
+        await compactor.append(THREAD, tool_turn(n))
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.stalled
+    assert "pinned head alone holds" in result.detail and "4000-token target" in result.detail
+    assert summarizer.calls == []
+
+
+async def test_after_every_fold_the_whole_request_is_under_the_target(store: Any) -> None:
+    """With a large system prompt and big tool results, each fold leaves the whole request within target."""
+    options = RunOptions(max_history_tokens=16_000, compaction=SummarizeOptions(trigger_token_budget=4_000))
+    compactor = Compactor(
+        store, options=options, summarizer=counting_summarizer(), counter=ApproximateCounter()
+    )
+    await compactor.append(THREAD, [Message.system("rule " * 800)])
+    target = 2_000
+    for n in range(30):
+        await compactor.append(THREAD, tool_turn(n, size=120))
+        result = await compactor.maybe_compact(THREAD)
+        if result is not None and result.compacted:
+            _, tokens = await compactor.context_tokens(THREAD)
+            assert tokens <= target
+            assert result.tokens_after <= target
+
+
+async def test_folds_are_amortized_over_the_budget_minus_the_target(store: Any) -> None:
+    """Big tool results under a small budget fold at most once per budget - target tokens of growth."""
+    options = RunOptions(max_history_tokens=16_000, compaction=SummarizeOptions(trigger_token_budget=4_000))
+    summarizer = counting_summarizer()
+    compactor = Compactor(store, options=options, summarizer=summarizer, counter=ApproximateCounter())
+    counter = ApproximateCounter()
+    grown = 0
+    folds = 0
+    for n in range(32):
+        turn = tool_turn(n, size=700)  # about 970 tokens of tool output per request
+        grown += sum(counter.count(m) for m in turn)
+        await compactor.append(THREAD, turn)
+        result = await compactor.maybe_compact(THREAD)
+        folds += result is not None and result.compacted
+        context = await compactor.context(THREAD)
+        no_orphans(context)
+    assert folds <= grown // (4_000 - 2_000) + 1
+    assert len(summarizer.calls) == folds
+
+
+async def test_a_pending_call_in_the_middle_is_kept_until_its_result_arrives(store: Any) -> None:
+    """A tool call still running while other writers append is never folded away from its later result."""
+    compactor = Compactor(
+        store,
+        trigger=TurnCount(4),
+        strategy=SlidingWindow(1),
+        summarizer=counting_summarizer(),
+        counter=ApproximateCounter(),
+    )
+    slow = ToolCall(id="slow", name="long_job", arguments="{}")
+    await compactor.append(
+        THREAD, [Message.user("start the job"), Message.assistant(None, tool_calls=[slow])]
+    )
+    for n in range(6):  # other writers keep the conversation going while the job runs
+        await compactor.append(THREAD, [Message.user(f"meanwhile {n}", metadata={"n": n})])
+        await compactor.maybe_compact(THREAD)
+        context = await compactor.context(THREAD)
+        assert any(slow in m.tool_calls for m in context)
+    await compactor.append(THREAD, [Message.tool("slow", "job done")])
+    context = await compactor.context(THREAD)
+    no_orphans(context)
+    assert context[-1].tool_call_id == "slow"
+
+
+async def test_an_abandoned_call_gets_an_error_result_in_both_logs_and_a_late_result_becomes_a_note(
+    store: Any,
+) -> None:
+    """A call unanswered for many turns is closed with an error result; a later result is a plain note."""
+    options = RunOptions(
+        max_history_tokens=8_000,
+        compaction=SummarizeOptions(
+            trigger_token_budget=2_000, abandon_after_turns=3, min_recent_turns=1, min_recent_messages=0
+        ),
+    )
+    compactor = Compactor(
+        store, options=options, summarizer=counting_summarizer(), counter=ApproximateCounter()
+    )
+    lost = ToolCall(id="lost", name="flaky", arguments="{}")
+    await compactor.append(THREAD, [Message.user("go"), Message.assistant(None, tool_calls=[lost])])
+    for n in range(30):
+        await compactor.append(THREAD, [Message.user(f"still here {n} " + "word " * 60, metadata={"n": n})])
+        await compactor.maybe_compact(THREAD)
+        no_orphans(await compactor.context(THREAD))
+    log = [r async for r in store.replay(THREAD)]
+    closed = [m for m in conversation(log) if m.metadata.get(ABANDONED_METADATA_KEY)]
+    assert [m.tool_call_id for m in closed] == ["lost"]
+    assert (await compactor.context(THREAD))[0].is_summary  # compaction went on past the abandoned call
+    await compactor.append(THREAD, [Message.tool("lost", "finally: 42")])
+    context = await compactor.context(THREAD)
+    no_orphans(context)
+    assert context[-1].role.value == "user" and "finally: 42" in context[-1].text
+    assert context[-1].metadata[LATE_RESULT_METADATA_KEY] == "lost"
+    replayed = conversation([r async for r in store.replay(THREAD)])
+    assert replayed[-1] == Message.tool("lost", "finally: 42")
+
+
+async def test_keep_first_pins_the_task_across_folds(store: Any) -> None:
+    """keep_first=1 keeps the first user message verbatim before the summary through every fold."""
+    options = RunOptions(
+        max_history_tokens=4_000, compaction=SummarizeOptions(trigger_token_budget=1_000, keep_first=1)
+    )
+    compactor = Compactor(
+        store, options=options, summarizer=counting_summarizer(), counter=ApproximateCounter()
+    )
+    task = Message.user("the task: port the parser", metadata={"n": "task"})
+    await compactor.append(THREAD, [Message.system("rules"), task])
+    folds = 0
+    for n in range(20):
+        await compactor.append(THREAD, tool_turn(n))
+        result = await compactor.maybe_compact(THREAD)
+        folds += result is not None and result.compacted
+    context = await compactor.context(THREAD)
+    assert folds >= 2
+    assert context[0].text == "rules" and context[1] == task and context[2].is_summary
+
+
+async def test_masking_limited_to_named_tools_clears_their_arguments(store: Any) -> None:
+    """ObservationMasking(tools=...) masks those tools' outputs only, and with clear_arguments their calls."""
+    masking = ObservationMasking(
+        1, placeholder="[{tool} output elided]", tools=("browser",), clear_arguments=True
+    )
+    compactor = Compactor(store, trigger=TokenCount(300), strategy=masking, counter=ApproximateCounter())
+    for n in range(4):
+        await compactor.append(THREAD, tool_turn(n, tool="browser" if n % 2 else "read_file"))
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.compacted and result.masked_messages == 1
+    context = await compactor.context(THREAD)
+    masked = [m for m in context if m.metadata.get(MASKED_METADATA_KEY)]
+    assert [(m.tool_call_id, m.text) for m in masked] == [("c1", "[browser output elided]")]
+    call = next(c for m in context for c in m.tool_calls if c.id == "c1")
+    assert call.arguments == "{}"
+    assert all(c.arguments != "{}" for m in context for c in m.tool_calls if c.id != "c1")
+    excluded = ObservationMasking(0, exclude_tools=("read_file",))
+    assert not excluded.applies_to("read_file") and excluded.applies_to("browser")
+
+
+async def test_a_mask_then_summarize_pipeline_summarizes_only_when_masking_is_not_enough(store: Any) -> None:
+    """Masking first leaves the summarizer idle while it suffices, and summarizing takes over when not."""
+    summarizer = counting_summarizer()
+    compactor = Compactor(
+        store,
+        trigger=TokenCount(1_200),
+        strategy=[ObservationMasking(1), TokenBudget(800)],
+        summarizer=summarizer,
+        counter=ApproximateCounter(),
+    )
+    for n in range(4):
+        _, call, result = tool_turn(n, size=300)
+        await compactor.append(THREAD, [Message.user(f"turn {n}", metadata={"n": f"u{n}"}), call, result])
+    first = await compactor.maybe_compact(THREAD)
+    assert first is not None and first.masked_messages > 0 and first.dropped_messages == 0
+    assert summarizer.calls == []
+    for n in range(4, 16):
+        await compactor.append(THREAD, [Message.user(f"chat {n} " + "word " * 80, metadata={"n": n})])
+        await compactor.maybe_compact(THREAD)
+    assert summarizer.calls
+    _, tokens = await compactor.context_tokens(THREAD)
+    assert tokens <= 1_200
+
+
+async def test_provider_usage_raises_the_pressure_the_trigger_sees(store: Any) -> None:
+    """Input tokens reported with a reply count what the counter cannot see, and can make the trigger fire."""
+    compactor = Compactor(
+        store, trigger=TokenCount(3_000), strategy=TokenBudget(2_000), counter=ApproximateCounter()
+    )
+    for n in range(25):
+        await compactor.append(THREAD, tool_turn(n, size=20))
+    messages, tokens = await compactor.context_tokens(THREAD)
+    assert await compactor.maybe_compact(THREAD) is None
+    reply = Message.assistant("ok")
+    await compactor.append(  # the provider billed 1,600 tokens the counter cannot see (tool schemas)
+        THREAD, [reply], usage=Usage(input_tokens=tokens + 1_600, output_tokens=2), request_tokens=tokens
+    )
+    _, seen = await compactor.context_tokens(THREAD)
+    assert seen >= tokens + 1_600
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.compacted
+    assert len(await compactor.context(THREAD)) < len(messages) + 1
+
+
+def test_units_are_pending_wherever_a_call_waits() -> None:
+    """group_units marks a unit pending when any of its calls is unanswered, even with turns after it."""
+    call = ToolCall(id="x", name="t", arguments="{}")
+    body = [Message.assistant(None, tool_calls=[call]), Message.user("later"), Message.user("later still")]
+    units, orphans = group_units(body)
+    assert [u.pending for u in units] == [True, False, False]
+    assert orphans == []
