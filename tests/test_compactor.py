@@ -496,20 +496,23 @@ async def test_wrong_store_is_a_config_error() -> None:
 
 
 async def test_a_store_failure_while_rewriting_leaves_the_context_as_it_was(store: Any) -> None:
-    """If the prefix swap fails, maybe_compact raises, the working context is untouched and a retry works."""
+    """If the fold's write fails, maybe_compact raises, nothing is written, not even a checkpoint."""
     compactor = Compactor(store, options=options(), summarizer=recorder(), counter=ApproximateCounter())
     await grow(compactor, range(6), compact=False)
     before = await store.load(THREAD)
-    real = store.replace_prefix
+    log = [r async for r in store.replay(THREAD)]
+    real = store.fold
 
     async def failing(*args: Any, **kwargs: Any) -> Any:
         raise StoreError("disk full")
 
-    store.replace_prefix = failing
+    store.fold = failing
     with pytest.raises(StoreError, match="disk full"):
         await compactor.maybe_compact(THREAD)
-    store.replace_prefix = real
+    store.fold = real
     assert await store.load(THREAD) == before
+    assert [r async for r in store.replay(THREAD)] == log
+    assert await store.latest_checkpoint(THREAD) is None
     result = await compactor.maybe_compact(THREAD)
     assert result is not None and result.compacted
     replayed = conversation([r async for r in store.replay(THREAD)])

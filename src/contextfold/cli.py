@@ -138,7 +138,7 @@ def demo(
             if close is not None:  # the HTTP summarizers own a connection pool
                 stack.push_async_callback(close)
             store = await stack.enter_async_context(SQLiteStore(db))
-            compactor = Compactor(store, options=options, summarizer=chosen, counter=counter)  # type: ignore[arg-type]
+            compactor = Compactor(store, options=options, summarizer=chosen, counter=counter)
             loop = StepLoop(compactor)
             with Progress(
                 TextColumn("[bold]simulating"),
@@ -312,7 +312,7 @@ def compact(db: Path, thread: str, manual_recovery: bool, budget: int) -> None:
         async with SQLiteStore(db) as store:
             await _require_thread(store, thread)
             options = _options(budget)
-            compactor = Compactor(store, options=options)  # type: ignore[arg-type]
+            compactor = Compactor(store, options=options)
             if manual_recovery:
                 result = await compactor.manual_recovery(thread)
             else:
