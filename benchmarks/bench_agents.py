@@ -41,7 +41,7 @@ TICK = 0.005
 
 OPTIONS = RunOptions(
     max_history_tokens=32_000,
-    compaction=SummarizeOptions(trigger_token_budget=8_000, keep_recent_messages=8, max_summary_tokens=300),
+    compaction=SummarizeOptions(trigger_token_budget=8_000, min_recent_messages=8, max_summary_tokens=300),
 )
 
 

@@ -134,7 +134,7 @@ def langchain_check(messages: Sequence[Message], repeat: int) -> float | None:
 
 BUDGET = RunOptions(
     max_history_tokens=128_000,
-    compaction=SummarizeOptions(trigger_token_budget=32_000, keep_recent_messages=8, max_summary_tokens=400),
+    compaction=SummarizeOptions(trigger_token_budget=32_000, min_recent_messages=8, max_summary_tokens=400),
 )
 """The whole-session runs' 32k-token budget."""
 

@@ -364,9 +364,9 @@ class CountingCompactor(Compactor):
 
     context_calls = 0
 
-    async def context(self, thread: str) -> list[Message]:
+    async def context_tokens(self, thread: str) -> tuple[list[Message], int]:
         self.context_calls += 1
-        return await super().context(thread)
+        return await super().context_tokens(thread)
 
 
 async def test_a_step_sends_the_compactors_context() -> None:

@@ -226,8 +226,7 @@ class StepLoop:
         step = Step(thread, index, self.compactor)
         for hook in self.hooks:
             await _guarded(hook, "before_request", hook.before_request(step))
-        step.messages = await self.compactor.context(thread)
-        step.request_tokens = await _request_tokens(self.compactor, thread, step.messages)
+        step.messages, step.request_tokens = await _request(self.compactor, thread)
         yield step
         for hook in reversed(self.hooks):
             await _guarded(hook, "after_response", hook.after_response(step))
@@ -334,9 +333,9 @@ async def _guarded(hook: Hook, event: str, call: Awaitable[None]) -> None:
         logger.exception("optional hook %r failed in %s; continuing", hook, event)
 
 
-async def _request_tokens(compactor: Compactor, thread: str, messages: list[Message]) -> int:
-    """Tokens of the working context a step sends (the store's running total)."""
-    return (await compactor.short_term.stats(thread)).total_tokens
+async def _request(compactor: Compactor, thread: str) -> tuple[list[Message], int]:
+    """The working context a step sends and its tokens, from the compactor's per-thread cache."""
+    return await compactor.context_tokens(thread)
 
 
 def _closing(stream: AsyncIterator[_T]) -> AbstractAsyncContextManager[AsyncIterator[_T]]:
