@@ -31,10 +31,11 @@ from typing import Any
 
 import anyio
 
-from contextfold import Compactor, Message, RunOptions, SummarizeOptions, TiktokenCounter
+from contextfold import Compactor, Message, RunOptions, SummarizeOptions
 from contextfold.stores import MemoryStore, SQLiteStore
 from contextfold.summarizers import FunctionSummarizer
 from contextfold.testing import agent_session
+from contextfold.tokens import TiktokenCounter
 
 DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 TICK = 0.005

@@ -28,18 +28,11 @@ from itertools import pairwise
 
 import anyio
 
-from contextfold import (
-    Compactor,
-    Message,
-    RunOptions,
-    SummarizeOptions,
-    SummaryCheckpoint,
-    TiktokenCounter,
-    ToolCall,
-    conversation,
-)
+from contextfold import Compactor, Message, RunOptions, SummarizeOptions, ToolCall, conversation
+from contextfold.episodes import SummaryCheckpoint
 from contextfold.stores import MemoryStore
 from contextfold.summarizers import OpenAICompatibleSummarizer
+from contextfold.tokens import TiktokenCounter
 
 
 @contextmanager

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 import anyio
 
-from contextfold import Compactor, Message, RunOptions, SummarizeOptions, TiktokenCounter, ToolCall
+from contextfold import Compactor, Message, RunOptions, SummarizeOptions, ToolCall
 from contextfold.stores import MemoryStore
 from contextfold.summarizers import FunctionSummarizer
+from contextfold.tokens import TiktokenCounter
 
 BEFORE = {"pinned": 51 / 60 * 100, "big_tools": 24 / 32 * 100}
 """Summarizer calls per 100 steps before this policy, as measured on the previous release."""

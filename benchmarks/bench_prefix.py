@@ -29,10 +29,11 @@ from typing import Any
 
 import anyio
 
-from contextfold import Compactor, Message, TiktokenCounter
+from contextfold import Compactor, Message
 from contextfold.stores import MemoryStore
 from contextfold.summarizers import FunctionSummarizer
 from contextfold.testing import agent_session
+from contextfold.tokens import TiktokenCounter
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_step import BUDGET, instant, langchain_middleware, to_langchain

@@ -38,17 +38,11 @@ from typing import Any
 
 import anyio
 
-from contextfold import (
-    Compactor,
-    Message,
-    RunOptions,
-    SummarizeOptions,
-    TiktokenCounter,
-    ToolCall,
-)
+from contextfold import Compactor, Message, RunOptions, SummarizeOptions, ToolCall
 from contextfold.stores import MemoryStore, SQLiteStore
 from contextfold.summarizers import FunctionSummarizer
 from contextfold.testing import agent_session
+from contextfold.tokens import TiktokenCounter
 
 DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 

@@ -44,8 +44,9 @@ from typing import Any
 
 import anyio
 
-from contextfold import SUMMARY_METADATA_KEY, ContextfoldError, Message
+from contextfold import ContextfoldError, Message
 from contextfold._episodes import Episode, RunCompletedEpisode, SummaryCheckpoint, UserMessageEpisode
+from contextfold.messages import SUMMARY_METADATA_KEY
 from contextfold.stores import MemoryStore, SQLiteStore
 
 DEFAULT_SIZES = (1_000, 10_000, 100_000)

@@ -32,18 +32,11 @@ from dataclasses import dataclass
 
 import anyio
 
-from contextfold import (
-    Compactor,
-    Message,
-    RunOptions,
-    SummarizeOptions,
-    TiktokenCounter,
-    TokenCounter,
-    ToolCall,
-)
+from contextfold import Compactor, Message, RunOptions, SummarizeOptions, ToolCall
 from contextfold.stores import MemoryStore
 from contextfold.summarizers import ExtractiveSummarizer, Summarizer, Summary
 from contextfold.summarizers._prompt import content_text
+from contextfold.tokens import TiktokenCounter, TokenCounter
 
 WORDS = (
     "alpha beta gamma delta ledger invoice refund payout shard replica index cache queue worker "

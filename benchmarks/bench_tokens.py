@@ -31,8 +31,9 @@ import zlib
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from contextfold import ApproximateCounter, Message, TiktokenCounter, ToolCall
+from contextfold import Message, ToolCall
 from contextfold._tokens import EncodingName, load_encoding
+from contextfold.tokens import ApproximateCounter, TiktokenCounter
 
 GROWTH_LIMIT = 1.5
 """Largest accepted ratio of per-message cost at the largest history size to the smallest."""
@@ -188,8 +189,11 @@ def png(width: int, height: int, noise_bytes: int) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(lines)) + chunk(
-        b"IEND", b""
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(lines))
+        + chunk(b"IEND", b"")
     )
 
 

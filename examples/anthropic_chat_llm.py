@@ -20,7 +20,8 @@ from typing import Any
 import anyio
 from anthropic import AsyncAnthropic
 
-from contextfold import Compactor, LlmCallEpisode, RunOptions, StepLoop, SummarizeOptions, SummaryCheckpoint
+from contextfold import Compactor, RunOptions, StepLoop, SummarizeOptions
+from contextfold.episodes import LlmCallEpisode, SummaryCheckpoint
 from contextfold.integrations.anthropic import chat_llm
 from contextfold.stores import MemoryStore
 

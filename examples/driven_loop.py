@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import anyio
 
-from contextfold import Compacted, Compactor, Message, RunOptions, StepLoop, SummarizeOptions, TextDelta
+from contextfold import Compactor, Message, RunOptions, StepLoop, SummarizeOptions
+from contextfold.loop import Compacted, TextDelta
 from contextfold.stores import MemoryStore
 from contextfold.testing import ScriptedModel, tool_step
 

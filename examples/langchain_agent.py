@@ -22,7 +22,8 @@ from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
 
-from contextfold import Compactor, RunOptions, SummarizeOptions, SummaryCheckpoint
+from contextfold import Compactor, RunOptions, SummarizeOptions
+from contextfold.episodes import SummaryCheckpoint
 from contextfold.integrations.langchain import CompactionMiddleware, LangChainSummarizer
 from contextfold.stores import MemoryStore
 

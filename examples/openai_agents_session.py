@@ -24,7 +24,8 @@ import anyio
 from agents import Agent, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool
 from openai import AsyncOpenAI
 
-from contextfold import Compactor, RunOptions, SummarizeOptions, SummaryCheckpoint
+from contextfold import Compactor, RunOptions, SummarizeOptions
+from contextfold.episodes import SummaryCheckpoint
 from contextfold.integrations.openai_agents import CompactingSession
 from contextfold.stores import SQLiteStore
 

@@ -20,7 +20,8 @@ from typing import Any
 import anyio
 from openai import AsyncOpenAI
 
-from contextfold import Compactor, LlmCallEpisode, RunOptions, StepLoop, SummarizeOptions, SummaryCheckpoint
+from contextfold import Compactor, RunOptions, StepLoop, SummarizeOptions
+from contextfold.episodes import LlmCallEpisode, SummaryCheckpoint
 from contextfold.integrations.openai import chat_llm
 from contextfold.stores import MemoryStore
 

@@ -26,7 +26,8 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from contextfold import Compactor, RunOptions, SummarizeOptions, SummaryCheckpoint
+from contextfold import Compactor, RunOptions, SummarizeOptions
+from contextfold.episodes import SummaryCheckpoint
 from contextfold.integrations.pydantic_ai import CompactionCapability
 from contextfold.stores import MemoryStore
 

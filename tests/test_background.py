@@ -10,18 +10,11 @@ from typing import Any
 import anyio
 import pytest
 
-from contextfold import (
-    ApproximateCounter,
-    Compactor,
-    Message,
-    RunOptions,
-    SummarizeOptions,
-    SummaryCheckpoint,
-    ToolCall,
-    conversation,
-)
+from contextfold import Compactor, Message, RunOptions, SummarizeOptions, ToolCall, conversation
+from contextfold.episodes import SummaryCheckpoint
 from contextfold.stores import MemoryStore, SQLiteStore
 from contextfold.summarizers import FunctionSummarizer
+from contextfold.tokens import ApproximateCounter
 
 THREAD = "bg"
 

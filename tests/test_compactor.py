@@ -12,27 +12,23 @@ import anyio
 import pytest
 
 from contextfold import (
-    SUMMARY_METADATA_KEY,
-    SUMMARY_PREFIX,
-    TRUNCATED_METADATA_KEY,
-    ApproximateCounter,
     Compactor,
     ConfigError,
     EpisodicCompactionConfig,
-    ManualRecoveryBoundary,
     Message,
     Role,
     RunOptions,
     StoreError,
     SummarizeOptions,
     SummarizerError,
-    SummaryCheckpoint,
-    TiktokenCounter,
     ToolCall,
     conversation,
 )
+from contextfold.episodes import ManualRecoveryBoundary, SummaryCheckpoint
+from contextfold.messages import SUMMARY_METADATA_KEY, SUMMARY_PREFIX, TRUNCATED_METADATA_KEY
 from contextfold.stores import MemoryStore, SQLiteStore
 from contextfold.summarizers import FunctionSummarizer, Summary
+from contextfold.tokens import ApproximateCounter, TiktokenCounter
 
 THREAD = "t-1"
 

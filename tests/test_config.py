@@ -10,17 +10,16 @@ import pytest
 from pydantic import ValidationError
 
 from contextfold import (
-    WINDOW_MULTIPLE_OF_TRIGGER,
-    CompactionConfig,
     ConfigError,
     EpisodicCompactionConfig,
     Message,
     ObservationMasking,
-    Pressure,
     RunOptions,
     SummarizeOptions,
     TokenBudget,
 )
+from contextfold._config import WINDOW_MULTIPLE_OF_TRIGGER
+from contextfold.planning import CompactionConfig, Pressure
 
 # klieo compaction.rs ----------------------------------------------------------------
 

@@ -13,29 +13,24 @@ from typing import Any
 import pytest
 
 from contextfold import (
-    TOOL_ERROR_METADATA_KEY,
-    ApproximateCounter,
-    Compacted,
     Compactor,
     ConfigError,
     Hook,
-    LlmCallEpisode,
     Message,
-    RunCompletedEpisode,
-    RunFinished,
     RunOptions,
     Step,
     StepLoop,
     SummarizeOptions,
-    TextDelta,
     ToolCall,
-    ToolCallEpisode,
-    ToolFinished,
     conversation,
     to_anthropic,
 )
+from contextfold.episodes import LlmCallEpisode, RunCompletedEpisode, ToolCallEpisode
+from contextfold.loop import Compacted, RunFinished, TextDelta, ToolFinished
+from contextfold.messages import TOOL_ERROR_METADATA_KEY
 from contextfold.stores import MemoryStore, SQLiteStore
 from contextfold.testing import ScriptedModel, tool_step
+from contextfold.tokens import ApproximateCounter
 
 OPTIONS = RunOptions(
     max_history_tokens=1_200,

@@ -5,14 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from contextfold import (
-    SUMMARY_METADATA_KEY,
-    TOOL_ERROR_METADATA_KEY,
-    InvalidMessageError,
-    Message,
-    Role,
-    ToolCall,
-)
+from contextfold import InvalidMessageError, Message, Role, ToolCall
+from contextfold.messages import SUMMARY_METADATA_KEY, TOOL_ERROR_METADATA_KEY
 
 
 def test_roles_are_the_four_chat_roles() -> None:

@@ -14,23 +14,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contextfold import (
-    MASKED_METADATA_KEY,
-    SUMMARY_METADATA_KEY,
-    CompactionConfig,
-    CompactionPlan,
     Message,
     ObservationMasking,
     Role,
     SlidingWindow,
-    Strategy,
     TokenBudget,
     TokenCount,
     ToolCall,
-    Trigger,
     TurnCount,
-    Unit,
-    group_units,
 )
+from contextfold.messages import MASKED_METADATA_KEY, SUMMARY_METADATA_KEY
+from contextfold.planning import CompactionConfig, CompactionPlan, Strategy, Trigger, Unit, group_units
 
 PROPERTY_SETTINGS = settings(max_examples=120, deadline=None)
 

@@ -6,18 +6,15 @@ import itertools
 
 import pytest
 
-from contextfold import (
+from contextfold import ConfigError, EpisodicCompactionConfig, TokenCount, TurnCount
+from contextfold.planning import (
     AllOf,
     AnyOf,
-    ConfigError,
-    EpisodicCompactionConfig,
     EpisodicCompactionPressure,
     EpisodicCompactionTrigger,
     EpisodicPolicy,
     Pressure,
-    TokenCount,
     Trigger,
-    TurnCount,
     episodic_compaction_trigger,
 )
 

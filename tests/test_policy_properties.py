@@ -13,10 +13,11 @@ import anyio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from contextfold import ApproximateCounter, Compactor, Message, RunOptions, SummarizeOptions, ToolCall
+from contextfold import Compactor, Message, RunOptions, SummarizeOptions, ToolCall
 from contextfold._strategies import group_units, split_head
 from contextfold.stores import MemoryStore
 from contextfold.summarizers import FunctionSummarizer
+from contextfold.tokens import ApproximateCounter
 
 BUDGET = 3_000
 TARGET = BUDGET // 2

@@ -14,11 +14,8 @@ from typing import Any
 import pytest
 
 from contextfold import (
-    AllOf,
-    ApproximateCounter,
     Compactor,
     EpisodicCompactionConfig,
-    EpisodicPolicy,
     Message,
     ObservationMasking,
     RunOptions,
@@ -29,14 +26,16 @@ from contextfold import (
     ToolCall,
     TurnCount,
     Usage,
-    UserMessageEpisode,
     conversation,
 )
 from contextfold._compactor import ABANDONED_METADATA_KEY, LATE_RESULT_METADATA_KEY
 from contextfold._policy import MessageCount, Reason
 from contextfold._strategies import MASKED_METADATA_KEY, group_units
+from contextfold.episodes import UserMessageEpisode
+from contextfold.planning import AllOf, EpisodicPolicy
 from contextfold.stores import MemoryStore, SQLiteStore
 from contextfold.summarizers import FunctionSummarizer
+from contextfold.tokens import ApproximateCounter
 
 THREAD = "policy"
 

@@ -1,8 +1,9 @@
-"""The public face: a curated ``__all__`` in every public module, and nothing private leaking."""
+"""The public face: a small top level, documented public modules, nothing private leaking."""
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import subprocess
 import sys
 
@@ -10,159 +11,76 @@ import pytest
 
 import contextfold
 
-PUBLIC_MODULES = ["contextfold", "contextfold.stores", "contextfold.summarizers", "contextfold.testing"]
-
-EXPECTED_TOP_LEVEL = {
-    # messages and wire formats
-    "Message",
-    "Role",
-    "ToolCall",
-    "SUMMARY_METADATA_KEY",
-    "TOOL_ERROR_METADATA_KEY",
-    "from_openai",
-    "to_openai",
-    "from_anthropic",
-    "to_anthropic",
-    # tokens
-    "TokenCounter",
-    "TiktokenCounter",
-    "ApproximateCounter",
-    "EncodingName",
-    "PINNED_SHA256",
-    "load_encoding",
-    # policy
-    "Pressure",
-    "Trigger",
-    "TurnCount",
-    "TokenCount",
-    "AnyOf",
-    "AllOf",
-    "EpisodicPolicy",
-    "EpisodicCompactionConfig",
-    "EpisodicCompactionPressure",
-    "EpisodicCompactionTrigger",
-    "episodic_compaction_trigger",
-    # planning
-    "CompactionConfig",
-    "CompactionPlan",
-    "Strategy",
-    "SlidingWindow",
-    "TokenBudget",
-    "ObservationMasking",
-    "Unit",
-    "Orphan",
-    "group_units",
-    "split_head",
-    "MASKED_METADATA_KEY",
-    # config
-    "RunOptions",
-    "SummarizeOptions",
-    "WINDOW_MULTIPLE_OF_TRIGGER",
-    "CompactionMode",
-    "OnSummarizerError",
-    # episodes
-    "Episode",
-    "EpisodeKind",
-    "EpisodeRecord",
-    "UserMessageEpisode",
-    "SystemMessageEpisode",
-    "LlmCallEpisode",
-    "ToolCallEpisode",
-    "ToolResultEpisode",
-    "RunCompletedEpisode",
-    "SummaryCheckpoint",
-    "ManualRecoveryBoundary",
-    "Usage",
-    "conversation",
-    "episode_for",
-    # errors
-    "ContextfoldError",
-    "ConfigError",
-    "InvalidMessageError",
-    "StoreError",
-    "ConflictError",
-    "StoreClosedError",
-    "SummarizerError",
-    # compaction and the loop
-    "Compactor",
-    "CompactionResult",
-    "SUMMARY_PREFIX",
-    "TRUNCATED_METADATA_KEY",
-    "StepLoop",
-    "Step",
-    "Hook",
-    "CompactionHook",
-    "LLM",
-    "StreamingLLM",
-    "Tool",
-    "RunResult",
-    "StepEvent",
-    "Compacted",
-    "TextDelta",
-    "ToolStarted",
-    "ToolFinished",
-    "StepFinished",
-    "RunFinished",
-    # subpackages and version
-    "stores",
-    "summarizers",
-    "__version__",
-}
+PUBLIC_MODULES = [
+    "contextfold",
+    "contextfold.episodes",
+    "contextfold.events",
+    "contextfold.loop",
+    "contextfold.messages",
+    "contextfold.planning",
+    "contextfold.stores",
+    "contextfold.summarizers",
+    "contextfold.testing",
+    "contextfold.tokens",
+]
 
 
-def test_top_level_all_is_the_curated_list() -> None:
-    """contextfold.__all__ is exactly the documented names plus what the subpackages export."""
-    from contextfold import stores, summarizers
+REEXPORTING = [m for m in PUBLIC_MODULES if m not in ("contextfold", "contextfold.testing")]
 
-    backends = {
-        "MemoryStore",
-        "SQLiteStore",
-        "PostgresStore",
-        "ShortTermStore",
-        "EpisodicStore",
-        "ContextWindow",
-    }
-    backends |= {"StoredMessage", "ThreadStats", "Summarizer", "Summary", "FunctionSummarizer"}
-    backends |= {
-        "ExtractiveSummarizer",
-        "OpenAICompatibleSummarizer",
-        "AnthropicSummarizer",
-        "SummarizerRetry",
-    }
-    expected = EXPECTED_TOP_LEVEL | backends
-    assert backends <= set(stores.__all__) | set(summarizers.__all__)
-    assert set(contextfold.__all__) == expected
-    assert len(contextfold.__all__) == len(set(contextfold.__all__))
+
+@pytest.mark.parametrize("name", REEXPORTING)
+def test_all_is_every_public_name_the_module_has(name: str) -> None:
+    """Each re-exporting public module's __all__ lists exactly the public names it holds."""
+    module = importlib.import_module(name)
+    found = {n for n, v in vars(module).items() if not n.startswith("_") and not inspect.ismodule(v)}
+    found -= {"annotations", "TYPE_CHECKING", "Any"}
+    found |= {"PostgresStore"} if name == "contextfold.stores" else set()  # loaded on first use
+    assert set(module.__all__) == found
+    assert len(module.__all__) == len(set(module.__all__))
 
 
 @pytest.mark.parametrize("name", PUBLIC_MODULES)
-def test_every_exported_name_exists(name: str) -> None:
-    """Each name a public module lists in __all__ can be imported from it."""
+def test_every_exported_name_resolves_and_is_documented(name: str) -> None:
+    """Every name a public module exports can be read from it, and each class and function has a docstring."""
     module = importlib.import_module(name)
-    missing = [item for item in module.__all__ if not hasattr(module, item)]
-    assert missing == []
+    assert module.__doc__
+    undocumented = []
+    for item in module.__all__:
+        value = getattr(module, item)
+        if (inspect.isclass(value) or inspect.isfunction(value)) and not inspect.getdoc(value):
+            undocumented.append(item)
+    assert undocumented == []
 
 
-def test_stores_and_summarizers_export_the_backends() -> None:
-    """The store and summarizer packages export every backend by name."""
-    from contextfold import stores, summarizers
+def test_the_top_level_holds_what_a_user_calls() -> None:
+    """The top level stays small: about forty names, the ones the README's programs use."""
+    names = [n for n in contextfold.__all__ if not inspect.ismodule(getattr(contextfold, n))]
+    assert len(names) <= 42
+    assert set(dir(contextfold)) == set(contextfold.__all__)
+    for name in ("Compactor", "StepLoop", "Message", "SQLiteStore", "SummarizeOptions", "TokenCount"):
+        assert name in contextfold.__all__
+    for internal in ("group_units", "split_head", "Unit", "Orphan", "load_encoding", "PINNED_SHA256"):
+        assert internal not in contextfold.__all__
 
-    assert {"MemoryStore", "SQLiteStore", "PostgresStore", "ShortTermStore", "EpisodicStore"} <= set(
-        stores.__all__
+
+def test_each_backend_is_importable_from_one_public_path() -> None:
+    """Backends are re-exported at the top level from contextfold.stores, the one module that defines them."""
+    from contextfold import stores
+
+    assert contextfold.SQLiteStore is stores.SQLiteStore
+    assert contextfold.MemoryStore is stores.MemoryStore
+
+
+def test_importing_contextfold_imports_no_optional_dependency_and_little_else() -> None:
+    """import contextfold loads none of the extras, nor httpx, pydantic or tiktoken, until a name is used."""
+    code = (
+        "import sys, contextfold\n"
+        "heavy = ['psycopg', 'click', 'rich', 'httpx', 'pydantic', 'tiktoken', 'opentelemetry',"
+        " 'langchain', 'pydantic_ai', 'agents', 'openai', 'anthropic']\n"
+        "loaded = [m for m in heavy if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+        "contextfold.Compactor\n"
     )
-    assert {
-        "Summarizer",
-        "Summary",
-        "FunctionSummarizer",
-        "ExtractiveSummarizer",
-        "OpenAICompatibleSummarizer",
-        "AnthropicSummarizer",
-    } <= set(summarizers.__all__)
-
-
-def test_importing_contextfold_does_not_import_psycopg() -> None:
-    """psycopg is an optional extra: importing contextfold leaves it unimported."""
-    code = "import sys, contextfold; assert 'psycopg' not in sys.modules; contextfold.PostgresStore"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -174,3 +92,9 @@ def test_every_error_derives_from_the_root() -> None:
         if n.endswith("Error") and isinstance(e := getattr(contextfold, n), type)
     ]
     assert errors and all(issubclass(e, contextfold.ContextfoldError) for e in errors)
+
+
+def test_an_unknown_top_level_name_is_an_attribute_error() -> None:
+    """Looking up a name the package does not have raises AttributeError naming it."""
+    with pytest.raises(AttributeError, match="maybe_compact"):
+        contextfold.maybe_compact  # noqa: B018

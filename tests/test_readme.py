@@ -8,7 +8,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from contextfold import SummaryCheckpoint, SystemMessageEpisode, UserMessageEpisode
+from contextfold.episodes import SummaryCheckpoint, SystemMessageEpisode, UserMessageEpisode
 from contextfold.stores import SQLiteStore
 
 README = (Path(__file__).parent.parent / "README.md").read_text()

@@ -16,8 +16,9 @@ import anyio
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from contextfold import ConfigError, Message, StoreError, UserMessageEpisode
+from contextfold import ConfigError, Message, StoreError
 from contextfold._errors import StoreClosedError
+from contextfold.episodes import UserMessageEpisode
 from contextfold.stores import SQLiteStore
 from contextfold.stores._sqlite import _MIGRATIONS, SCHEMA_VERSION
 

@@ -23,8 +23,10 @@ from typing import Any
 import anyio
 import pytest
 
-from contextfold import SUMMARY_METADATA_KEY, ConflictError, Message, SummaryCheckpoint, UserMessageEpisode
+from contextfold import ConflictError, Message
 from contextfold._episodes import EpisodeRecord, RunCompletedEpisode
+from contextfold.episodes import SummaryCheckpoint, UserMessageEpisode
+from contextfold.messages import SUMMARY_METADATA_KEY
 from contextfold.stores import ContextWindow, MemoryStore, SQLiteStore
 from contextfold.stores._rows import PressureCounters
 

@@ -33,8 +33,10 @@ import anyio
 import pytest
 
 import test_store_concurrency as concurrency
-from contextfold import SUMMARY_METADATA_KEY, Message, SummaryCheckpoint, UserMessageEpisode
+from contextfold import Message
 from contextfold._episodes import EpisodeRecord
+from contextfold.episodes import SummaryCheckpoint, UserMessageEpisode
+from contextfold.messages import SUMMARY_METADATA_KEY
 from contextfold.stores import SQLiteStore
 from test_store_concurrency import Snapshot, check_agreement, plan_fold
 

@@ -11,24 +11,18 @@ import json
 import pytest
 
 from contextfold import (
-    MASKED_METADATA_KEY,
-    SUMMARY_METADATA_KEY,
-    ApproximateCounter,
-    CompactionConfig,
-    CompactionPlan,
     ConfigError,
     Message,
     ObservationMasking,
-    Orphan,
     SlidingWindow,
     TokenBudget,
     TokenCount,
     ToolCall,
     TurnCount,
-    Unit,
-    group_units,
-    split_head,
 )
+from contextfold.messages import MASKED_METADATA_KEY, SUMMARY_METADATA_KEY
+from contextfold.planning import CompactionConfig, CompactionPlan, Orphan, Unit, group_units, split_head
+from contextfold.tokens import ApproximateCounter
 
 
 def step(name: str, observation_len: int) -> list[Message]:

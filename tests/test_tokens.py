@@ -31,8 +31,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from contextfold import ApproximateCounter, ConfigError, Message, TiktokenCounter, TokenCounter, ToolCall
-from contextfold import _tokens as tokens_module
+import contextfold._tokens as tokens_module
+from contextfold import ConfigError, Message, ToolCall
 from contextfold._tokens import (
     PINNED_SHA256,
     EncodingName,
@@ -42,6 +42,7 @@ from contextfold._tokens import (
     image_tokens,
     load_encoding,
 )
+from contextfold.tokens import ApproximateCounter, TiktokenCounter, TokenCounter
 
 ENCODINGS: tuple[EncodingName, ...] = ("o200k_base", "cl100k_base")
 

@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contextfold import (
-    SUMMARY_METADATA_KEY,
     InvalidMessageError,
     Message,
     Role,
@@ -20,6 +19,7 @@ from contextfold import (
     to_anthropic,
     to_openai,
 )
+from contextfold.messages import SUMMARY_METADATA_KEY
 
 NAN = float("nan")
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="

@@ -7,22 +7,18 @@ from typing import Any
 
 import pytest
 
-from contextfold import (
-    ConfigError,
-    EpisodicCompactionPressure,
-    InvalidMessageError,
+from contextfold import ConfigError, InvalidMessageError, Message, ToolCall, Usage
+from contextfold.episodes import (
     LlmCallEpisode,
     ManualRecoveryBoundary,
-    Message,
     RunCompletedEpisode,
     SummaryCheckpoint,
     SystemMessageEpisode,
-    ToolCall,
     ToolCallEpisode,
     ToolResultEpisode,
-    Usage,
     UserMessageEpisode,
 )
+from contextfold.planning import EpisodicCompactionPressure
 
 from .conftest import SQL_BACKENDS, RawSQL
 
@@ -43,16 +39,26 @@ ALL_KINDS = [
     said("hello"),
     SystemMessageEpisode(message=Message.system("be brief")),
     LlmCallEpisode(
-        reply=Message.assistant("hi"), request_messages=2, request_tokens=40, model="m",
+        reply=Message.assistant("hi"),
+        request_messages=2,
+        request_tokens=40,
+        model="m",
         usage=Usage(input_tokens=40, output_tokens=2),
     ),
     ToolCallEpisode(call=ToolCall(id="c1", name="grep", arguments='{"q": 1}')),
     ToolResultEpisode(message=Message.tool("c1", "3 hits")),
     RunCompletedEpisode(clean=False),
     SummaryCheckpoint(
-        trigger="context_pressure", from_seq=1, through_seq=5, summary="s", model="m",
-        usage=Usage(input_tokens=9, output_tokens=3), degraded=True, dropped_messages=5,
-        tokens_before=100, tokens_after=20,
+        trigger="context_pressure",
+        from_seq=1,
+        through_seq=5,
+        summary="s",
+        model="m",
+        usage=Usage(input_tokens=9, output_tokens=3),
+        degraded=True,
+        dropped_messages=5,
+        tokens_before=100,
+        tokens_after=20,
     ),
     ManualRecoveryBoundary(reason="operator reset", through_seq=5),
 ]
@@ -143,9 +149,7 @@ async def test_the_api_has_no_way_to_change_the_log(store: Any) -> None:
     ],
     ids=["update-body", "update-noop", "delete"],
 )
-async def test_the_database_rejects_changes_to_the_log(
-    store: Any, raw_sql: RawSQL, statement: str
-) -> None:
+async def test_the_database_rejects_changes_to_the_log(store: Any, raw_sql: RawSQL, statement: str) -> None:
     """Raw SQL that updates or deletes episodes is refused by the database itself."""
     await store.record("t", said("hi"))
     before = await replayed(store, "t")
@@ -214,8 +218,14 @@ async def test_pressure_passes_the_context_estimate_through(store: Any) -> None:
 
 @pytest.mark.parametrize(
     ("later", "days"),
-    [(timedelta(0), 0), (timedelta(hours=23, minutes=59), 0), (timedelta(days=1), 1),
-     (timedelta(days=2, hours=12), 2), (timedelta(days=400), 400), (-timedelta(days=3), 0)],
+    [
+        (timedelta(0), 0),
+        (timedelta(hours=23, minutes=59), 0),
+        (timedelta(days=1), 1),
+        (timedelta(days=2, hours=12), 2),
+        (timedelta(days=400), 400),
+        (-timedelta(days=3), 0),
+    ],
 )
 async def test_age_is_whole_days_since_the_first_episode(store: Any, later: timedelta, days: int) -> None:
     """conversation_age_days counts whole days from the thread's first episode to ``now``."""
@@ -261,7 +271,7 @@ async def test_episodic_threads_are_isolated(store: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    "thread", ["t" * 5000, "スレッド 🧵", "o'brien \"q\"", "'; DELETE FROM episodes; --", "%s ? $1 {s}"]
+    "thread", ["t" * 5000, "スレッド 🧵", 'o\'brien "q"', "'; DELETE FROM episodes; --", "%s ? $1 {s}"]
 )
 async def test_odd_thread_ids_keep_their_own_log(store: Any, thread: str) -> None:
     """Long, unicode, quoted and SQL-looking thread ids record, replay and count like any other."""

@@ -13,7 +13,8 @@ import anyio
 import pytest
 from anyio.lowlevel import checkpoint
 
-from contextfold import Message, StoreError, SummaryCheckpoint, UserMessageEpisode
+from contextfold import Message, StoreError
+from contextfold.episodes import SummaryCheckpoint, UserMessageEpisode
 from contextfold.stores import ThreadStats
 
 from .conftest import SQL_BACKENDS, OpenStore, RawSQL

@@ -10,13 +10,8 @@ from typing import Any
 
 import pytest
 
-from contextfold import (
-    Message,
-    StoreClosedError,
-    StoreError,
-    SummaryCheckpoint,
-    UserMessageEpisode,
-)
+from contextfold import Message, StoreClosedError, StoreError
+from contextfold.episodes import SummaryCheckpoint, UserMessageEpisode
 from contextfold.stores import EpisodicStore, ShortTermStore
 
 from .conftest import SQL_BACKENDS, OpenStore, RawSQL
@@ -88,8 +83,10 @@ def uses(store: Any) -> list[tuple[str, Callable[[], Awaitable[Any]]]]:
         ("append", lambda: store.append("t", [Message.user("x")], [1])),
         ("load", lambda: store.load("t")),
         ("stats", lambda: store.stats("t")),
-        ("replace_prefix", lambda: store.replace_prefix(
-            "t", through_seq=1, expected_version=0, replacement=[], tokens=[])),
+        (
+            "replace_prefix",
+            lambda: store.replace_prefix("t", through_seq=1, expected_version=0, replacement=[], tokens=[]),
+        ),
         ("compaction_lock", lock),
         ("record", lambda: store.record("t", UserMessageEpisode(message=Message.user("x")))),
         ("replay", replay),

@@ -7,17 +7,9 @@ from typing import Any
 import anyio
 import pytest
 
-from contextfold import (
-    SUMMARY_METADATA_KEY,
-    ConfigError,
-    ConflictError,
-    InvalidMessageError,
-    Message,
-    Role,
-    StoreError,
-    ToolCall,
-    UserMessageEpisode,
-)
+from contextfold import ConfigError, ConflictError, InvalidMessageError, Message, Role, StoreError, ToolCall
+from contextfold.episodes import UserMessageEpisode
+from contextfold.messages import SUMMARY_METADATA_KEY
 from contextfold.stores import ThreadStats
 
 from .conftest import SQL_BACKENDS, OpenStore, RawSQL
@@ -186,8 +178,11 @@ async def test_messages_appended_after_the_load_survive_a_replacement(store: Any
     window = await store.load("t")
     await store.append("t", users(3, start=4), [1, 1, 1])
     await store.replace_prefix(
-        "t", through_seq=window.messages[-1].seq, expected_version=window.version,
-        replacement=[summary()], tokens=[1],
+        "t",
+        through_seq=window.messages[-1].seq,
+        expected_version=window.version,
+        replacement=[summary()],
+        tokens=[1],
     )
     after = await store.load("t")
     assert [m.seq for m in after.messages] == [4, 5, 6, 7]
@@ -278,7 +273,10 @@ async def test_a_replacement_longer_than_the_prefix_numbers_down_from_the_cut(st
     """Replacement messages outnumbering the folded ones end at through_seq, going below 1 if need be."""
     await store.append("t", users(3), [1, 1, 1])
     stats = await store.replace_prefix(
-        "t", through_seq=1, expected_version=0, replacement=[summary("a"), summary("b"), summary("c")],
+        "t",
+        through_seq=1,
+        expected_version=0,
+        replacement=[summary("a"), summary("b"), summary("c")],
         tokens=[2, 2, 2],
     )
     assert stats == ThreadStats(message_count=5, total_tokens=8, version=1, last_seq=3)
@@ -302,7 +300,7 @@ async def test_threads_are_isolated(store: Any) -> None:
 ODD_THREADS = [
     pytest.param("t" * 5000, id="long"),
     pytest.param("スレッド 🧵 ünïcödé", id="unicode"),
-    pytest.param("o'brien \"quoted\" `x`", id="quotes"),
+    pytest.param('o\'brien "quoted" `x`', id="quotes"),
     pytest.param("'; DROP TABLE messages; --", id="sql"),
     pytest.param("%s %(x)s {s} ? $1 \\", id="placeholders"),
 ]
@@ -355,8 +353,11 @@ async def test_two_replacements_guarded_by_one_read_apply_once(store: Any, open_
     async def replace(name: str, handle: Any, through_seq: int) -> None:
         try:
             results[name] = await handle.replace_prefix(
-                "t", through_seq=through_seq, expected_version=window.version,
-                replacement=[summary(name)], tokens=[1],
+                "t",
+                through_seq=through_seq,
+                expected_version=window.version,
+                replacement=[summary(name)],
+                tokens=[1],
             )
         except ConflictError as exc:
             results[name] = exc

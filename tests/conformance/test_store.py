@@ -9,17 +9,10 @@ from typing import Any
 import anyio
 import pytest
 
-from contextfold import (
-    SUMMARY_METADATA_KEY,
-    ConfigError,
-    ConflictError,
-    InvalidMessageError,
-    Message,
-    StoreError,
-    SummaryCheckpoint,
-    UserMessageEpisode,
-)
+from contextfold import ConfigError, ConflictError, InvalidMessageError, Message, StoreError
 from contextfold._episodes import RunCompletedEpisode
+from contextfold.episodes import SummaryCheckpoint, UserMessageEpisode
+from contextfold.messages import SUMMARY_METADATA_KEY
 from contextfold.stores import Store, ThreadStats
 
 from .conftest import SQL_BACKENDS, OpenStore, RawSQL

@@ -18,18 +18,18 @@ from typing import Any
 from werkzeug import Request, Response
 
 from contextfold import (
-    ApproximateCounter,
     Compactor,
     FunctionSummarizer,
     Message,
     Role,
     RunOptions,
     SummarizeOptions,
-    SummaryCheckpoint,
     ToolCall,
     conversation,
 )
 from contextfold._messages import from_anthropic, from_openai
+from contextfold.episodes import SummaryCheckpoint
+from contextfold.tokens import ApproximateCounter
 
 TURNS = 40
 BUDGET = 1_000

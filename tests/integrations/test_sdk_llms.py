@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 from pytest_httpserver import HTTPServer
 
-from contextfold import LlmCallEpisode, Message, StepLoop, Usage
+from contextfold import Message, StepLoop, Usage
 from contextfold._loop import Reply
+from contextfold.episodes import LlmCallEpisode
 from contextfold.stores import SQLiteStore
 
 from .scenario import MODEL, TURNS, FakeProvider, check_log, check_requests, compactor, lookup, question

@@ -8,19 +8,11 @@ from typing import Any
 
 import pytest
 
-from contextfold import (
-    ApproximateCounter,
-    Compactor,
-    ConfigError,
-    Message,
-    RunOptions,
-    SummarizeOptions,
-    ToolCall,
-    conversation,
-)
+from contextfold import Compactor, ConfigError, Message, RunOptions, SummarizeOptions, ToolCall, conversation
 from contextfold._episodes import HistoryClearedEpisode, MessagesRetractedEpisode
 from contextfold._sync import KEY_METADATA_KEY, SUMMARY_KEY_PREFIX, sync
 from contextfold.stores import MemoryStore, SQLiteStore
+from contextfold.tokens import ApproximateCounter
 
 QUIET = RunOptions(max_history_tokens=100_000)
 SMALL = RunOptions(

@@ -6,9 +6,10 @@ from typing import Any
 
 import pytest
 
-from contextfold import ApproximateCounter, ConfigError, Message, SummarizerError, ToolCall, Usage
+from contextfold import ConfigError, Message, SummarizerError, ToolCall, Usage
 from contextfold.summarizers import ChatSummarizer, Summarizer
 from contextfold.summarizers._prompt import NO_PREVIOUS_SUMMARY, SYSTEM_PROMPT
+from contextfold.tokens import ApproximateCounter
 
 
 class Scripted(ChatSummarizer):
@@ -45,7 +46,7 @@ async def test_a_subclass_implementing_complete_is_a_full_summarizer() -> None:
     assert isinstance(summarizer, Summarizer)
     assert (summary.text, summary.model) == ("## Decisions\n- rename users_v2", "scripted-2025")
     assert summary.usage == Usage(input_tokens=10, output_tokens=2)
-    (system, user, max_tokens), = summarizer.requests
+    ((system, user, max_tokens),) = summarizer.requests
     assert system == SYSTEM_PROMPT and max_tokens == 300
     assert "<previous_summary>\n## Facts\n- old\n</previous_summary>" in user
     assert "tool result (read_file, call c1): CREATE TABLE users_v2" in user

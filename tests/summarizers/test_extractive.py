@@ -13,10 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from contextfold import ConfigError, Message, SummarizerError, TiktokenCounter, ToolCall
+from contextfold import ConfigError, Message, SummarizerError, ToolCall
 from contextfold.summarizers import ExtractiveSummarizer, Summarizer
 from contextfold.summarizers._extractive import find_identifiers
 from contextfold.summarizers._prompt import SECTIONS
+from contextfold.tokens import TiktokenCounter
 
 COUNTER = TiktokenCounter()
 

@@ -29,10 +29,11 @@ from http_fakes import (
 )
 from pydantic import ValidationError
 
-from contextfold import ApproximateCounter, ConfigError, Message, SummarizerError, ToolCall, Usage
+from contextfold import ConfigError, Message, SummarizerError, ToolCall, Usage
 from contextfold.summarizers import ChatSummarizer, Summarizer, SummarizerRetry
 from contextfold.summarizers._http import HTTPSummarizer
 from contextfold.summarizers._prompt import SYSTEM_PROMPT
+from contextfold.tokens import ApproximateCounter
 
 CONVERSATION = [
     Message.user("Rename the table users_v2; ticket INC-48213."),
@@ -725,7 +726,7 @@ def test_the_http_summarizers_are_chat_summarizers(provider: Provider) -> None:
 
 @pytest.mark.parametrize(
     "answer",
-    [b"", b"HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n{\"partial\":", b"NOT HTTP AT ALL\r\n\r\n"],
+    [b"", b'HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n{"partial":', b"NOT HTTP AT ALL\r\n\r\n"],
     ids=["closed-at-once", "closed-mid-body", "garbage"],
 )
 async def test_a_server_that_breaks_the_protocol_ends_in_a_summarizer_error(

@@ -93,10 +93,7 @@ def test_an_image_message_renders_its_text_and_its_placeholder_never_the_base64(
         ],
     )
     text = render_message(message)
-    assert text == (
-        f"user: What does this chart show?\n{SHOWN}\n"
-        "[image: https://cdn.example.com/q3.png]"
-    )
+    assert text == (f"user: What does this chart show?\n{SHOWN}\n[image: https://cdn.example.com/q3.png]")
     assert INLINE[:40] not in text
 
 
