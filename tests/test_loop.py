@@ -265,8 +265,9 @@ async def test_max_steps_must_be_positive() -> None:
 
 async def test_run_records_the_model_and_usage_a_reply_carries() -> None:
     """A model callable returning a Reply has its model and usage recorded with the reply in the log."""
-    from contextfold import LlmCallEpisode, MemoryStore, RunOptions, Usage
+    from contextfold import MemoryStore, RunOptions, Usage
     from contextfold._loop import Reply
+    from contextfold.episodes import LlmCallEpisode
 
     async def llm(messages: list[Message]) -> Reply:
         return Reply(Message.assistant("done"), model="m-1", usage=Usage(input_tokens=7, output_tokens=2))

@@ -376,7 +376,7 @@ def test_encodings_load_with_no_network_and_an_empty_tiktoken_cache(tmp_path: Pa
     """With sockets refused and an empty tiktoken cache, both encodings load and count; nothing is cached."""
     code = textwrap.dedent(
         """
-        from contextfold import TiktokenCounter
+        from contextfold.tokens import TiktokenCounter
         for name in ("o200k_base", "cl100k_base"):
             print(name, TiktokenCounter(name).count_text("hello world, offline"))
         """

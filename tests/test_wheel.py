@@ -35,11 +35,6 @@ def run(*args: str | Path, timeout: float = 600) -> subprocess.CompletedProcess[
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="contextfold.summarizers imports httpx at import time, and httpx imports its own CLI "
-    "(click and rich) whenever they are installed",
-)
 def test_import_contextfold_loads_no_heavy_optional_package() -> None:
     """import contextfold imports none of the CLI, database, plotting, framework or provider packages."""
     code = f"import sys, contextfold; print([m for m in {HEAVY!r} if m in sys.modules])"

@@ -8,6 +8,7 @@ The names users call are here; the building blocks live in documented submodules
 ``import contextfold`` itself costs next to nothing.
 """
 
+import logging
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,9 @@ if TYPE_CHECKING:
     )
 
 __version__ = "0.1.0.dev0"
+
+# A library adds no handler of its own: the application decides where logs go.
+logging.getLogger("contextfold").addHandler(logging.NullHandler())
 
 _HOMES: dict[str, str] = {
     "AnthropicSummarizer": "summarizers",

@@ -955,6 +955,11 @@ class Compactor:
             self._next_fold_at.pop(thread, None)
 
     def _floor_detail(self, plan: CompactionPlan, total: int, settings: Settings) -> str:
+        if not plan.kept_turns:
+            return (
+                f"nothing left to fold: the context holds only the pinned head and the summary "
+                f"({total} tokens)"
+            )
         budget = f"the {settings.budget}-token budget" if settings.budget is not None else "the budget"
         return (
             f"nothing can be folded: the protected recent turns ({plan.kept_turns} turns, about "

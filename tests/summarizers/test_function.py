@@ -51,8 +51,9 @@ async def test_an_empty_or_blank_summary_is_a_summarizer_error(empty: str | Summ
 
 async def test_a_compactor_given_an_empty_summary_falls_back_instead_of_writing_it() -> None:
     """Through a Compactor, an empty summary follows on_summarizer_error: the fold uses the fallback."""
-    from contextfold import ApproximateCounter, Compactor, RunOptions, SummarizeOptions
+    from contextfold import Compactor, RunOptions, SummarizeOptions
     from contextfold.stores import MemoryStore
+    from contextfold.tokens import ApproximateCounter
 
     async def fn(messages: Sequence[Message], previous: str | None, budget: int) -> str:
         return ""
