@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,21 @@ from contextfold.tokens import ApproximateCounter
 THREAD = "bg"
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    """Every backend: background folding works on each of them."""
+    if request.param == "postgres":
+        import psycopg
+
+        from contextfold.stores import PostgresStore
+
+        url = request.getfixturevalue("postgres_url")
+        schema = f"cf_bg_{uuid.uuid4().hex[:12]}"
+        async with PostgresStore(url, schema=schema) as backend:
+            yield backend
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        return
     backend = MemoryStore() if request.param == "memory" else SQLiteStore(tmp_path / "cf.db")
     async with backend:
         yield backend
@@ -187,3 +201,96 @@ def test_the_latency_benchmark_runs_and_loses_nothing() -> None:
     spec.loader.exec_module(module)
     args = ["--steps", "40", "--budget", "2000", "--summary-seconds", "0.05", "--agent-seconds", "0.01"]
     assert module.main(args) == 0
+
+
+@pytest.mark.parametrize("yields", [0, 1, 3, 10])
+async def test_closing_at_any_point_of_a_background_summary_leaves_the_thread_whole(
+    store: Any, yields: int
+) -> None:
+    """Leaving the compactor 0..10 awaits into a background summary writes nothing and frees the thread."""
+    entered = anyio.Event()
+
+    async def summarize(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        entered.set()
+        for _ in range(yields):
+            await anyio.lowlevel.checkpoint()
+        await anyio.sleep(30)
+        return "never"
+
+    async with Compactor(
+        store, options=options(), summarizer=FunctionSummarizer(summarize), counter=ApproximateCounter()
+    ) as compactor:
+        n = 0
+        while not entered.is_set():
+            await compactor.append(THREAD, turn(n))
+            n += 1
+            await compactor.maybe_compact(THREAD)
+            for _ in range(yields):
+                await anyio.lowlevel.checkpoint()
+        before = await store.load(THREAD)
+    assert await store.load(THREAD) == before
+    assert await store.latest_checkpoint(THREAD) is None
+    again = await Compactor(store, options=options(None), counter=ApproximateCounter()).compact_now(THREAD)
+    assert again is not None and again.compacted
+
+
+KILLED_WORKER = """
+import sys, anyio
+from contextfold import Compactor, Message, RunOptions, SummarizeOptions
+from contextfold.stores import SQLiteStore
+from contextfold.summarizers import FunctionSummarizer
+from contextfold.tokens import ApproximateCounter
+
+async def summarize(messages, previous, limit):
+    open(sys.argv[2], "w").close()  # the summary is under way: kill me now
+    await anyio.sleep(600)
+    return "never"
+
+async def main():
+    options = RunOptions(max_history_tokens=8_000, compaction=SummarizeOptions(
+        trigger_token_budget=2_000, max_summary_tokens=100, min_recent_messages=2, background_at=0.6))
+    async with SQLiteStore(sys.argv[1], lease_seconds=4) as store:
+        async with Compactor(store, options=options, summarizer=FunctionSummarizer(summarize),
+                             counter=ApproximateCounter()) as compactor:
+            for n in range(40):
+                await compactor.append("bg", [Message.user(f"step {n} " + "word " * 120)])
+                await compactor.maybe_compact("bg")
+                await anyio.sleep(0.05)
+
+anyio.run(main)
+"""
+
+
+def test_a_process_killed_mid_summary_leaves_no_fold_and_its_lease_expires(tmp_path: Path) -> None:
+    """SIGKILL mid background summary: nothing folded, log and context agree, another worker folds later."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    db, started = tmp_path / "cf.db", tmp_path / "started"
+    worker = subprocess.Popen([sys.executable, "-c", KILLED_WORKER, str(db), str(started)])
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists():
+            assert worker.poll() is None, "the worker ended before its summary began"
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        worker.send_signal(signal.SIGKILL)
+    finally:
+        worker.wait(timeout=30)
+
+    async def check() -> None:
+        async with SQLiteStore(db, lease_seconds=1) as store:
+            context = await store.load(THREAD)
+            log = [r async for r in store.replay(THREAD)]
+            assert not [r for r in log if isinstance(r.episode, SummaryCheckpoint)]
+            assert [m.message for m in context.messages] == conversation(log)
+            compactor = Compactor(store, options=options(None), counter=ApproximateCounter())
+            async with store.compaction_lock(THREAD) as free:
+                assert not free  # the killed worker's lease still stands
+            await anyio.sleep(4.2)
+            result = await compactor.compact_now(THREAD)
+            assert result is not None and result.compacted
+
+    anyio.run(check)
