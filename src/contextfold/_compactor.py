@@ -24,7 +24,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Self
 
@@ -56,7 +56,7 @@ from ._events import (
 )
 from ._messages import SUMMARY_METADATA_KEY, Message, Role, ToolCall
 from ._policy import TOKEN_REASONS, EpisodicCompactionPressure, Pressure, Reason, Trigger
-from ._strategies import CompactionPlan, Strategy, unanswered_calls
+from ._strategies import CompactionPlan, SlidingWindow, Strategy, unanswered_calls
 from ._telemetry import Telemetry, error_type
 from ._tokens import TiktokenCounter, TokenCounter
 from .stores._base import ContextWindow, EpisodicStore, ShortTermStore, Store, StoredMessage, ThreadStats
@@ -134,17 +134,17 @@ class _Cache:
     """A thread's working context as this process last saw it, valid at ``version``."""
 
     version: int
-    last_seq: int
-    rows: list[StoredMessage]
-    total_tokens: int
-    open_calls: dict[str, ToolCall]
+    last_seq: int = 0
+    rows: list[StoredMessage] = field(default_factory=list)
+    total_tokens: int = 0
+    turns: int = 0
+    """Messages other than tool results, which belong to their call's turn: kept as rows arrive."""
+    open_calls: dict[str, ToolCall] = field(default_factory=dict)
     """Tool calls in the context that no result answers yet, by id."""
-    closed_calls: set[str]
-    """Tool calls in the context that have a result."""
 
     @classmethod
     def of(cls, window: ContextWindow) -> _Cache:
-        cache = cls(window.version, window.last_seq, [], 0, {}, set())
+        cache = cls(window.version, window.last_seq)
         cache.extend(window.messages)
         return cache
 
@@ -156,18 +156,15 @@ class _Cache:
             self.last_seq = max(self.last_seq, row.seq)
             for call in message.tool_calls:
                 self.open_calls[call.id] = call
-            if message.role is Role.TOOL and message.tool_call_id is not None:
-                if self.open_calls.pop(message.tool_call_id, None) is not None:
-                    self.closed_calls.add(message.tool_call_id)
+            if message.role is Role.TOOL:
+                if message.tool_call_id is not None:
+                    self.open_calls.pop(message.tool_call_id, None)
+            else:
+                self.turns += 1
 
     @property
     def messages(self) -> list[Message]:
         return [row.message for row in self.rows]
-
-    @property
-    def turns(self) -> int:
-        """Turns of the context: every message but the tool results, which belong to their call's turn."""
-        return sum(1 for row in self.rows if row.message.role is not Role.TOOL)
 
 
 @dataclass(slots=True)
@@ -499,21 +496,7 @@ class Compactor:
             )
             assert settings is not None
         if not summarize and settings.summarize:
-            from dataclasses import replace
-
-            config = settings.config
-            settings = replace(
-                settings,
-                summarize=False,
-                config=type(config)(
-                    config.trigger,
-                    config.strategies,
-                    config.min_recent_turns,
-                    config.min_recent_messages,
-                    config.keep_first,
-                    0,
-                ),
-            )
+            settings = replace(settings, summarize=False, config=replace(settings.config, summary_tokens=0))
         return settings
 
     # Observing the store ---------------------------------------------------------
@@ -683,16 +666,8 @@ class Compactor:
         messages = [row.message for row in rows]
         overhead = self._overhead.get(thread, 0)
         config = settings.config
-        if recovery:
-            from ._strategies import CompactionConfig, SlidingWindow
-
-            config = CompactionConfig(
-                config.trigger,
-                SlidingWindow(0),
-                min_recent_turns=0,
-                keep_first=config.keep_first,
-                summary_tokens=config.summary_tokens,
-            )
+        if recovery:  # every turn but a still-running step goes into the summary
+            config = replace(config, strategy=SlidingWindow(0), min_recent_turns=0, min_recent_messages=0)
         plan = config.plan(
             messages,
             total + overhead,
@@ -930,7 +905,7 @@ class Compactor:
                 for n, (message, count) in enumerate(zip(prepared.replacement, prepared.tokens, strict=True))
             ]
             rest = [row for row in cache.rows if row.seq > prepared.through_seq]
-            rebuilt = _Cache(prepared.version + 1, 0, [], 0, {}, set())
+            rebuilt = _Cache(prepared.version + 1)
             rebuilt.extend(head)
             rebuilt.extend(rest)
             rebuilt.last_seq = max(rebuilt.last_seq, cache.last_seq)

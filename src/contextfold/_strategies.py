@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from string import Formatter
 from typing import ClassVar, Literal
 
@@ -456,14 +456,7 @@ class CompactionConfig:
         return targets[-1] if targets else None
 
     def with_min_recent_turns(self, min_recent_turns: int) -> CompactionConfig:
-        return CompactionConfig(
-            self.trigger,
-            self.strategies,
-            min_recent_turns,
-            self.min_recent_messages,
-            self.keep_first,
-            self.summary_tokens,
-        )
+        return replace(self, min_recent_turns=min_recent_turns)
 
     def plan(
         self,
