@@ -80,6 +80,17 @@ def turn(n: int) -> list[Message]:
     ]
 
 
+async def grow_until_started(compactor: Compactor, summarizer: SlowSummarizer) -> int:
+    """Append turns, checking after each, until the background summary starts; return the turns added."""
+    n = 0
+    while not summarizer.started.is_set():
+        await compactor.append(THREAD, turn(n))
+        n += 1
+        assert await compactor.maybe_compact(THREAD) is None
+        await anyio.sleep(0)
+    return n
+
+
 async def test_the_step_does_not_wait_for_a_background_summary(store: Any) -> None:
     """Crossing background_at starts the summary in the background; a later step applies it at once."""
     summarizer = SlowSummarizer(0.3)
@@ -107,6 +118,38 @@ async def test_the_step_does_not_wait_for_a_background_summary(store: Any) -> No
     assert len(conversation(log)) == 3 * (n + 1)
 
 
+async def test_the_background_task_writes_the_fold_and_the_step_only_returns_it(store: Any) -> None:
+    """The finished summary is folded in by the background task; the step that reports it writes nothing."""
+    summarizer = SlowSummarizer(0.05)
+    async with Compactor(
+        store, options=options(), summarizer=summarizer, counter=ApproximateCounter()
+    ) as compactor:
+        await grow_until_started(compactor, summarizer)
+        with anyio.fail_after(5):
+            while await store.latest_checkpoint(THREAD) is None:
+                await anyio.sleep(0.01)
+        checkpoint = await store.latest_checkpoint(THREAD)
+        context = await store.load(THREAD)
+        assert context.messages[0].message.is_summary  # folded before any step asked for it
+        writes: list[str] = []
+        real_fold = store.fold
+
+        async def fold(*args: Any, **kwargs: Any) -> Any:
+            writes.append("fold")
+            return await real_fold(*args, **kwargs)
+
+        store.fold = fold
+        try:
+            result = await compactor.maybe_compact(THREAD)
+        finally:
+            del store.fold
+        assert writes == []
+        assert result is not None and result.background and result.compacted
+        assert result.checkpoint_seq == checkpoint.seq
+        assert await compactor.context(THREAD) == [row.message for row in context.messages]
+        assert await compactor.maybe_compact(THREAD) is None  # reported once
+
+
 async def test_the_hard_trigger_waits_for_the_same_background_summary(store: Any) -> None:
     """Reaching the budget while the background summary runs waits for it, never starting a second one."""
     summarizer = SlowSummarizer(0.05)
@@ -114,12 +157,7 @@ async def test_the_hard_trigger_waits_for_the_same_background_summary(store: Any
     async with Compactor(
         store, options=options(), summarizer=summarizer, counter=ApproximateCounter()
     ) as compactor:
-        n = 0
-        while not summarizer.started.is_set():
-            await compactor.append(THREAD, turn(n))
-            n += 1
-            assert await compactor.maybe_compact(THREAD) is None
-            await anyio.sleep(0)
+        n = await grow_until_started(compactor, summarizer)
         for _ in range(6):  # well past the budget while the summarizer is held at its gate
             await compactor.append(THREAD, turn(n))
             n += 1

@@ -98,6 +98,37 @@ async def test_no_trigger_returns_none_without_loading_or_tokenizing(store: Any)
     assert counter.misses == misses
 
 
+async def test_a_step_reads_from_the_store_only_its_check(store: Any) -> None:
+    """Check, context, then append a call with its result: one state() read, no tail or load.
+
+    A batch that makes a tool call and answers it used to re-read the thread's
+    tail to find the call open, on every tool step.
+    """
+    compactor = Compactor(store, options=options(budget=100_000), counter=ApproximateCounter())
+    await grow(compactor, range(3))
+    await compactor.context(THREAD)
+    reads: list[str] = []
+    for name in ("tail", "load", "state", "stats"):
+        real = getattr(store, name)
+
+        def counting(real: Any = real, name: str = name) -> Any:
+            async def read(*args: Any, **kwargs: Any) -> Any:
+                reads.append(name)
+                return await real(*args, **kwargs)
+
+            return read
+
+        setattr(store, name, counting())
+    for n in range(3, 8):
+        reads.clear()
+        assert await compactor.maybe_compact(THREAD) is None
+        context = await compactor.context(THREAD)
+        await compactor.append(THREAD, turn(n))
+        assert reads == ["state"], f"step {n} read {reads}"
+        assert [m.metadata["n"] for m in context[-3:]] == [f"u{n - 1}", f"a{n - 1}", f"r{n - 1}"]
+    assert [m.metadata["n"] for m in await compactor.context(THREAD)][-3:] == ["u7", "a7", "r7"]
+
+
 async def test_compaction_rewrites_to_pinned_head_summary_and_verbatim_tail(store: Any) -> None:
     """A firing trigger leaves [system prompt, summary, ...recent turns verbatim] and records a checkpoint."""
     summarizer = recorder()

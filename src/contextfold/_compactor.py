@@ -57,7 +57,7 @@ from ._events import (
 from ._messages import SUMMARY_METADATA_KEY, Message, Role, ToolCall
 from ._policy import TOKEN_REASONS, EpisodicCompactionPressure, Pressure, Reason, Trigger
 from ._strategies import CompactionPlan, SlidingWindow, Strategy, unanswered_calls
-from ._telemetry import Telemetry, error_type
+from ._telemetry import FoldSpan, Telemetry, error_type
 from ._tokens import TiktokenCounter, TokenCounter
 from .stores._base import ContextWindow, EpisodicStore, ShortTermStore, Store, StoredMessage, ThreadStats
 from .summarizers._base import Summarizer, Summary
@@ -136,6 +136,8 @@ class _Cache:
     version: int
     last_seq: int = 0
     rows: list[StoredMessage] = field(default_factory=list)
+    plain: list[Message] = field(default_factory=list)
+    """The rows' messages, kept beside them so a step's context is one list copy."""
     total_tokens: int = 0
     turns: int = 0
     """Messages other than tool results, which belong to their call's turn: kept as rows arrive."""
@@ -152,6 +154,7 @@ class _Cache:
         for row in rows:
             message = row.message
             self.rows.append(row)
+            self.plain.append(message)
             self.total_tokens += row.tokens
             self.last_seq = max(self.last_seq, row.seq)
             for call in message.tool_calls:
@@ -164,7 +167,7 @@ class _Cache:
 
     @property
     def messages(self) -> list[Message]:
-        return [row.message for row in self.rows]
+        return self.plain.copy()
 
 
 @dataclass(slots=True)
@@ -188,13 +191,11 @@ class _Prepared:
 
 @dataclass(slots=True)
 class _Background:
-    """A summary being computed ahead of the hard trigger for one thread."""
+    """A fold being summarized, and written, ahead of the hard trigger for one thread."""
 
     done: anyio.Event = field(default_factory=anyio.Event)
-    finished: anyio.Event = field(default_factory=anyio.Event)
-    prepared: _Prepared | CompactionResult | None = None
+    result: CompactionResult | None = None
     error: Exception | None = None
-    cancel: anyio.CancelScope = field(default_factory=anyio.CancelScope)
 
 
 def _summary_body(message: Message) -> str:
@@ -275,7 +276,6 @@ class Compactor:
         self._task_group: TaskGroup | None = None
         self._closed = False
         self._warned_background = False
-        self._span: Any = None
 
     def subscribe(self, subscriber: Subscriber) -> Callable[[], None]:
         """Deliver every compaction event to ``subscriber`` (sync or async); returns its unsubscribe."""
@@ -429,7 +429,7 @@ class Compactor:
             return None
         running = self._background.get(thread)
         if running is not None and running.done.is_set():
-            return await self._apply_background(thread, running)
+            return self._take_background(thread, running)
         stats, episodic = await self._observe(thread, now, settings)
         tokens = stats.total_tokens + self._overhead.get(thread, 0)
         cache = self._cache.get(thread)
@@ -459,7 +459,7 @@ class Compactor:
         if running is not None:
             # The hard trigger fired while the summary is on its way: wait for that one.
             await running.done.wait()
-            return await self._apply_background(thread, running)
+            return self._take_background(thread, running)
         return await self._compact(thread, settings, reason, episodic=episodic)
 
     async def compact_now(self, thread: str, *, summarize: bool = True) -> CompactionResult | None:
@@ -545,7 +545,14 @@ class Compactor:
 
     async def _open_calls(self, thread: str, messages: Sequence[Message]) -> set[str]:
         """Ids of the tool calls open in the context that ``messages`` answer (empty when none do)."""
-        wanted = {m.tool_call_id for m in messages if isinstance(m, Message) and m.role is Role.TOOL}
+        wanted: set[str | None] = set()
+        made: set[str] = set()  # calls the batch itself makes answer their own results
+        for m in messages:
+            if not isinstance(m, Message):
+                continue
+            made.update(call.id for call in m.tool_calls)
+            if m.role is Role.TOOL and m.tool_call_id not in made:
+                wanted.add(m.tool_call_id)
         if not wanted:
             return set()
         cache = self._cache.get(thread)
@@ -582,16 +589,12 @@ class Compactor:
                 logger.debug("thread %r: another worker is compacting it; skipping", thread)
                 return None
             with self.telemetry.fold_span(thread, reason) as span:
-                self._span = span
-                try:
-                    prepared = await self._prepare(
-                        thread, settings, reason, episodic=episodic, forced=forced, recovery=recovery
-                    )
-                    if not isinstance(prepared, _Prepared):
-                        return prepared
-                    return await self._apply(prepared, settings)
-                finally:
-                    self._span = None
+                prepared = await self._prepare(
+                    thread, settings, reason, episodic=episodic, forced=forced, recovery=recovery
+                )
+                if not isinstance(prepared, _Prepared):
+                    return prepared
+                return await self._apply(prepared, settings, span=span)
 
     async def _window(self, thread: str, settings: Settings) -> tuple[list[StoredMessage], int, int]:
         """The rows a fold plans over, the thread's version and its total tokens."""
@@ -791,7 +794,7 @@ class Compactor:
         )
 
     async def _apply(
-        self, prepared: _Prepared, settings: Settings, *, background: bool = False
+        self, prepared: _Prepared, settings: Settings, *, span: FoldSpan, background: bool = False
     ) -> CompactionResult | None:
         thread = prepared.thread
         try:
@@ -890,8 +893,7 @@ class Compactor:
             checkpoint_seq=result.checkpoint_seq,
             through_seq=result.through_seq,
         )
-        if self._span is not None:
-            self._span.record(event)
+        span.record(event)
         await self._emit(event)
         return result
 
@@ -1088,6 +1090,14 @@ class Compactor:
         group.start_soon(self._run_background, thread, settings, job, name=f"contextfold fold {thread}")
 
     async def _run_background(self, thread: str, settings: Settings, job: _Background) -> None:
+        """Summarize and write the fold while the agent works; a later step returns its result.
+
+        The write is the same guarded ``fold`` a step would make: it replaces
+        only the prefix the summary covers and fails if another fold changed it,
+        so the appends made meanwhile are never in its way. Once the summary is
+        in, the write is shielded from cancellation, so closing the owner
+        leaves either no fold or the whole fold, never half of one.
+        """
         started = time.perf_counter()
         stats = self._seen.get(thread)
         tokens = stats.total_tokens if stats is not None else 0
@@ -1096,24 +1106,32 @@ class Compactor:
                 thread=thread, reason=Reason.TOKEN_COUNT, tokens_before=tokens, tokens_after=tokens
             )
         )
+        finished = False
         try:
-            with job.cancel:
-                async with self.short_term.compaction_lock(thread) as acquired:
-                    if acquired:
-                        try:
-                            job.prepared = await self._prepare(
-                                thread, settings, Reason.TOKEN_COUNT, episodic=None, background=True
-                            )
-                        except Exception as exc:  # raised in the step that would have applied it
-                            job.error = exc
-                    job.done.set()
-                    # The lease is held until the fold is applied or dropped, so no other
-                    # worker summarizes the same prefix meanwhile.
-                    await job.finished.wait()
+            async with self.short_term.compaction_lock(thread) as acquired:
+                if not acquired:
+                    logger.debug("thread %r: another worker is compacting it; no background fold", thread)
+                    finished = True
+                    return
+                with self.telemetry.fold_span(thread, Reason.TOKEN_COUNT, background=True) as span:
+                    try:
+                        prepared = await self._prepare(
+                            thread, settings, Reason.TOKEN_COUNT, episodic=None, background=True
+                        )
+                        if isinstance(prepared, _Prepared):
+                            # The lease is held until the fold is written, so no other worker
+                            # summarizes the same prefix meanwhile.
+                            with anyio.CancelScope(shield=True):
+                                job.result = await self._apply(prepared, settings, span=span, background=True)
+                        else:
+                            job.result = prepared
+                    except Exception as exc:  # raised in the next step, where the caller can see it
+                        job.error = exc
+                    finished = True
         finally:
             job.done.set()
-            if not job.finished.is_set():
-                # Cancelled before a step applied it: the owner closed.
+            if not finished:
+                # Cancelled before its fold was written: the owner closed.
                 with anyio.CancelScope(shield=True):
                     await self._emit(
                         BackgroundSummaryDiscarded(
@@ -1125,22 +1143,14 @@ class Compactor:
                             cause="closed",
                         )
                     )
-            if self._background.get(thread) is job and job.finished.is_set():
-                self._background.pop(thread, None)
 
-    async def _apply_background(self, thread: str, job: _Background) -> CompactionResult | None:
-        settings = self.settings
-        assert settings is not None
-        try:
-            if job.error is not None:
-                raise job.error
-            prepared = job.prepared
-            if isinstance(prepared, _Prepared):
-                return await self._apply(prepared, settings, background=True)
-            return prepared
-        finally:
-            job.finished.set()
-            self._background.pop(thread, None)
+    def _take_background(self, thread: str, job: _Background) -> CompactionResult | None:
+        """The finished background fold's result, handed to the step (its error raised there)."""
+        if self._background.get(thread) is job:
+            del self._background[thread]
+        if job.error is not None:
+            raise job.error
+        return job.result
 
 
 def _late_note(message: Message) -> Message:
