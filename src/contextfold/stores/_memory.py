@@ -4,7 +4,9 @@ Each method runs without awaiting in between its reads and writes, so on one
 event loop every operation is atomic: a ``fold`` checks the guard, records the
 checkpoint and swaps the prefix with nothing else running in between. Messages are copied through their JSON
 on the way in, exactly as the SQL backends store them, so what a caller reads
-back never aliases what it appended.
+back never aliases what it appended. The episodic log keeps each episode as its
+JSON text and decodes it when replayed: a long log is a list of strings, not
+objects the garbage collector walks on every full pass.
 """
 
 from __future__ import annotations
@@ -31,13 +33,12 @@ from ._rows import (
     check_checkpoint,
     check_from_seq,
     check_max_tokens,
-    check_message_episodes,
     check_replace,
     check_thread,
     check_total,
     decode_episode,
     encode_episode,
-    encode_episodes,
+    encode_recording,
     encode_rows,
     missing_seq_conflict,
     utc,
@@ -55,8 +56,13 @@ class _Context:
 
 @dataclass
 class _Log:
-    records: list[EpisodeRecord] = field(default_factory=list)
+    records: list[tuple[datetime, str]] = field(default_factory=list)
+    """Each episode's time and JSON; its seq is its position plus one."""
     counters: PressureCounters = field(default_factory=PressureCounters)
+
+    def read(self, thread: str, seq: int) -> EpisodeRecord:
+        at, body = self.records[seq - 1]
+        return EpisodeRecord(thread=thread, seq=seq, at=at, episode=decode_episode(thread, seq, body))
 
 
 _Row = tuple[str, int, Message]
@@ -115,12 +121,9 @@ class MemoryStore(AsyncResource):
     def _record_body(self, thread: str, episode: Episode, body: str, when: datetime) -> EpisodeRecord:
         log = self._logs.setdefault(thread, _Log())
         counters = log.counters.after(episode, when)
-        stored = EpisodeRecord(
-            thread=thread, seq=counters.last_seq, at=when, episode=decode_episode(thread, 0, body)
-        )
-        log.records.append(stored)
+        log.records.append((when, body))
         log.counters = counters
-        return stored
+        return EpisodeRecord(thread=thread, seq=counters.last_seq, at=when, episode=episode)
 
     def _window(self, thread: str, context: _Context, start: int, *, complete: bool) -> ContextWindow:
         return ContextWindow(
@@ -269,7 +272,7 @@ class MemoryStore(AsyncResource):
         index = max(check_from_seq(from_seq), 1) - 1
         log = self._logs.get(thread, _Log())
         while index < len(log.records) and self._logs.get(thread) is log:
-            yield log.records[index]
+            yield log.read(thread, index + 1)
             index += 1
             await self._enter()
 
@@ -291,7 +294,7 @@ class MemoryStore(AsyncResource):
         log = self._logs.get(thread)
         if log is None or log.counters.boundary_seq is None:
             return None
-        return log.records[log.counters.boundary_seq - 1]
+        return log.read(thread, log.counters.boundary_seq)
 
     # both memories --------------------------------------------------------
 
@@ -306,9 +309,7 @@ class MemoryStore(AsyncResource):
     ) -> list[StoredMessage]:
         await self._enter()
         check_thread(thread)
-        bodies = encode_episodes(episodes)
-        rows = encode_rows(messages, tokens)
-        links = check_message_episodes(message_episodes, len(rows), len(bodies))
+        bodies, rows, links = encode_recording(episodes, messages, tokens, message_episodes)
         context = self._contexts.get(thread, _Context())
         check_total(thread, context.stats.total_tokens + sum(count for _, count, _ in rows))
         when = datetime.now(UTC)
@@ -375,7 +376,7 @@ class MemoryStore(AsyncResource):
                     message_count=stats.message_count,
                     total_tokens=stats.total_tokens,
                     episodes=len(log.records) if log else 0,
-                    last_activity=log.records[-1].at if log and log.records else None,
+                    last_activity=log.records[-1][0] if log and log.records else None,
                 )
             )
         return by_activity(infos)

@@ -60,7 +60,6 @@ from ._rows import (
     check_checkpoint,
     check_from_seq,
     check_max_tokens,
-    check_message_episodes,
     check_replace,
     check_seconds,
     check_text,
@@ -69,6 +68,7 @@ from ._rows import (
     decode_episode,
     encode_episodes,
     encode_messages,
+    encode_recording,
     missing_seq_conflict,
     stored_message,
     utc,
@@ -675,10 +675,18 @@ class PostgresStore(AsyncResource):
     ) -> list[StoredMessage]:
         """Record ``episodes`` and append ``messages`` in one statement, so one transaction."""
         check_thread(thread)
-        bodies = encode_episodes(episodes)
-        params: dict[str, Any] = {"thread": thread, "at": None, **_message_batch(thread, messages, tokens)}
-        links = check_message_episodes(message_episodes, params["m_n"], len(episodes))
-        params.update(_batch(episodes, bodies), m_episodes=links)
+        bodies, rows, links = encode_recording(episodes, messages, tokens, message_episodes)
+        counts = [count for _, count, _ in rows]
+        params: dict[str, Any] = {
+            "thread": thread,
+            "at": None,
+            "m_n": len(rows),
+            "m_total": check_total(thread, sum(counts)),
+            "m_tokens": counts,
+            "m_bodies": [body for body, _, _ in rows],
+            **_batch(episodes, bodies),
+            "m_episodes": links,
+        }
         if not params["m_n"]:
             if episodes:
                 await self._record_batch(thread, params)

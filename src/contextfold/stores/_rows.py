@@ -22,9 +22,12 @@ from pydantic_core import PydanticSerializationError
 
 from .._episodes import (
     Episode,
+    LlmCallEpisode,
     ManualRecoveryBoundary,
     RunCompletedEpisode,
     SummaryCheckpoint,
+    SystemMessageEpisode,
+    ToolResultEpisode,
     UserMessageEpisode,
 )
 from .._errors import ConfigError, ConflictError, InvalidMessageError, StoreError
@@ -54,6 +57,7 @@ __all__ = [
     "encode_episode",
     "encode_episodes",
     "encode_messages",
+    "encode_recording",
     "encode_rows",
     "missing_seq_conflict",
     "stored_message",
@@ -254,6 +258,63 @@ def encode_episodes(episodes: Sequence[Episode]) -> list[str]:
         except InvalidMessageError as exc:
             raise InvalidMessageError(f"episodes[{index}]", exc.reason) from None
     return bodies
+
+
+_MESSAGE_FIELD: dict[type, str] = {
+    UserMessageEpisode: "message",
+    SystemMessageEpisode: "message",
+    ToolResultEpisode: "message",
+    LlmCallEpisode: "reply",
+}
+"""The field holding the message, for each kind of episode that records one."""
+
+
+def message_field(episode: Episode) -> str | None:
+    """The name of the field that holds ``episode``'s message, ``None`` for other kinds."""
+    return _MESSAGE_FIELD.get(type(episode))
+
+
+def _spliced(episode: Episode, field: str, message_body: str) -> str:
+    """The episode's JSON with its message written as ``message_body`` (already encoded and checked)."""
+    rest = episode.model_dump_json(exclude={field}, warnings="error")
+    return f'{rest[:-1]},"{field}":{message_body}}}'
+
+
+def encode_recording(
+    episodes: Sequence[Episode],
+    messages: Sequence[Message],
+    tokens: Sequence[int],
+    message_episodes: Sequence[int] | None,
+) -> tuple[list[str], list[tuple[str, int, Message]], list[int | None]]:
+    """A step's episode bodies, message rows and links, each message encoded and read back once.
+
+    A message recorded by its own episode (what ``Compactor.append`` does for
+    every message) is not encoded a second time for the episode: the row's
+    JSON, already checked to read back, is written into the episode's. The
+    episode's other fields were validated when it was built.
+    """
+    if not isinstance(episodes, Sequence) or isinstance(episodes, str):
+        raise ConfigError("episodes", "must be a sequence of episodes", value=episodes)
+    rows = encode_rows(messages, tokens)
+    links = check_message_episodes(message_episodes, len(rows), len(episodes))
+    shared: dict[int, str] = {}
+    for (body, _, _), message, link in zip(rows, messages, links, strict=True):
+        if link is not None:
+            field = message_field(episodes[link])
+            if field is not None and getattr(episodes[link], field) is message:
+                shared[link] = body
+    bodies: list[str] = []
+    for index, episode in enumerate(episodes):
+        try:
+            if index in shared:
+                bodies.append(_spliced(episode, _MESSAGE_FIELD[type(episode)], shared[index]))
+            else:
+                bodies.append(encode_episode(episode))
+        except PydanticSerializationError as exc:
+            raise InvalidMessageError(f"episodes[{index}]", _first_error(exc)) from None
+        except InvalidMessageError as exc:
+            raise InvalidMessageError(f"episodes[{index}]", exc.reason) from None
+    return bodies, rows, links
 
 
 def check_message_episodes(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
@@ -46,7 +47,6 @@ from ._rows import (
     check_choice,
     check_from_seq,
     check_max_tokens,
-    check_message_episodes,
     check_path,
     check_replace,
     check_seconds,
@@ -54,8 +54,8 @@ from ._rows import (
     check_total,
     decode_episode,
     encode_episode,
-    encode_episodes,
     encode_messages,
+    encode_recording,
     missing_seq_conflict,
     stored_message,
     utc,
@@ -359,6 +359,23 @@ async def _encode(
     return encode_messages(messages, tokens, field=field)
 
 
+async def _encode_recording(
+    episodes: Sequence[Episode],
+    messages: Sequence[Message],
+    tokens: Sequence[int],
+    message_episodes: Sequence[int] | None,
+) -> tuple[list[str], list[tuple[str, int]], list[int | None]]:
+    """``encode_recording`` for a SQL row, off the event loop for a large batch."""
+    large = isinstance(messages, Sequence) and len(messages) > _ENCODE_ON_LOOP
+    if large:
+        bodies, rows, links = await to_thread.run_sync(
+            encode_recording, episodes, messages, tokens, message_episodes
+        )
+    else:
+        bodies, rows, links = encode_recording(episodes, messages, tokens, message_episodes)
+    return bodies, [(body, count) for body, count, _ in rows], links
+
+
 def _tombstone(thread: str, row: tuple[Any, ...]) -> Tombstone:
     return Tombstone(
         thread=thread,
@@ -463,7 +480,7 @@ class SQLiteStore(AsyncResource):
         """The writing connection, with the file in WAL mode and migrated, and the read-only one."""
         conn = self._open()
         try:
-            conn.execute("PRAGMA journal_mode = WAL")
+            self._enter_wal(conn)
             conn.execute(f"PRAGMA synchronous = {self._synchronous}")
             self._migrate(conn)
             reader = self._open()
@@ -476,6 +493,18 @@ class SQLiteStore(AsyncResource):
             conn.close()
             raise
         return conn, reader
+
+    def _enter_wal(self, conn: sqlite3.Connection) -> None:
+        """Switch the file to WAL; the switch skips the busy handler, so a race with another opener retries."""
+        deadline = time.monotonic() + self._busy_timeout
+        while True:
+            try:
+                conn.execute("PRAGMA journal_mode = WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
 
     def _open(self) -> sqlite3.Connection:
         conn = sqlite3.connect(
@@ -753,9 +782,7 @@ class SQLiteStore(AsyncResource):
         message_episodes: Sequence[int] | None = None,
     ) -> list[StoredMessage]:
         check_thread(thread)
-        bodies = encode_episodes(episodes)
-        rows = await _encode(messages, tokens)
-        links = check_message_episodes(message_episodes, len(rows), len(bodies))
+        bodies, rows, links = await _encode_recording(episodes, messages, tokens, message_episodes)
         when = datetime.now(UTC)
 
         def run(conn: sqlite3.Connection) -> tuple[int, list[int | None]]:
