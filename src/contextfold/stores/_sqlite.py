@@ -495,7 +495,7 @@ class SQLiteStore(AsyncResource):
         return conn, reader
 
     def _enter_wal(self, conn: sqlite3.Connection) -> None:
-        """Switch the file to WAL; the switch skips the busy handler, so a race with another opener retries."""
+        """Switch the file to WAL, retrying: the switch skips the busy handler when another opener races."""
         deadline = time.monotonic() + self._busy_timeout
         while True:
             try:
