@@ -42,6 +42,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_summary_retention.py
 	$(BIN)/python benchmarks/bench_step.py
 	$(BIN)/python benchmarks/bench_agents.py
+	$(BIN)/python benchmarks/bench_policy.py
+	$(BIN)/python benchmarks/bench_background.py
 	$(BIN)/python benchmarks/bench_prefix.py
 	$(BIN)/python benchmarks/bench_import.py
 

@@ -62,8 +62,10 @@ def test_agents_benchmark_reports_latency_and_loop_lag_per_backend(
     out = capsys.readouterr().out
     assert status == 0
     for backend in ("memory", "sqlite", "postgres"):
-        cells = next(line for line in out.splitlines() if line.startswith(backend)).split()
-        assert len(cells) == 8 and float(cells[1]) > 0 and int(cells[7]) > 0
+        for label in (backend, f"{backend} +freeze"):
+            cells = next(line for line in out.splitlines() if line.startswith(f"{label} ")).split()
+            cells = cells[len(label.split()) :]
+            assert len(cells) == 8 and float(cells[0]) > 0 and int(cells[7]) > 0
 
 
 def test_store_benchmark_covers_every_backend(capsys: pytest.CaptureFixture[str], postgres_url: str) -> None:

@@ -426,8 +426,10 @@ class _CachedCounter:
         """Tokens one message costs, its chat-format overhead included."""
         content = message.content
         calls = message.tool_calls
+        # Plain strings and tuples only: the collector stops tracking such keys, so a full
+        # cache adds nothing to a full garbage collection.
         key: _Key = (
-            message.role,
+            message.role.value,
             content if type(content) is str or content is None else _freeze(content),
             tuple([(c.id, c.name, c.arguments) for c in calls]) if calls else (),
             message.tool_call_id,

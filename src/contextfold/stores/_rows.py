@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, get_args
 
@@ -418,29 +418,19 @@ class PressureCounters:
     def after(self, episode: Episode, at: datetime) -> PressureCounters:
         """The counters once ``episode`` is recorded at ``at`` with seq ``last_seq + 1``."""
         seq = self.last_seq + 1
-        new = replace(self, last_seq=seq, first_at=self.first_at or at)
+        total = self.total_user_messages
+        since = self.user_messages_since_boundary
+        runs = self.run_completed_since_boundary
+        after = self.user_messages_after_latest_run_completed
+        boundary = self.boundary_seq
         if isinstance(episode, UserMessageEpisode):
-            return replace(
-                new,
-                total_user_messages=new.total_user_messages + 1,
-                user_messages_since_boundary=new.user_messages_since_boundary + 1,
-                user_messages_after_latest_run_completed=new.user_messages_after_latest_run_completed + 1,
-            )
-        if isinstance(episode, RunCompletedEpisode) and episode.clean:
-            return replace(
-                new,
-                run_completed_since_boundary=new.run_completed_since_boundary + 1,
-                user_messages_after_latest_run_completed=0,
-            )
-        if isinstance(episode, SummaryCheckpoint | ManualRecoveryBoundary):
-            return replace(
-                new,
-                user_messages_since_boundary=0,
-                run_completed_since_boundary=0,
-                user_messages_after_latest_run_completed=0,
-                boundary_seq=seq,
-            )
-        return new
+            total, since, after = total + 1, since + 1, after + 1
+        elif isinstance(episode, RunCompletedEpisode):
+            if episode.clean:
+                runs, after = runs + 1, 0
+        elif isinstance(episode, SummaryCheckpoint | ManualRecoveryBoundary):
+            since, runs, after, boundary = 0, 0, 0, seq
+        return PressureCounters(seq, total, since, runs, after, boundary, self.first_at or at)
 
     def pressure(self, now: datetime, estimated_context_tokens: int | None) -> EpisodicCompactionPressure:
         return EpisodicCompactionPressure(
