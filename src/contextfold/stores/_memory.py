@@ -118,12 +118,13 @@ class MemoryStore(AsyncResource):
         )
         return stored
 
-    def _record_body(self, thread: str, episode: Episode, body: str, when: datetime) -> EpisodeRecord:
+    def _record_body(self, thread: str, episode: Episode, body: str, when: datetime) -> int:
+        """Append the episode's JSON to the thread's log; return its seq."""
         log = self._logs.setdefault(thread, _Log())
         counters = log.counters.after(episode, when)
         log.records.append((when, body))
         log.counters = counters
-        return EpisodeRecord(thread=thread, seq=counters.last_seq, at=when, episode=episode)
+        return counters.last_seq
 
     def _window(self, thread: str, context: _Context, start: int, *, complete: bool) -> ContextWindow:
         return ContextWindow(
@@ -264,7 +265,8 @@ class MemoryStore(AsyncResource):
         check_thread(thread)
         when = utc(at, "at")
         body = encode_episode(episode)
-        return self._record_body(thread, episode, body, when)
+        seq = self._record_body(thread, episode, body, when)
+        return EpisodeRecord(thread=thread, seq=seq, at=when, episode=episode)
 
     async def replay(self, thread: str, *, from_seq: int = 0) -> AsyncIterator[EpisodeRecord]:
         await self._enter()
@@ -314,7 +316,7 @@ class MemoryStore(AsyncResource):
         check_total(thread, context.stats.total_tokens + sum(count for _, count, _ in rows))
         when = datetime.now(UTC)
         pairs = zip(episodes, bodies, strict=True)
-        seqs = [self._record_body(thread, episode, body, when).seq for episode, body in pairs]
+        seqs = [self._record_body(thread, episode, body, when) for episode, body in pairs]
         return self._append_rows(thread, rows, [None if link is None else seqs[link] for link in links])
 
     async def fold(
@@ -333,7 +335,9 @@ class MemoryStore(AsyncResource):
         check_replace(through_seq, expected_version)
         rows = encode_rows(replacement, tokens, field="replacement")
         context, cut, stats = self._swap(thread, through_seq, expected_version, rows)
-        record = self._record_body(thread, checkpoint, body, datetime.now(UTC))
+        when = datetime.now(UTC)
+        seq = self._record_body(thread, checkpoint, body, when)
+        record = EpisodeRecord(thread=thread, seq=seq, at=when, episode=checkpoint)
         self._contexts[thread] = context
         self._apply(context, cut, stats, through_seq, rows, record.seq)
         return record
