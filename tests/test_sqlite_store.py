@@ -195,10 +195,10 @@ async def test_state_is_one_statement(tmp_path: Path) -> None:
         await fill(store, "t", 2_000)
         await store.record("t", UserMessageEpisode(message=Message.user("a")))
         statements: list[str] = []
-        assert store._reader is not None
-        store._reader.set_trace_callback(statements.append)
+        assert store._loop_reader is not None
+        store._loop_reader.set_trace_callback(statements.append)
         state = await store.state("t")
-        store._reader.set_trace_callback(None)
+        store._loop_reader.set_trace_callback(None)
     assert len(statements) == 1, statements
     assert (state.stats.message_count, state.pressure.total_user_messages) == (2_000, 1)
     assert state.pressure.estimated_context_tokens == 2_000
@@ -219,8 +219,8 @@ async def test_state_does_the_same_work_whatever_the_thread_length(tmp_path: Pat
             steps += 1
             return 0
 
-        assert store._reader is not None
-        store._reader.set_progress_handler(count, 1)
+        assert store._loop_reader is not None
+        store._loop_reader.set_progress_handler(count, 1)
         work = {}
         for thread in ("short", "long"):
             steps = 0
