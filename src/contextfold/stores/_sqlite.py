@@ -549,6 +549,8 @@ class _Worker:
                     with anyio.CancelScope(shield=True):
                         await to_thread.run_sync(ended.wait)
                 raise
+            # A caller cancelled while it waited got through the shield: it raises now, as on asyncio.
+            await anyio.lowlevel.checkpoint_if_cancelled()
         return cast(_T, job.result())
 
 
