@@ -580,7 +580,7 @@ async def wait_for(flag: threading.Event) -> None:
 
 @BOTH
 async def test_a_caller_cancelled_mid_write_waits_for_the_write(tmp_path: Path) -> None:
-    """A caller cancelled while its write runs returns only once the write ended; the row is all there."""
+    """A caller cancelled while its write runs gets its result only once the write ended, then raises."""
     path = tmp_path / "cancel.db"
     async with SQLiteStore(path) as store:
         begun = threading.Event()
@@ -593,14 +593,18 @@ async def test_a_caller_cancelled_mid_write_waits_for_the_write(tmp_path: Path) 
 
                 async def write() -> None:
                     with scope:
-                        await store.record_and_append(
+                        stored = await store.record_and_append(
                             "t",
                             [UserMessageEpisode(message=Message.user("a"))],
                             [Message.user("a")],
                             [3],
                             message_episodes=[0],
                         )
-                    returned.set()
+                        # As anyio.to_thread.run_sync: the call's result, then the cancellation.
+                        assert [(s.seq, s.episode_seq) for s in stored] == [(1, 1)]
+                        returned.set()
+                        await anyio.lowlevel.checkpoint()
+                        pytest.fail("the cancellation was not raised at the next checkpoint")
 
                 group.start_soon(write)
                 await wait_for(begun)  # BEGIN IMMEDIATE is waiting for the blocker
@@ -620,7 +624,9 @@ async def test_a_caller_cancelled_mid_write_waits_for_the_write(tmp_path: Path) 
 
 
 @BOTH
-async def test_a_queued_write_never_runs_after_its_cancelled_caller_returned(tmp_path: Path) -> None:
+async def test_a_queued_write_never_runs_after_its_cancelled_caller_returned(
+    tmp_path: Path, anyio_backend: str
+) -> None:
     """A write cancelled while queued behind another is skipped, or done before its caller returns."""
     path = tmp_path / "queued.db"
     async with SQLiteStore(path) as store:
@@ -636,7 +642,10 @@ async def test_a_queued_write_never_runs_after_its_cancelled_caller_returned(tmp
 
                 async def second() -> None:
                     with scope:
+                        # Skipped (asyncio: it is still queued) or run to its end first (trio:
+                        # the waiting thread is not abandoned); either way the scope raises.
                         await store.append("second", [Message.user("b")], [1])
+                        await anyio.lowlevel.checkpoint()
                     counts.append(query(path, "SELECT count(*) FROM messages WHERE thread = 'second'"))
 
                 group.start_soon(second)
@@ -651,6 +660,8 @@ async def test_a_queued_write_never_runs_after_its_cancelled_caller_returned(tmp
         store._conn.set_trace_callback(None)  # not before: it waits for the connection's mutex
         assert scope.cancelled_caught
         assert counts == [query(path, "SELECT count(*) FROM messages WHERE thread = 'second'")]
+        if anyio_backend == "asyncio":
+            assert counts == [[(0,)]], "a call still queued when its caller was cancelled is skipped"
         assert (await store.stats("first")).message_count == 1
 
 

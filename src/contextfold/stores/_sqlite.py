@@ -7,10 +7,12 @@ never waits on the disk or on another process's write lock. On asyncio a call
 is handed to that thread through a ``queue.SimpleQueue`` and its result comes
 back with ``loop.call_soon_threadsafe``: two cheap hops instead of a trip
 through a thread pool. On other backends (trio) the caller waits for the same
-thread from ``anyio.to_thread.run_sync``. Either way a caller cancelled while
-its call runs waits, shielded, for the call to end and then raises its
-cancellation; a call whose caller was cancelled before it started is skipped,
-so nothing runs on the connection for a caller that already returned.
+thread from ``anyio.to_thread.run_sync``. Either way cancellation works as
+``anyio.to_thread.run_sync``'s (never abandoning the thread): a caller
+cancelled while its call runs waits, shielded, for the call to end, gets its
+result, and its cancelled scope raises at its next checkpoint; a call whose
+caller was cancelled before it started is skipped, so nothing runs on the
+connection for a caller that already returned.
 
 The file is in WAL mode, so readers do not block the writer, and several
 processes may open it at once: ``BEGIN IMMEDIATE`` serializes their writes and
@@ -46,6 +48,7 @@ thread, deletes, and removes the row again, all in one transaction.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import queue
 import sqlite3
@@ -534,9 +537,13 @@ class _Worker:
             try:
                 await waiter
             except asyncio.CancelledError:
-                if not job.take():
-                    await _wait_out(job, loop)
-                raise
+                if job.take():
+                    raise  # it never runs
+                # As anyio.to_thread.run_sync: wait, shielded, and return what the call
+                # returned; the cancelled scope raises at the caller's next checkpoint.
+                # A plain asyncio cancel (no cancelled anyio scope) is raised at once.
+                if await _wait_out(job, loop) or anyio.current_effective_deadline() != -math.inf:
+                    raise
         else:
             ended = threading.Event()
             job.notify = ended.set
@@ -549,13 +556,15 @@ class _Worker:
                     with anyio.CancelScope(shield=True):
                         await to_thread.run_sync(ended.wait)
                 raise
-            # A caller cancelled while it waited got through the shield: it raises now, as on asyncio.
-            await anyio.lowlevel.checkpoint_if_cancelled()
         return cast(_T, job.result())
 
 
-async def _wait_out(job: _Job, loop: asyncio.AbstractEventLoop) -> None:
-    """Wait, shielded, until the worker thread has finished ``job``, which has started."""
+async def _wait_out(job: _Job, loop: asyncio.AbstractEventLoop) -> bool:
+    """Wait, shielded, until the worker thread has finished ``job``, which has started.
+
+    True if a plain asyncio cancel (which the shield does not hold back) came meanwhile.
+    """
+    cancelled = False
     with anyio.CancelScope(shield=True):
         while job.outcome is None:
             # The worker sets the outcome before it schedules _wake, which runs on this
@@ -564,7 +573,8 @@ async def _wait_out(job: _Job, loop: asyncio.AbstractEventLoop) -> None:
             try:
                 await waiter
             except asyncio.CancelledError:
-                continue  # a plain asyncio cancel inside the shield: the call still runs
+                cancelled = True  # the call still runs: raised once it ended
+    return cancelled
 
 
 class SQLiteStore(AsyncResource):
