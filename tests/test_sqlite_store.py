@@ -9,6 +9,9 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +23,7 @@ from contextfold import ConfigError, Message, StoreError
 from contextfold._errors import StoreClosedError
 from contextfold.episodes import UserMessageEpisode
 from contextfold.stores import SQLiteStore
-from contextfold.stores._sqlite import _MIGRATIONS, SCHEMA_VERSION
+from contextfold.stores._sqlite import _MIGRATIONS, SCHEMA_VERSION, _Worker
 
 
 def query(path: Path, statement: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -195,10 +198,10 @@ async def test_state_is_one_statement(tmp_path: Path) -> None:
         await fill(store, "t", 2_000)
         await store.record("t", UserMessageEpisode(message=Message.user("a")))
         statements: list[str] = []
-        assert store._reader is not None
-        store._reader.set_trace_callback(statements.append)
+        assert store._loop_reader is not None
+        store._loop_reader.set_trace_callback(statements.append)
         state = await store.state("t")
-        store._reader.set_trace_callback(None)
+        store._loop_reader.set_trace_callback(None)
     assert len(statements) == 1, statements
     assert (state.stats.message_count, state.pressure.total_user_messages) == (2_000, 1)
     assert state.pressure.estimated_context_tokens == 2_000
@@ -219,8 +222,8 @@ async def test_state_does_the_same_work_whatever_the_thread_length(tmp_path: Pat
             steps += 1
             return 0
 
-        assert store._reader is not None
-        store._reader.set_progress_handler(count, 1)
+        assert store._loop_reader is not None
+        store._loop_reader.set_progress_handler(count, 1)
         work = {}
         for thread in ("short", "long"):
             steps = 0
@@ -517,3 +520,278 @@ async def test_a_read_that_must_wait_for_a_recovery_waits_off_the_event_loop(tmp
                 await process.stdin.send(b"done\n")
             await process.wait()
         assert stats[0].total_tokens == 4
+
+
+BOTH = pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+
+
+def store_threads(path: Path) -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name == f"contextfold-sqlite {path}"]
+
+
+@BOTH
+async def test_the_writing_thread_is_one_named_thread_that_aclose_ends(tmp_path: Path) -> None:
+    """Every write runs in the store's one daemon thread, named after the file; aclose() ends it."""
+    path = tmp_path / "thread.db"
+    store = SQLiteStore(path)
+    assert store_threads(path) == []  # started on first use
+    async with store:
+        (thread,) = store_threads(path)
+        assert thread.daemon
+        await store.append("t", [Message.user("a")], [1])
+        await store.record("t", UserMessageEpisode(message=Message.user("a")))
+        ran_in = {await store._call(lambda conn: threading.current_thread()) for _ in range(5)}
+        assert ran_in == {thread}
+        assert store_threads(path) == [thread]
+    assert store_threads(path) == []
+    assert not thread.is_alive()
+    assert (store._conn, store._reader, store._loop_reader) == (None, None, None)
+    with pytest.raises(StoreClosedError):
+        await store.state("t")
+
+
+@BOTH
+async def test_an_unused_store_closes_without_a_thread(tmp_path: Path) -> None:
+    """A store closed before any call never starts its thread nor creates its file."""
+    path = tmp_path / "unused.db"
+    store = SQLiteStore(path)
+    await store.aclose()
+    assert store_threads(path) == []
+    assert not path.exists()
+
+
+@contextlib.contextmanager
+def holding_the_write_lock(path: Path) -> Iterator[sqlite3.Connection]:
+    blocker = sqlite3.connect(path, isolation_level=None)
+    try:
+        blocker.execute("BEGIN IMMEDIATE")
+        yield blocker
+    finally:
+        if blocker.in_transaction:
+            blocker.execute("ROLLBACK")
+        blocker.close()
+
+
+async def wait_for(flag: threading.Event) -> None:
+    with anyio.fail_after(10):
+        while not flag.is_set():
+            await anyio.sleep(0.005)
+
+
+@BOTH
+async def test_a_caller_cancelled_mid_write_waits_for_the_write(tmp_path: Path) -> None:
+    """A caller cancelled while its write runs gets its result only once the write ended, then raises."""
+    path = tmp_path / "cancel.db"
+    async with SQLiteStore(path) as store:
+        begun = threading.Event()
+        assert store._conn is not None
+        store._conn.set_trace_callback(lambda statement: begun.set())
+        returned = anyio.Event()
+        with holding_the_write_lock(path) as blocker:
+            async with anyio.create_task_group() as group:
+                scope = anyio.CancelScope()
+
+                async def write() -> None:
+                    with scope:
+                        stored = await store.record_and_append(
+                            "t",
+                            [UserMessageEpisode(message=Message.user("a"))],
+                            [Message.user("a")],
+                            [3],
+                            message_episodes=[0],
+                        )
+                        # As anyio.to_thread.run_sync: the call's result, then the cancellation.
+                        assert [(s.seq, s.episode_seq) for s in stored] == [(1, 1)]
+                        returned.set()
+                        await anyio.lowlevel.checkpoint()
+                        pytest.fail("the cancellation was not raised at the next checkpoint")
+
+                group.start_soon(write)
+                await wait_for(begun)  # BEGIN IMMEDIATE is waiting for the blocker
+                scope.cancel()
+                for _ in range(50):
+                    await anyio.lowlevel.checkpoint()
+                await anyio.sleep(0.1)
+                assert not returned.is_set(), "the caller returned while its write still ran"
+                blocker.execute("COMMIT")
+        store._conn.set_trace_callback(None)
+        assert scope.cancelled_caught
+        assert query(path, "SELECT count(*) FROM messages") == [(1,)]
+        assert query(path, "SELECT count(*) FROM episodes") == [(1,)]
+        assert query(path, "SELECT message_count, total_tokens, last_seq FROM threads") == [(1, 3, 1)]
+        state = await store.state("t")
+        assert (state.stats.message_count, state.pressure.total_user_messages) == (1, 1)
+
+
+@BOTH
+async def test_a_queued_write_never_runs_after_its_cancelled_caller_returned(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    """A write cancelled while queued behind another is skipped, or done before its caller returns."""
+    path = tmp_path / "queued.db"
+    async with SQLiteStore(path) as store:
+        begun = threading.Event()
+        assert store._conn is not None
+        store._conn.set_trace_callback(lambda statement: begun.set())
+        counts: list[Any] = []
+        with holding_the_write_lock(path) as blocker:
+            async with anyio.create_task_group() as group:
+                group.start_soon(store.append, "first", [Message.user("a")], [1])
+                await wait_for(begun)  # the first write waits for the blocker in the thread
+                scope = anyio.CancelScope()
+
+                async def second() -> None:
+                    with scope:
+                        # Skipped (asyncio: it is still queued) or run to its end first (trio:
+                        # the waiting thread is not abandoned); either way the scope raises.
+                        await store.append("second", [Message.user("b")], [1])
+                        await anyio.lowlevel.checkpoint()
+                    counts.append(query(path, "SELECT count(*) FROM messages WHERE thread = 'second'"))
+
+                group.start_soon(second)
+                for _ in range(20):
+                    await anyio.lowlevel.checkpoint()
+                scope.cancel()
+                with anyio.move_on_after(0.2):
+                    while not counts:
+                        await anyio.sleep(0.01)
+                blocker.execute("COMMIT")
+        await store._call(lambda conn: None)  # everything queued before has run
+        store._conn.set_trace_callback(None)  # not before: it waits for the connection's mutex
+        assert scope.cancelled_caught
+        assert counts == [query(path, "SELECT count(*) FROM messages WHERE thread = 'second'")]
+        if anyio_backend == "asyncio":
+            assert counts == [[(0,)]], "a call still queued when its caller was cancelled is skipped"
+        assert (await store.stats("first")).message_count == 1
+
+
+class Counting:
+    """Counts the hops to a thread: anyio.to_thread.run_sync and submissions to the store's thread."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.hops: list[str] = []
+        real_run_sync = anyio.to_thread.run_sync
+        real_run = _Worker.run
+
+        async def run_sync(fn: Any, *args: Any, **kwargs: Any) -> Any:
+            self.hops.append("to_thread")
+            return await real_run_sync(fn, *args, **kwargs)
+
+        async def run(worker: _Worker, fn: Any) -> Any:
+            self.hops.append("worker")
+            return await real_run(worker, fn)
+
+        monkeypatch.setattr(anyio.to_thread, "run_sync", run_sync)
+        monkeypatch.setattr(_Worker, "run", run)
+
+
+async def filled(store: SQLiteStore) -> None:
+    await store.append("t", [Message.user("a"), Message.user("b")], [4, 5])
+    await store.record("t", UserMessageEpisode(message=Message.user("a")))
+
+
+async def point_reads(store: SQLiteStore) -> tuple[Any, ...]:
+    now = datetime.now(UTC)
+    return (
+        await store.state("t", now=now),
+        await store.state("never", now=now),
+        await store.stats("t"),
+        await store.pressure("t", now=now),
+        await store.pressure("never", now=now),
+    )
+
+
+@BOTH
+async def test_point_reads_run_on_the_loop_without_a_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """state(), stats() and pressure() read on the event loop itself, the same answers as the thread's."""
+    async with SQLiteStore(tmp_path / "loop.db") as store:
+        await filled(store)
+        frozen = datetime.now(UTC)
+        loop_reader = store._loop_reader
+        assert loop_reader is not None
+        threads: list[int] = []
+        loop_reader.set_trace_callback(lambda statement: threads.append(threading.get_ident()))
+        counting = Counting(monkeypatch)
+        on_loop = [
+            await store.state("t", now=frozen),
+            await store.stats("t"),
+            await store.pressure("t", now=frozen),
+        ]
+        assert counting.hops == []
+        assert threads == [threading.get_ident()] * 3
+        loop_reader.set_trace_callback(None)
+        store._loop_reader = None  # the thread path, as before the file was open
+        in_thread = [
+            await store.state("t", now=frozen),
+            await store.stats("t"),
+            await store.pressure("t", now=frozen),
+        ]
+        assert counting.hops == ["to_thread"] * 3
+        assert on_loop == in_thread
+        assert on_loop[1].message_count == 2 and on_loop[2].total_user_messages == 1
+
+
+class Refusing:
+    """A reader connection that answers every statement with the error SQLite gives when it is busy."""
+
+    def __init__(self, error: sqlite3.Error) -> None:
+        self.error = error
+        self.tried = 0
+
+    def execute(self, *args: Any) -> Any:
+        self.tried += 1
+        raise self.error
+
+
+@BOTH
+@pytest.mark.parametrize(
+    "error",
+    [
+        sqlite3.OperationalError("database is locked"),
+        sqlite3.OperationalError("database is busy"),
+        sqlite3.DatabaseError("database disk image is malformed"),
+    ],
+    ids=["locked", "busy", "other"],
+)
+async def test_a_point_read_refused_on_the_loop_is_done_in_the_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: sqlite3.Error
+) -> None:
+    """When the on-loop reader answers busy (or any SQLite error), the read is redone in a thread."""
+    async with SQLiteStore(tmp_path / "busy.db") as store:
+        await filled(store)
+        frozen = datetime.now(UTC)
+        on_loop = [
+            await store.state("t", now=frozen),
+            await store.stats("t"),
+            await store.pressure("t", now=frozen),
+        ]
+        refusing = Refusing(error)
+        store._loop_reader = refusing  # type: ignore[assignment]
+        counting = Counting(monkeypatch)
+        fallen_back = [
+            await store.state("t", now=frozen),
+            await store.stats("t"),
+            await store.pressure("t", now=frozen),
+        ]
+        assert refusing.tried == 3
+        assert counting.hops == ["to_thread"] * 3
+        assert fallen_back == on_loop
+
+
+async def test_a_point_read_waits_in_the_thread_until_the_store_is_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first read of a store not yet open opens it in its thread; the next ones stay on the loop."""
+    async with SQLiteStore(tmp_path / "first.db") as writer:
+        await filled(writer)
+    store = SQLiteStore(tmp_path / "first.db")
+    try:
+        counting = Counting(monkeypatch)
+        first = await store.stats("t")
+        assert counting.hops == ["worker", "to_thread"]
+        assert await store.stats("t") == first
+        assert counting.hops == ["worker", "to_thread"]
+    finally:
+        await store.aclose()

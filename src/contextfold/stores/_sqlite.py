@@ -1,13 +1,42 @@
 """``SQLiteStore``: both stores in one SQLite file, the embedded default.
 
-Every call is one short transaction run in a worker thread, so the event loop
-never waits on the disk or on another process's write lock. The file is in WAL
-mode, so readers do not block the writer, and several processes may open it at
-once: ``BEGIN IMMEDIATE`` serializes their writes and ``busy_timeout`` makes
-them queue instead of failing. Writes go through one connection; the reads a
-step makes before each request (``state``, ``stats``, ``pressure``, ``tail``)
-go through a second, read-only one, so they never queue behind the store's own
-write waiting for another process.
+Every write is one short transaction on the store's writing connection, run in
+the store's own worker thread (one per store, named ``contextfold-sqlite
+<path>``), one call at a time in the order they were made, so the event loop
+never waits on the disk or on another process's write lock. On asyncio a call
+is handed to that thread through a ``queue.SimpleQueue`` and its result comes
+back with ``loop.call_soon_threadsafe``: two cheap hops instead of a trip
+through a thread pool. On other backends (trio) the caller waits for the same
+thread from ``anyio.to_thread.run_sync``. Either way cancellation works as
+``anyio.to_thread.run_sync``'s (never abandoning the thread): a caller
+cancelled while its call runs waits, shielded, for the call to end, gets its
+result, and its cancelled scope raises at its next checkpoint; a call whose
+caller was cancelled before it started is skipped, so nothing runs on the
+connection for a caller that already returned.
+
+The file is in WAL mode, so readers do not block the writer, and several
+processes may open it at once: ``BEGIN IMMEDIATE`` serializes their writes and
+``busy_timeout`` makes them queue instead of failing. Reads that decode rows
+(``load``, ``tail``, ``replay``, ``threads``, ...) go through a second,
+read-only connection in a worker thread, so they never queue behind the
+store's own write waiting for another process.
+
+The per-step point reads (``state``, ``stats``, ``pressure``: one indexed
+SELECT of one row) run on the event loop itself, through a third read-only
+connection with ``PRAGMA busy_timeout = 0``. That is safe because in WAL mode
+a reader takes no lock a writer holds: it reads the last committed snapshot
+from the database file and the WAL, whatever other connections or processes
+are writing. The only times a WAL reader must wait (another process
+rebuilding the WAL index after a crash, a checkpoint resetting the WAL, a
+file not yet in WAL mode) SQLite answers ``SQLITE_BUSY`` or
+``SQLITE_LOCKED``, and with a busy timeout of 0 it answers at once instead of
+sleeping. On that answer, or any other SQLite error, or before the
+connections are open, the read is done again the ordinary way in a worker
+thread, which waits for up to ``busy_timeout`` and reports any error. So the
+loop spends on such a read what SQLite spends on one cached B-tree lookup,
+tens of microseconds, and never sleeps there. The on-loop connection is only
+ever used from the one thread that used it first; from any other thread a
+read takes the worker-thread path.
 
 The schema version lives in ``PRAGMA user_version`` and is migrated on open.
 The episode table is append-only in the database itself: triggers reject
@@ -18,8 +47,12 @@ thread, deletes, and removes the row again, all in one transaction.
 
 from __future__ import annotations
 
+import asyncio
+import math
 import os
+import queue
 import sqlite3
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -27,7 +60,7 @@ from contextlib import asynccontextmanager, contextmanager
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar, cast
 
 import anyio
 from anyio import to_thread
@@ -61,6 +94,14 @@ from ._rows import (
     utc,
     version_conflict,
 )
+
+try:
+    from sniffio import current_async_library as _current_async_library
+except ModuleNotFoundError:  # pragma: no cover - trio requires sniffio: without it the loop is asyncio's
+
+    def _current_async_library() -> str:
+        return "asyncio"
+
 
 __all__ = ["SCHEMA_VERSION", "SQLiteStore"]
 
@@ -394,6 +435,148 @@ def _episode_record(thread: str, seq: int, at: str, body: str) -> EpisodeRecord:
     )
 
 
+_STATE_QUERY = f"""SELECT t.message_count, t.total_tokens, t.version, t.last_seq,
+    {", ".join(f"c.{name.strip()}" for name in _COUNTERS.split(","))}
+FROM (SELECT ? AS thread) AS k
+LEFT JOIN threads AS t ON t.thread = k.thread
+LEFT JOIN episode_threads AS c ON c.thread = k.thread"""
+
+
+def _read_state(conn: sqlite3.Connection, thread: str) -> tuple[ThreadStats, PressureCounters]:
+    row = _one(conn, _STATE_QUERY, (thread,))
+    assert row is not None
+    return _stats(thread, row[:4]), _counters(thread, row[4:])
+
+
+class _Job:
+    """One call for a store's worker thread.
+
+    ``claim`` holds a single token: the worker takes it to start the call, a
+    cancelled caller takes it to skip a call not yet started. ``list.pop`` is
+    atomic, so exactly one of them gets it.
+    """
+
+    __slots__ = ("claim", "fn", "notify", "outcome", "waiter")
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.fn = fn
+        self.claim = [True]
+        self.notify: Callable[[], object] = _nothing
+        self.outcome: tuple[bool, Any] | None = None
+        self.waiter: asyncio.Future[None] | None = None
+
+    def take(self) -> bool:
+        """Take the token: true for the first taker only (the worker to run, or a caller to skip)."""
+        try:
+            self.claim.pop()
+        except IndexError:
+            return False
+        return True
+
+    def result(self) -> Any:
+        assert self.outcome is not None
+        done, value = self.outcome
+        if done:
+            return value
+        raise value
+
+
+def _nothing() -> None:
+    pass
+
+
+def _notify_loop(loop: asyncio.AbstractEventLoop, job: _Job) -> None:
+    """In the worker thread: have ``loop`` wake the caller of ``job``."""
+    try:
+        loop.call_soon_threadsafe(_wake, job)
+    except RuntimeError:
+        pass  # the loop was closed: nobody waits for this call any more
+
+
+def _wake(job: _Job) -> None:
+    """On the caller's loop: the call ended."""
+    waiter = job.waiter
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
+
+
+class _Worker:
+    """The thread that runs a store's calls on its writing connection, in order, one at a time."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        jobs = self._jobs
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            if job.take():
+                try:
+                    job.outcome = (True, job.fn())
+                except BaseException as exc:  # handed to the caller, which raises it
+                    job.outcome = (False, exc)
+                job.notify()
+            # else its caller was cancelled before it started: it never runs
+
+    def stop(self) -> None:
+        """End the thread after the calls already submitted."""
+        self._jobs.put(None)
+
+    async def run(self, fn: Callable[[], _T]) -> _T:
+        """``fn()`` in the thread, with ``anyio.to_thread.run_sync``'s cancellation (never abandoned)."""
+        job = _Job(fn)
+        if _current_async_library() == "asyncio":
+            loop = asyncio.get_running_loop()
+            waiter = job.waiter = loop.create_future()
+            job.notify = partial(_notify_loop, loop, job)
+            self._jobs.put(job)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if job.take():
+                    raise  # it never runs
+                # As anyio.to_thread.run_sync: wait, shielded, and return what the call
+                # returned; the cancelled scope raises at the caller's next checkpoint.
+                # A plain asyncio cancel (no cancelled anyio scope) is raised at once.
+                if await _wait_out(job, loop) or anyio.current_effective_deadline() != -math.inf:
+                    raise
+        else:
+            ended = threading.Event()
+            job.notify = ended.set
+            self._jobs.put(job)
+            try:
+                await to_thread.run_sync(ended.wait)
+            except anyio.get_cancelled_exc_class():
+                # Cancelled before the waiting thread started (once started, it is not abandoned).
+                if not job.take():
+                    with anyio.CancelScope(shield=True):
+                        await to_thread.run_sync(ended.wait)
+                raise
+        return cast(_T, job.result())
+
+
+async def _wait_out(job: _Job, loop: asyncio.AbstractEventLoop) -> bool:
+    """Wait, shielded, until the worker thread has finished ``job``, which has started.
+
+    True if a plain asyncio cancel (which the shield does not hold back) came meanwhile.
+    """
+    cancelled = False
+    with anyio.CancelScope(shield=True):
+        while job.outcome is None:
+            # The worker sets the outcome before it schedules _wake, which runs on this
+            # loop after this fresh waiter is in place.
+            waiter = job.waiter = loop.create_future()
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                cancelled = True  # the call still runs: raised once it ended
+    return cancelled
+
+
 class SQLiteStore(AsyncResource):
     """A ``Store`` (both memories) in one SQLite file.
 
@@ -428,9 +611,15 @@ class SQLiteStore(AsyncResource):
             "lease_seconds", lease_seconds, example=300, maximum=_MAX_LEASE
         )
         self._synchronous = check_choice("synchronous", synchronous, ("FULL", "NORMAL"))
+        # The worker thread opens, uses and closes the connections; it starts on first use.
+        self._worker: _Worker | None = None
         self._conn: sqlite3.Connection | None = None
         self._reader: sqlite3.Connection | None = None
-        self._lock = anyio.Lock()
+        # The point reads' connection (busy_timeout 0), used on the event loop only,
+        # from one thread: the first that used it, kept under key 0.
+        self._loop_conn: sqlite3.Connection | None = None
+        self._loop_reader: sqlite3.Connection | None = None
+        self._loop_thread: dict[int, int] = {}
         self._read_lock = anyio.Lock()
         self._closed = False
         self._leases: set[tuple[str, str]] = set()
@@ -445,23 +634,36 @@ class SQLiteStore(AsyncResource):
         return self
 
     async def aclose(self) -> None:
-        """Close both connections, releasing this store's leases; idempotent, and never cut short.
+        """Close the connections, release this store's leases and end its thread; idempotent, never cut short.
 
-        Shielded from cancellation, it waits for a call in progress (at most
-        ``busy_timeout`` plus a few seconds) and then closes, so a store
-        closed by a cancelled task holds no connection afterwards.
+        Shielded from cancellation, it waits for the calls already made (at
+        most ``busy_timeout`` plus a few seconds for one in progress), then
+        closes the connections in the store's thread and waits for that thread
+        to end, so a store closed by a cancelled task holds no connection and
+        no thread afterwards.
         """
         self._closed = True
+        self._loop_reader = None
         with anyio.move_on_after(self._busy_timeout + _CLOSE_GRACE, shield=True):
-            async with self._lock, self._read_lock:
-                conn, self._conn = self._conn, None
-                reader, self._reader = self._reader, None
-                if conn is not None or reader is not None:
-                    await to_thread.run_sync(self._close, conn, reader)
+            async with self._read_lock:
+                worker, self._worker = self._worker, None
+                if worker is None:
+                    return
+                try:
+                    await worker.run(self._close)
+                finally:
+                    worker.stop()
+                await to_thread.run_sync(worker.thread.join)
 
-    def _close(self, conn: sqlite3.Connection | None, reader: sqlite3.Connection | None) -> None:
-        if reader is not None:
-            reader.close()
+    def _close(self) -> None:
+        """In the worker thread: close the connections, releasing the leases first."""
+        conn, self._conn = self._conn, None
+        reader, self._reader = self._reader, None
+        loop_conn, self._loop_conn = self._loop_conn, None
+        self._loop_reader = None
+        for other in (loop_conn, reader):
+            if other is not None:
+                other.close()
         if conn is None:
             return
         try:
@@ -476,23 +678,33 @@ class SQLiteStore(AsyncResource):
         finally:
             conn.close()
 
-    def _connect(self) -> tuple[sqlite3.Connection, sqlite3.Connection]:
-        """The writing connection, with the file in WAL mode and migrated, and the read-only one."""
-        conn = self._open()
+    def _writer(self) -> sqlite3.Connection:
+        """In the worker thread: the writing connection, opening all three on first use."""
+        if self._conn is None:
+            conn, reader, loop_conn = self._connect()
+            self._conn, self._reader, self._loop_conn = conn, reader, loop_conn
+            if not self._closed:
+                self._loop_reader = loop_conn
+        return self._conn
+
+    def _connect(self) -> tuple[sqlite3.Connection, sqlite3.Connection, sqlite3.Connection]:
+        """The writing connection, with the file in WAL mode and migrated, and the two read-only ones."""
+        opened: list[sqlite3.Connection] = []
         try:
+            conn = self._open(self._busy_timeout)
+            opened.append(conn)
             self._enter_wal(conn)
             conn.execute(f"PRAGMA synchronous = {self._synchronous}")
             self._migrate(conn)
-            reader = self._open()
-            try:
+            for timeout in (self._busy_timeout, 0.0):
+                reader = self._open(timeout)
+                opened.append(reader)
                 reader.execute("PRAGMA query_only = ON")
-            except BaseException:
-                reader.close()
-                raise
         except BaseException:
-            conn.close()
+            for each in opened:
+                each.close()
             raise
-        return conn, reader
+        return conn, opened[1], opened[2]
 
     def _enter_wal(self, conn: sqlite3.Connection) -> None:
         """Switch the file to WAL, retrying: the switch skips the busy handler when another opener races."""
@@ -506,12 +718,10 @@ class SQLiteStore(AsyncResource):
                     raise
                 time.sleep(0.01)
 
-    def _open(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(
-            self.path, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False
-        )
+    def _open(self, busy_timeout: float) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, timeout=busy_timeout, isolation_level=None, check_same_thread=False)
         try:
-            conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout * 1000)}")
+            conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
         except BaseException:
             conn.close()
             raise
@@ -538,17 +748,16 @@ class SQLiteStore(AsyncResource):
         return StoreError(f"SQLite database {str(self.path)!r}: {exc}")
 
     async def _call(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
-        """Run ``fn`` on the writing connection in a worker thread, one call at a time."""
-        async with self._lock:
-            if self._closed:
-                raise self._closed_error()
-            try:
-                if self._conn is None:
-                    conn, reader = await to_thread.run_sync(self._connect)
-                    self._conn, self._reader = conn, reader
-                return await to_thread.run_sync(fn, self._conn)
-            except sqlite3.Error as exc:
-                raise self._error(exc) from exc
+        """Run ``fn`` on the writing connection in the store's thread, after the calls made before."""
+        if self._closed:
+            raise self._closed_error()
+        worker = self._worker
+        if worker is None:
+            worker = self._worker = _Worker(f"contextfold-sqlite {self.path}")
+        try:
+            return await worker.run(lambda: fn(self._writer()))
+        except sqlite3.Error as exc:
+            raise self._error(exc) from exc
 
     async def _read(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
         """Run ``fn`` on the read-only connection in a worker thread, beside the writes."""
@@ -561,6 +770,31 @@ class SQLiteStore(AsyncResource):
                 return await to_thread.run_sync(fn, self._reader)
             except sqlite3.Error as exc:
                 raise self._error(exc) from exc
+
+    async def _point_read(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        """A one-row read: on the event loop if SQLite answers at once, else as ``_read``."""
+        result = self._read_on_loop(fn)
+        if result is None:
+            return await self._read(fn)
+        return result
+
+    def _read_on_loop(self, fn: Callable[[sqlite3.Connection], _T]) -> _T | None:
+        """``fn`` on the busy_timeout-0 connection, or ``None`` when the worker thread must do it.
+
+        ``fn`` must never return ``None`` itself. Any SQLite error (busy, locked
+        or worse) falls back: the worker-thread read waits as long as it may and
+        reports the error.
+        """
+        reader = self._loop_reader
+        if reader is None:
+            return None
+        me = threading.get_ident()
+        if self._loop_thread.setdefault(0, me) != me:
+            return None  # another thread's loop uses this connection
+        try:
+            return fn(reader)
+        except sqlite3.Error:
+            return None
 
     # short-term -----------------------------------------------------------
 
@@ -636,26 +870,12 @@ class SQLiteStore(AsyncResource):
 
     async def stats(self, thread: str) -> ThreadStats:
         check_thread(thread)
-        return await self._read(partial(_read_stats, thread=thread))
+        return await self._point_read(partial(_read_stats, thread=thread))
 
     async def state(self, thread: str, *, now: datetime | None = None) -> ThreadState:
         check_thread(thread)
         when = utc(now, "now")
-
-        def run(conn: sqlite3.Connection) -> tuple[ThreadStats, PressureCounters]:
-            row = _one(
-                conn,
-                f"""SELECT t.message_count, t.total_tokens, t.version, t.last_seq,
-                    {", ".join(f"c.{name.strip()}" for name in _COUNTERS.split(","))}
-                FROM (SELECT ? AS thread) AS k
-                LEFT JOIN threads AS t ON t.thread = k.thread
-                LEFT JOIN episode_threads AS c ON c.thread = k.thread""",
-                (thread,),
-            )
-            assert row is not None
-            return _stats(thread, row[:4]), _counters(thread, row[4:])
-
-        stats, counters = await self._read(run)
+        stats, counters = await self._point_read(partial(_read_state, thread=thread))
         return ThreadState(stats=stats, pressure=counters.pressure(when, stats.total_tokens))
 
     async def replace_prefix(
@@ -752,7 +972,7 @@ class SQLiteStore(AsyncResource):
     ) -> EpisodicCompactionPressure:
         check_thread(thread)
         when = utc(now, "now")
-        counters = await self._read(partial(_read_counters, thread=thread))
+        counters = await self._point_read(partial(_read_counters, thread=thread))
         return counters.pressure(when, estimated_context_tokens)
 
     async def latest_checkpoint(self, thread: str) -> EpisodeRecord | None:
