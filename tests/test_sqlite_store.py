@@ -665,6 +665,23 @@ async def test_a_queued_write_never_runs_after_its_cancelled_caller_returned(
         assert (await store.stats("first")).message_count == 1
 
 
+@BOTH
+async def test_a_caller_cancelled_before_its_write_submits_nothing(tmp_path: Path, anyio_backend: str) -> None:
+    """A write made inside an already cancelled scope never reaches the thread, on either backend.
+
+    On trio the job used to be queued before the first checkpoint, so the thread
+    could take it and the cancelled caller then waited for the write to finish.
+    """
+    async with SQLiteStore(tmp_path / "cancelled.db") as store:
+        await store.append("warm", [Message.user("open the file")], [1])
+        for n in range(20):
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await store.append("t", [Message.user(f"m{n}")], [1])
+            assert scope.cancelled_caught
+        assert (await store.stats("t")).message_count == 0
+
+
 class Counting:
     """Counts the hops to a thread: anyio.to_thread.run_sync and submissions to the store's thread."""
 

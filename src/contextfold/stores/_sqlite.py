@@ -528,6 +528,9 @@ class _Worker:
 
     async def run(self, fn: Callable[[], _T]) -> _T:
         """``fn()`` in the thread, with ``anyio.to_thread.run_sync``'s cancellation (never abandoned)."""
+        # A caller already cancelled submits nothing: the thread could start the call
+        # before the caller's first checkpoint noticed the cancellation.
+        await anyio.lowlevel.checkpoint_if_cancelled()
         job = _Job(fn)
         if _current_async_library() == "asyncio":
             loop = asyncio.get_running_loop()
