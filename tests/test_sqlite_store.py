@@ -666,7 +666,9 @@ async def test_a_queued_write_never_runs_after_its_cancelled_caller_returned(
 
 
 @BOTH
-async def test_a_caller_cancelled_before_its_write_submits_nothing(tmp_path: Path, anyio_backend: str) -> None:
+async def test_a_caller_cancelled_before_its_write_submits_nothing(
+    tmp_path: Path, anyio_backend: str
+) -> None:
     """A write made inside an already cancelled scope never reaches the thread, on either backend.
 
     On trio the job used to be queued before the first checkpoint, so the thread
