@@ -369,7 +369,11 @@ _COUNTER_COLUMNS = (
 def _message_batch(
     thread: str, messages: Sequence[Message], tokens: Sequence[int], *, field: str = "messages"
 ) -> dict[str, Any]:
-    rows = encode_messages(messages, tokens, field=field)
+    return _row_params(thread, encode_messages(messages, tokens, field=field))
+
+
+def _row_params(thread: str, rows: Sequence[tuple[str, int]]) -> dict[str, Any]:
+    """Encoded message rows as the parameters of one insert."""
     counts = [count for _, count in rows]
     return {
         "m_n": len(rows),
@@ -676,14 +680,10 @@ class PostgresStore(AsyncResource):
         """Record ``episodes`` and append ``messages`` in one statement, so one transaction."""
         check_thread(thread)
         bodies, rows, links = encode_recording(episodes, messages, tokens, message_episodes)
-        counts = [count for _, count, _ in rows]
         params: dict[str, Any] = {
             "thread": thread,
             "at": None,
-            "m_n": len(rows),
-            "m_total": check_total(thread, sum(counts)),
-            "m_tokens": counts,
-            "m_bodies": [body for body, _, _ in rows],
+            **_row_params(thread, [(body, count) for body, count, _ in rows]),
             **_batch(episodes, bodies),
             "m_episodes": links,
         }

@@ -391,13 +391,18 @@ _ENCODE_ON_LOOP = 16
 """Messages a call encodes on the event loop; a larger batch is encoded in a worker thread."""
 
 
+async def _off_loop_if_large(messages: object, fn: Callable[[], _T]) -> _T:
+    """``fn()``, in a worker thread when ``messages`` is a batch large enough to stall the loop."""
+    if isinstance(messages, Sequence) and len(messages) > _ENCODE_ON_LOOP:
+        return await to_thread.run_sync(fn)
+    return fn()
+
+
 async def _encode(
     messages: Sequence[Message], tokens: Sequence[int], *, field: str = "messages"
 ) -> list[tuple[str, int]]:
     """``encode_messages``, off the event loop when the batch is large enough to stall it."""
-    if isinstance(messages, Sequence) and len(messages) > _ENCODE_ON_LOOP:
-        return await to_thread.run_sync(partial(encode_messages, messages, tokens, field=field))
-    return encode_messages(messages, tokens, field=field)
+    return await _off_loop_if_large(messages, partial(encode_messages, messages, tokens, field=field))
 
 
 async def _encode_recording(
@@ -407,13 +412,9 @@ async def _encode_recording(
     message_episodes: Sequence[int] | None,
 ) -> tuple[list[str], list[tuple[str, int]], list[int | None]]:
     """``encode_recording`` for a SQL row, off the event loop for a large batch."""
-    large = isinstance(messages, Sequence) and len(messages) > _ENCODE_ON_LOOP
-    if large:
-        bodies, rows, links = await to_thread.run_sync(
-            encode_recording, episodes, messages, tokens, message_episodes
-        )
-    else:
-        bodies, rows, links = encode_recording(episodes, messages, tokens, message_episodes)
+    bodies, rows, links = await _off_loop_if_large(
+        messages, partial(encode_recording, episodes, messages, tokens, message_episodes)
+    )
     return bodies, [(body, count) for body, count, _ in rows], links
 
 
