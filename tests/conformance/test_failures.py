@@ -22,7 +22,15 @@ from .conftest import SQL_BACKENDS, OpenStore, RawSQL
 # Every turn up to 12, then growing by half up to enough turns to outlast the
 # slowest operation here (a PostgreSQL transaction of a few round trips), so
 # the cancellations land before, at each step of, and after the operation.
-CANCEL_AFTER = [*range(12), *(int(12 * 1.5**n) for n in range(1, 13))]
+# A store that writes on a thread of its own advances while the loop does not,
+# so turns alone cannot say how far its write got: the float points cancel
+# after that many seconds instead, doubling up to long enough for a write on a
+# loaded machine, and a point ends early once the operation has finished.
+CANCEL_AFTER: list[int | float] = [
+    *range(12),
+    *(int(12 * 1.5**n) for n in range(1, 13)),
+    *(0.0005 * 2**n for n in range(14)),
+]
 
 
 def users(count: int, start: int = 0) -> list[Message]:
@@ -42,21 +50,29 @@ async def consistent(store: Any, thread: str) -> None:
     assert window.version == stats.version
 
 
-async def cancelled_after(turns: int, operation: Any) -> bool:
-    """Run ``operation`` and cancel it after ``turns`` scheduler turns; whether it finished first."""
-    finished = False
+async def cancelled_after(turns: int | float, operation: Any) -> bool:
+    """Run ``operation`` and cancel it after ``turns`` scheduler turns (an int) or seconds (a float).
+
+    Returns whether it finished first; waiting stops as soon as it has.
+    """
+    finished = anyio.Event()
 
     async def run() -> None:
-        nonlocal finished
         await operation()
-        finished = True
+        finished.set()
 
     async with anyio.create_task_group() as group:
         group.start_soon(run)
-        for _ in range(turns):
-            await checkpoint()
+        if isinstance(turns, float):
+            with anyio.move_on_after(turns):
+                await finished.wait()
+        else:
+            for _ in range(turns):
+                if finished.is_set():
+                    break
+                await checkpoint()
         group.cancel_scope.cancel()
-    return finished
+    return finished.is_set()
 
 
 async def test_a_cancelled_replacement_is_applied_whole_or_not_at_all(store: Any) -> None:
