@@ -9,11 +9,18 @@ how late it wakes: that is the event-loop lag every other coroutine sees.
 The longest garbage-collector pass during the run is printed beside it, since
 a full collection stops the loop as surely as blocking code does.
 
-Printed per backend, with the default collector and after ``gc.freeze()``:
-steps/s, hook p50/p99, the no-op hook's p99 (the checks where no trigger
-fired), loop-lag p99 and max, the longest collection, and the folds that ran.
+Two loads: saturated (agents never wait, the loop is never idle: throughput,
+and a lag that is one round of every agent's step) and paced (each step
+awaits a ``--model-ms`` model call, 100 ms by default, so the loop has room
+and the lag is what blocking work costs everyone else).
 
-Run it:  python benchmarks/bench_agents.py [--agents 50] [--steps 200] [--backends memory,sqlite,postgres]
+Printed per backend and load, with the default collector and after
+``gc.freeze()``: steps/s, hook p50/p99, the no-op hook's p99 (the checks where
+no trigger fired), loop-lag p99 and max, the longest collection, and the
+folds that ran.
+
+Run it:  python benchmarks/bench_agents.py [--agents 50] [--steps 200] [--model-ms 100]
+         [--backends memory,sqlite,postgres]
 PostgreSQL comes from ``--postgres-url`` or ``CONTEXTFOLD_TEST_POSTGRES_URL``.
 """
 
@@ -114,7 +121,9 @@ async def open_backend(name: str, folder: Path, postgres_url: str) -> AsyncItera
                 await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
-async def agent(compactor: Compactor, thread: str, messages: Sequence[str], out: Measured) -> None:
+async def agent(
+    compactor: Compactor, thread: str, messages: Sequence[str], out: Measured, model_seconds: float
+) -> None:
     """Step through the session; each message arrives as JSON, as it does from a model's API."""
     clock = time.perf_counter
     for body in messages:
@@ -128,6 +137,8 @@ async def agent(compactor: Compactor, thread: str, messages: Sequence[str], out:
         else:
             out.folds += 1
         await compactor.context(thread)
+        if model_seconds:
+            await anyio.sleep(model_seconds)  # the model call the context is sent to
         await compactor.append(thread, [message])
         out.steps += 1
 
@@ -141,7 +152,14 @@ async def ticker(out: Measured, stop: anyio.Event) -> None:
 
 
 async def run_backend(
-    backend: str, agents: int, steps: int, folder: Path, postgres_url: str, *, freeze: bool = False
+    backend: str,
+    agents: int,
+    steps: int,
+    folder: Path,
+    postgres_url: str,
+    *,
+    freeze: bool = False,
+    model_seconds: float = 0.0,
 ) -> Measured:
     out = Measured()
     counter = TiktokenCounter()
@@ -157,11 +175,13 @@ async def run_backend(
             gc.collect()
             gc.freeze()
         with GcTimer(out.gc_pauses):
-            await run_agents(compactor, sessions, out)
+            await run_agents(compactor, sessions, out, model_seconds)
     return out
 
 
-async def run_agents(compactor: Compactor, sessions: list[list[str]], out: Measured) -> None:
+async def run_agents(
+    compactor: Compactor, sessions: list[list[str]], out: Measured, model_seconds: float
+) -> None:
     """Every agent on its own thread at once, with the lag ticker beside them."""
     stop = anyio.Event()
     started = time.perf_counter()
@@ -169,30 +189,43 @@ async def run_agents(compactor: Compactor, sessions: list[list[str]], out: Measu
         outer.start_soon(ticker, out, stop)
         async with anyio.create_task_group() as group:
             for n, messages in enumerate(sessions):
-                group.start_soon(agent, compactor, f"agent-{n}", messages, out)
+                group.start_soon(agent, compactor, f"agent-{n}", messages, out, model_seconds)
         out.seconds = time.perf_counter() - started
         stop.set()
 
 
-async def main_async(agents: int, steps: int, backends: Sequence[str], postgres_url: str) -> int:
+async def main_async(
+    agents: int, steps: int, backends: Sequence[str], postgres_url: str, model_ms: float
+) -> int:
     print(f"{agents} agents x {steps} steps on one store, 8k-token trigger, instant summarizer")
     print("+freeze: gc.freeze() after start-up, so full collections skip the imported modules' objects")
+    print(f"paced: each step awaits a {model_ms:g} ms model call; saturated: no wait at all")
     print(
-        f"{'backend':<16} {'steps/s':>8} {'hook p50 ms':>12} {'hook p99 ms':>12} {'no-op p99 ms':>13} "
+        f"{'backend':<25} {'steps/s':>8} {'hook p50 ms':>12} {'hook p99 ms':>12} {'no-op p99 ms':>13} "
         f"{'lag p99 ms':>11} {'lag max ms':>11} {'gc max ms':>10} {'folds':>6}"
     )
     with tempfile.TemporaryDirectory() as folder:
-        for backend, freeze in [(b, f) for f in (False, True) for b in backends]:
+        loads = [("saturated", 0.0)] + ([("paced", model_ms / 1e3)] if model_ms else [])
+        runs = [(b, f, load) for load in loads for f in (False, True) for b in backends]
+        for backend, freeze, (load, model_seconds) in runs:
             try:
-                m = await run_backend(backend, agents, steps, Path(folder), postgres_url, freeze=freeze)
+                m = await run_backend(
+                    backend,
+                    agents,
+                    steps,
+                    Path(folder),
+                    postgres_url,
+                    freeze=freeze,
+                    model_seconds=model_seconds,
+                )
             except OSError as exc:
                 print(f"{backend:<8} skipped: {exc}", file=sys.stderr)
                 continue
             finally:
                 gc.unfreeze()
-            label = f"{backend}{' +freeze' if freeze else ''}"
+            label = f"{backend}{' +freeze' if freeze else ''} {load}"
             print(
-                f"{label:<16} {m.steps / m.seconds:8.0f} {statistics.median(m.hooks) * 1e3:12.2f} "
+                f"{label:<25} {m.steps / m.seconds:8.0f} {statistics.median(m.hooks) * 1e3:12.2f} "
                 f"{percentile(m.hooks, 0.99) * 1e3:12.2f} {percentile(m.noop_hooks, 0.99) * 1e3:13.2f} "
                 f"{percentile(m.lags, 0.99) * 1e3:11.2f} {max(m.lags, default=0.0) * 1e3:11.2f} "
                 f"{max(m.gc_pauses, default=0.0) * 1e3:10.2f} {m.folds:6d}"
@@ -206,10 +239,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--backends", default="memory,sqlite,postgres")
     parser.add_argument(
+        "--model-ms", type=float, default=100.0, help="the paced load's model call per step; 0 skips it"
+    )
+    parser.add_argument(
         "--postgres-url", default=os.environ.get("CONTEXTFOLD_TEST_POSTGRES_URL", DEFAULT_POSTGRES_URL)
     )
     args = parser.parse_args(argv)
-    return anyio.run(main_async, args.agents, args.steps, args.backends.split(","), args.postgres_url)
+    return anyio.run(
+        main_async, args.agents, args.steps, args.backends.split(","), args.postgres_url, args.model_ms
+    )
 
 
 if __name__ == "__main__":

@@ -58,11 +58,14 @@ def test_agents_benchmark_reports_latency_and_loop_lag_per_backend(
     capsys: pytest.CaptureFixture[str], postgres_url: str
 ) -> None:
     """bench_agents prints steps/s, hook percentiles and loop lag for each backend, with folds run."""
-    status = load("bench_agents").main(["--agents", "4", "--steps", "40", "--postgres-url", postgres_url])
+    status = load("bench_agents").main(
+        ["--agents", "4", "--steps", "40", "--model-ms", "1", "--postgres-url", postgres_url]
+    )
     out = capsys.readouterr().out
     assert status == 0
     for backend in ("memory", "sqlite", "postgres"):
-        for label in (backend, f"{backend} +freeze"):
+        runs = [(b, load) for b in (backend, f"{backend} +freeze") for load in ("saturated", "paced")]
+        for label in (f"{b} {load}" for b, load in runs):
             cells = next(line for line in out.splitlines() if line.startswith(f"{label} ")).split()
             cells = cells[len(label.split()) :]
             assert len(cells) == 8 and float(cells[0]) > 0 and int(cells[7]) > 0

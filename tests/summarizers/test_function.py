@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from contextfold import Message, SummarizerError, Usage
+from contextfold import ConfigError, Message, SummarizerError, Usage
 from contextfold.summarizers import FunctionSummarizer, Summarizer, Summary
 
 
@@ -73,3 +73,35 @@ async def test_a_compactor_given_an_empty_summary_falls_back_instead_of_writing_
     assert result is not None and result.compacted and result.degraded
     assert context[0].is_summary
     assert "## Facts and identifiers" in context[0].text and "/srv/f0.txt" in context[0].text
+
+
+async def test_only_the_last_calls_are_kept() -> None:
+    """A long run keeps the last keep_calls calls, not every folded message for the life of the process.
+
+    Every call used to stay in ``calls``: 50 agents of 200 steps held all 10,000
+    messages they folded, which every full garbage collection then walked.
+    """
+
+    async def fn(messages: Sequence[Message], previous: str | None, budget: int) -> str:
+        return f"summary of {len(messages)}"
+
+    default = FunctionSummarizer(fn)
+    for n in range(100):
+        await default.summarize([Message.user(f"m{n}")], previous_summary=None, max_summary_tokens=8)
+    assert [call[0][0].text for call in default.calls] == [f"m{n}" for n in range(68, 100)]
+    none = FunctionSummarizer(fn, keep_calls=0)
+    await none.summarize([Message.user("x")], previous_summary=None, max_summary_tokens=8)
+    assert none.calls == []
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "32"])
+def test_keep_calls_must_be_a_whole_number(bad: object) -> None:
+    """A keep_calls that is not a whole number >= 0 is a ConfigError naming it."""
+
+    async def fn(messages: Sequence[Message], previous: str | None, budget: int) -> str:
+        return "s"
+
+    with pytest.raises(ConfigError) as info:
+        FunctionSummarizer(fn, keep_calls=bad)  # type: ignore[arg-type]
+    assert info.value.key == "keep_calls" and info.value.value == bad
+    assert "for example 32" in info.value.reason

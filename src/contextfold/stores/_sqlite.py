@@ -520,7 +520,11 @@ class _Worker:
                     job.outcome = (True, job.fn())
                 except BaseException as exc:  # handed to the caller, which raises it
                     job.outcome = (False, exc)
-                job.notify()
+                # The notifier holds the job (a cycle) and the call holds the step's
+                # episodes and rows: dropped here, they are freed by reference counting
+                # the moment the caller is done, not left for the garbage collector.
+                notify, job.notify, job.fn = job.notify, _nothing, _nothing
+                notify()
             # else its caller was cancelled before it started: it never runs
 
     def stop(self) -> None:
@@ -542,6 +546,7 @@ class _Worker:
                 await waiter
             except asyncio.CancelledError:
                 if job.take():
+                    job.notify = job.fn = _nothing
                     raise  # it never runs
                 # As anyio.to_thread.run_sync: wait, shielded, and return what the call
                 # returned; the cancelled scope raises at the caller's next checkpoint.

@@ -8,7 +8,7 @@ from typing import Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field
 
 from .._episodes import Usage
-from .._errors import SummarizerError
+from .._errors import ConfigError, SummarizerError
 from .._messages import Message
 
 __all__ = ["FunctionSummarizer", "Summarizer", "Summary"]
@@ -51,15 +51,24 @@ SummarizeFn = Callable[[Sequence[Message], str | None, int], Awaitable[Summary |
 class FunctionSummarizer:
     """A summarizer backed by any async callable ``fn(messages, previous_summary, max_tokens)``.
 
-    Records every call in ``calls`` so tests can assert exactly what was sent.
-    ``fn`` may return a ``Summary`` or a plain string; an empty or blank one
+    Keeps the last ``keep_calls`` calls (32 by default, 0 for none) in
+    ``calls``, oldest first, so tests can assert exactly what was sent; a
+    long-running agent does not hold every folded message for the life of the
+    process. ``fn`` may return a ``Summary`` or a plain string; an empty or blank one
     raises :class:`SummarizerError`, as a summary that says nothing would
     erase the folded turns.
     """
 
-    def __init__(self, fn: SummarizeFn, *, model: str = "function") -> None:
+    def __init__(self, fn: SummarizeFn, *, model: str = "function", keep_calls: int = 32) -> None:
+        if isinstance(keep_calls, bool) or not isinstance(keep_calls, int) or keep_calls < 0:
+            raise ConfigError(
+                "keep_calls",
+                "must be a whole number >= 0 of recent calls to keep, for example 32, or 0 for none",
+                value=keep_calls,
+            )
         self.fn = fn
         self.model = model
+        self.keep_calls = keep_calls
         self.calls: list[tuple[tuple[Message, ...], str | None, int]] = []
 
     async def summarize(
@@ -69,7 +78,10 @@ class FunctionSummarizer:
         previous_summary: str | None,
         max_summary_tokens: int,
     ) -> Summary:
-        self.calls.append((tuple(messages), previous_summary, max_summary_tokens))
+        if self.keep_calls:
+            self.calls.append((tuple(messages), previous_summary, max_summary_tokens))
+            if len(self.calls) > self.keep_calls:
+                del self.calls[0]
         result = await self.fn(messages, previous_summary, max_summary_tokens)
         summary = result if isinstance(result, Summary) else Summary(text=result, model=self.model)
         if not summary.text.strip():
