@@ -183,19 +183,7 @@ class Message(_Validated):
 
     @model_validator(mode="after")
     def _check_role_fields(self) -> Message:
-        if self.role is Role.TOOL and not self.tool_call_id:
-            raise InvalidMessageError("tool_call_id", "a tool message must name the call it answers")
-        if self.role is not Role.TOOL and self.tool_call_id is not None:
-            raise InvalidMessageError(
-                "tool_call_id", f"only tool messages answer a call, not {self.role.value} messages"
-            )
-        if self.tool_calls and self.role is not Role.ASSISTANT:
-            raise InvalidMessageError(
-                "tool_calls", f"only assistant messages call tools, not {self.role.value} messages"
-            )
-        ids = [call.id for call in self.tool_calls]
-        if len(set(ids)) != len(ids):
-            raise InvalidMessageError("tool_calls", f"call ids must be unique within a message, got {ids}")
+        check_role_fields(self)
         return self
 
     @classmethod
@@ -246,6 +234,23 @@ class Message(_Validated):
     def is_summary(self) -> bool:
         """Whether this message is a compaction summary written by contextfold."""
         return bool(self.metadata.get(SUMMARY_METADATA_KEY))
+
+def check_role_fields(message: Message) -> None:
+    """Raise unless the message's tool fields suit its role (a check a ``model_construct`` skips)."""
+    if message.role is Role.TOOL and not message.tool_call_id:
+        raise InvalidMessageError("tool_call_id", "a tool message must name the call it answers")
+    if message.role is not Role.TOOL and message.tool_call_id is not None:
+        raise InvalidMessageError(
+            "tool_call_id", f"only tool messages answer a call, not {message.role.value} messages"
+        )
+    if message.tool_calls and message.role is not Role.ASSISTANT:
+        raise InvalidMessageError(
+            "tool_calls", f"only assistant messages call tools, not {message.role.value} messages"
+        )
+    ids = [call.id for call in message.tool_calls]
+    if len(set(ids)) != len(ids):
+        raise InvalidMessageError("tool_calls", f"call ids must be unique within a message, got {ids}")
+
 
 
 def _build(

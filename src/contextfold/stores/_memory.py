@@ -47,6 +47,7 @@ from ._rows import (
     encode_recording,
     encode_rows,
     missing_seq_conflict,
+    trusted,
     utc,
     version_conflict,
 )
@@ -69,6 +70,12 @@ class _Log:
     def read(self, thread: str, seq: int) -> EpisodeRecord:
         at, body = self.records[seq - 1]
         return EpisodeRecord(thread=thread, seq=seq, at=at, episode=decode_episode(thread, seq, body))
+
+
+_NO_CONTEXT = _Context()
+"""What a thread without messages reads as; never written to."""
+
+_NO_COUNTERS = PressureCounters()
 
 
 _Row = tuple[str, int, Message]
@@ -112,26 +119,31 @@ class MemoryStore(AsyncResource):
     def _append_rows(
         self, thread: str, rows: list[_Row], episode_seqs: list[int | None]
     ) -> list[StoredMessage]:
-        context = self._contexts.setdefault(thread, _Context())
+        context = self._contexts.get(thread)
+        if context is None:
+            context = self._contexts[thread] = _Context()
         stats = context.stats
         total = check_total(thread, stats.total_tokens + sum(count for _, count, _ in rows))
+        first = stats.last_seq + 1
         stored = [
-            StoredMessage(seq=stats.last_seq + n, tokens=count, message=copy, episode_seq=episode_seq)
-            for n, ((_, count, copy), episode_seq) in enumerate(zip(rows, episode_seqs, strict=True), start=1)
+            trusted(StoredMessage, seq=first + n, message=copy, tokens=count, episode_seq=link)
+            for n, ((_, count, copy), link) in enumerate(zip(rows, episode_seqs, strict=True))
         ]
         context.messages.extend(stored)
-        context.stats = stats.model_copy(
-            update={
-                "message_count": stats.message_count + len(stored),
-                "total_tokens": total,
-                "last_seq": stats.last_seq + len(stored),
-            }
+        context.stats = trusted(
+            ThreadStats,
+            message_count=stats.message_count + len(stored),
+            total_tokens=total,
+            version=stats.version,
+            last_seq=stats.last_seq + len(stored),
         )
         return stored
 
     def _record_body(self, thread: str, episode: Episode, body: str, when: datetime) -> int:
         """Append the episode's JSON to the thread's log; return its seq."""
-        log = self._logs.setdefault(thread, _Log())
+        log = self._logs.get(thread)
+        if log is None:
+            log = self._logs[thread] = _Log()
         counters = log.counters.after(episode, when)
         log.records.append((when, body))
         log.counters = counters
@@ -193,8 +205,9 @@ class MemoryStore(AsyncResource):
         when = utc(now, "now")
         context = self._contexts.get(thread)
         stats = context.stats if context else ThreadStats()
-        counters = self._logs.get(thread, _Log()).counters
-        return ThreadState(stats=stats, pressure=counters.pressure(when, stats.total_tokens))
+        log = self._logs.get(thread)
+        counters = log.counters if log is not None else _NO_COUNTERS
+        return trusted(ThreadState, stats=stats, pressure=counters.pressure(when, stats.total_tokens))
 
     def _swap(
         self, thread: str, through_seq: int, expected_version: int, rows: list[_Row]
@@ -298,7 +311,8 @@ class MemoryStore(AsyncResource):
     ) -> EpisodicCompactionPressure:
         await self._peek()
         check_thread(thread)
-        counters = self._logs.get(thread, _Log()).counters
+        log = self._logs.get(thread)
+        counters = log.counters if log is not None else _NO_COUNTERS
         return counters.pressure(utc(now, "now"), estimated_context_tokens)
 
     async def latest_checkpoint(self, thread: str) -> EpisodeRecord | None:
@@ -323,7 +337,7 @@ class MemoryStore(AsyncResource):
         await self._enter()
         check_thread(thread)
         bodies, rows, links = encode_recording(episodes, messages, tokens, message_episodes)
-        context = self._contexts.get(thread, _Context())
+        context = self._contexts.get(thread, _NO_CONTEXT)
         check_total(thread, context.stats.total_tokens + sum(count for _, count, _ in rows))
         when = datetime.now(UTC)
         pairs = zip(episodes, bodies, strict=True)

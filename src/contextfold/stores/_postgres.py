@@ -71,6 +71,7 @@ from ._rows import (
     encode_recording,
     missing_seq_conflict,
     stored_message,
+    trusted,
     utc,
     version_conflict,
 )
@@ -702,7 +703,8 @@ class PostgresStore(AsyncResource):
         # The episodes took the seqs up to the counters' new last_seq.
         first_episode = None if row[1] is None else int(row[1]) - len(episodes) + 1
         return [
-            StoredMessage(
+            trusted(
+                StoredMessage,
                 seq=first + n,
                 message=message,
                 tokens=count,
@@ -855,7 +857,7 @@ class PostgresStore(AsyncResource):
         )
         stats = ThreadStats() if row[0] is None else _thread_stats(row[:4])
         counters = PressureCounters() if row[4] is None else _counters(row[4:])
-        return ThreadState(stats=stats, pressure=counters.pressure(when, stats.total_tokens))
+        return trusted(ThreadState, stats=stats, pressure=counters.pressure(when, stats.total_tokens))
 
     async def replace_prefix(
         self,

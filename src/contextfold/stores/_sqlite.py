@@ -91,6 +91,7 @@ from ._rows import (
     encode_recording,
     missing_seq_conflict,
     stored_message,
+    trusted,
     utc,
     version_conflict,
 )
@@ -885,7 +886,7 @@ class SQLiteStore(AsyncResource):
         check_thread(thread)
         when = utc(now, "now")
         stats, counters = await self._point_read(partial(_read_state, thread=thread))
-        return ThreadState(stats=stats, pressure=counters.pressure(when, stats.total_tokens))
+        return trusted(ThreadState, stats=stats, pressure=counters.pressure(when, stats.total_tokens))
 
     async def replace_prefix(
         self,
@@ -1022,7 +1023,7 @@ class SQLiteStore(AsyncResource):
 
         first, linked = await self._call(run)
         return [
-            StoredMessage(seq=first + n, message=message, tokens=count, episode_seq=link)
+            trusted(StoredMessage, seq=first + n, message=message, tokens=count, episode_seq=link)
             for n, (message, count, link) in enumerate(zip(messages, tokens, linked, strict=True))
         ]
 
