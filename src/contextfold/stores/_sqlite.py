@@ -38,6 +38,17 @@ tens of microseconds, and never sleeps there. The on-loop connection is only
 ever used from the one thread that used it first; from any other thread a
 read takes the worker-thread path.
 
+No commit copies the WAL back into the database file. SQLite's automatic
+checkpoint does that inside the commit that makes the WAL reach a thousand
+pages, with an fsync at ``synchronous`` NORMAL or FULL, so one write in a few
+hundred took milliseconds (once in a while half a second). The writing
+connection turns it off (``wal_autocheckpoint = 0``) and the worker thread
+checkpoints after every ``_CHECKPOINT_EVERY`` calls, once it has handed the
+last call's result back and no other call is waiting: the step that made it
+due does not wait for it, and an agent's next write usually finds it done
+(the model call between two steps is longer). A store that never runs idle
+checkpoints anyway after four times as many calls, so the WAL stays bounded.
+
 The schema version lives in ``PRAGMA user_version`` and is migrated on open.
 The episode table is append-only in the database itself: triggers reject
 UPDATE, DELETE and a replacing INSERT, whoever issues them. The one DELETE
@@ -48,6 +59,7 @@ thread, deletes, and removes the row again, all in one transaction.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import queue
@@ -110,6 +122,8 @@ SCHEMA_VERSION = 2
 """The schema this code writes; ``PRAGMA user_version`` of every file it opened."""
 
 _T = TypeVar("_T")
+
+_logger = logging.getLogger("contextfold")
 
 _REPLAY_BATCH = 256
 
@@ -185,6 +199,9 @@ _MAX_BUSY_TIMEOUT = 2_000_000.0
 _MAX_LEASE = 366 * 86_400.0
 
 _CLOSE_GRACE = 5.0
+
+_CHECKPOINT_EVERY = 100
+"""Calls between two checkpoints of the WAL: about SQLite's default of 1000 pages."""
 """Seconds ``aclose`` waits beyond ``busy_timeout`` for a call in progress to end."""
 
 _NOW = "((julianday('now') - 2440587.5) * 86400.0)"
@@ -487,6 +504,11 @@ def _nothing() -> None:
     pass
 
 
+def _checkpoint(conn: sqlite3.Connection) -> None:
+    """Copy what no reader still needs from the WAL into the database file, waiting for nobody."""
+    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+
+
 def _notify_loop(loop: asyncio.AbstractEventLoop, job: _Job) -> None:
     """In the worker thread: have ``loop`` wake the caller of ``job``."""
     try:
@@ -503,10 +525,15 @@ def _wake(job: _Job) -> None:
 
 
 class _Worker:
-    """The thread that runs a store's calls on its writing connection, in order, one at a time."""
+    """The thread that runs a store's calls on its writing connection, in order, one at a time.
 
-    def __init__(self, name: str) -> None:
+    ``after(idle)`` runs in the thread after each call was handed back, with
+    whether no other call is waiting.
+    """
+
+    def __init__(self, name: str, after: Callable[[bool], None] = lambda idle: None) -> None:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._after = after
         self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self.thread.start()
 
@@ -526,6 +553,10 @@ class _Worker:
                 # the moment the caller is done, not left for the garbage collector.
                 notify, job.notify, job.fn = job.notify, _nothing, _nothing
                 notify()
+                try:
+                    self._after(jobs.empty())
+                except Exception:  # upkeep only: the thread must go on serving calls
+                    _logger.exception("%s: upkeep after a call failed", self.thread.name)
             # else its caller was cancelled before it started: it never runs
 
     def stop(self) -> None:
@@ -633,6 +664,7 @@ class SQLiteStore(AsyncResource):
         self._read_lock = anyio.Lock()
         self._closed = False
         self._leases: set[tuple[str, str]] = set()
+        self._calls_since_checkpoint = 0
 
     def __repr__(self) -> str:
         return f"SQLiteStore({str(self.path)!r})"
@@ -705,6 +737,7 @@ class SQLiteStore(AsyncResource):
             opened.append(conn)
             self._enter_wal(conn)
             conn.execute(f"PRAGMA synchronous = {self._synchronous}")
+            conn.execute("PRAGMA wal_autocheckpoint = 0")  # done between calls: _after_call
             self._migrate(conn)
             for timeout in (self._busy_timeout, 0.0):
                 reader = self._open(timeout)
@@ -763,11 +796,26 @@ class SQLiteStore(AsyncResource):
             raise self._closed_error()
         worker = self._worker
         if worker is None:
-            worker = self._worker = _Worker(f"contextfold-sqlite {self.path}")
+            worker = self._worker = _Worker(f"contextfold-sqlite {self.path}", self._after_call)
         try:
             return await worker.run(lambda: fn(self._writer()))
         except sqlite3.Error as exc:
             raise self._error(exc) from exc
+
+    def _after_call(self, idle: bool) -> None:
+        """In the worker thread, after a call was handed back: checkpoint the WAL when it is due."""
+        self._calls_since_checkpoint += 1
+        calls = self._calls_since_checkpoint
+        if calls < _CHECKPOINT_EVERY or (not idle and calls < 4 * _CHECKPOINT_EVERY):
+            return
+        conn = self._conn
+        if conn is None:
+            return
+        self._calls_since_checkpoint = 0
+        try:
+            _checkpoint(conn)
+        except sqlite3.Error as exc:  # the next one copies what this one did not
+            _logger.debug("checkpoint of %s failed, done again later: %s", self.path, exc)
 
     async def _read(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
         """Run ``fn`` on the read-only connection in a worker thread, beside the writes."""
