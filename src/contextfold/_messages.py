@@ -142,6 +142,15 @@ def _check_finite(value: Any, path: str = "") -> None:
             _check_finite(item, f"{path}[{index}]")
 
 
+def check_arguments(value: str) -> str:
+    """``value`` unless it is not a JSON text (NaN and Infinity are not); raises ``ValueError``."""
+    try:
+        json.loads(value, parse_constant=_reject_constant)
+    except ValueError as exc:
+        raise ValueError(f"must be a JSON text, got {value[:80]!r} ({exc})") from None
+    return value
+
+
 class ToolCall(_Validated):
     """One tool invocation requested by the assistant; ``arguments`` is a JSON text."""
 
@@ -152,11 +161,7 @@ class ToolCall(_Validated):
     @field_validator("arguments")
     @classmethod
     def _arguments_are_json(cls, value: str) -> str:
-        try:
-            json.loads(value, parse_constant=_reject_constant)
-        except ValueError as exc:
-            raise ValueError(f"must be a JSON text, got {value[:80]!r} ({exc})") from None
-        return value
+        return check_arguments(value)
 
     def parsed_arguments(self) -> Any:
         """The arguments decoded from JSON."""
@@ -235,6 +240,7 @@ class Message(_Validated):
         """Whether this message is a compaction summary written by contextfold."""
         return bool(self.metadata.get(SUMMARY_METADATA_KEY))
 
+
 def check_role_fields(message: Message) -> None:
     """Raise unless the message's tool fields suit its role (a check a ``model_construct`` skips)."""
     if message.role is Role.TOOL and not message.tool_call_id:
@@ -250,7 +256,6 @@ def check_role_fields(message: Message) -> None:
     ids = [call.id for call in message.tool_calls]
     if len(set(ids)) != len(ids):
         raise InvalidMessageError("tool_calls", f"call ids must be unique within a message, got {ids}")
-
 
 
 def _build(

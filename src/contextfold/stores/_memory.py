@@ -173,7 +173,7 @@ class MemoryStore(AsyncResource):
         await self._enter()
         check_thread(thread)
         limit = check_max_tokens(max_tokens)
-        context = self._contexts.get(thread, _Context())
+        context = self._contexts.get(thread, _NO_CONTEXT)
         messages = context.messages
         start = len(messages)
         if limit is None:
@@ -189,22 +189,20 @@ class MemoryStore(AsyncResource):
         await self._enter()
         check_thread(thread)
         after = check_after_seq(after_seq)
-        context = self._contexts.get(thread, _Context())
+        context = self._contexts.get(thread, _NO_CONTEXT)
         start = bisect.bisect_right(context.messages, after, key=lambda stored: stored.seq)
         return self._window(thread, context, start, complete=after == 0)
 
     async def stats(self, thread: str) -> ThreadStats:
         await self._peek()
         check_thread(thread)
-        context = self._contexts.get(thread)
-        return context.stats if context else ThreadStats()
+        return self._contexts.get(thread, _NO_CONTEXT).stats
 
     async def state(self, thread: str, *, now: datetime | None = None) -> ThreadState:
         await self._peek()
         check_thread(thread)
         when = utc(now, "now")
-        context = self._contexts.get(thread)
-        stats = context.stats if context else ThreadStats()
+        stats = self._contexts.get(thread, _NO_CONTEXT).stats
         log = self._logs.get(thread)
         counters = log.counters if log is not None else _NO_COUNTERS
         return trusted(ThreadState, stats=stats, pressure=counters.pressure(when, stats.total_tokens))
@@ -409,4 +407,3 @@ class MemoryStore(AsyncResource):
                 )
             )
         return by_activity(infos)
-

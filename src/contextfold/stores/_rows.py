@@ -10,7 +10,6 @@ transaction as the episode it counts.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -32,7 +31,7 @@ from .._episodes import (
     UserMessageEpisode,
 )
 from .._errors import ConfigError, ConflictError, InvalidMessageError, StoreError
-from .._messages import Message, Role, ToolCall, _check_finite, _reject_constant, check_role_fields
+from .._messages import Message, Role, ToolCall, _check_finite, check_arguments, check_role_fields
 from .._policy import EpisodicCompactionPressure
 from ._base import StoredMessage, ThreadInfo
 
@@ -234,7 +233,7 @@ def _plain_calls(calls: object) -> tuple[ToolCall, ...] | None:
         if not (type(id_) is str and id_ and type(name) is str and name and type(arguments) is str):
             return None
         try:
-            json.loads(arguments, parse_constant=_reject_constant)
+            check_arguments(arguments)
         except ValueError:
             return None
         copies.append(trusted(ToolCall, id=id_, name=name, arguments=arguments))
@@ -385,17 +384,17 @@ def encode_recording(
         raise ConfigError("episodes", "must be a sequence of episodes", value=episodes)
     rows = encode_rows(messages, tokens)
     links = check_message_episodes(message_episodes, len(rows), len(episodes))
-    shared: dict[int, str] = {}
+    shared: dict[int, tuple[str, str]] = {}  # episode index: (its message's field, that message's JSON)
     for (body, _, _), message, link in zip(rows, messages, links, strict=True):
         if link is not None:
             field = message_field(episodes[link])
             if field is not None and getattr(episodes[link], field) is message:
-                shared[link] = body
+                shared[link] = (field, body)
     bodies: list[str] = []
     for index, episode in enumerate(episodes):
         try:
             if index in shared:
-                bodies.append(_spliced(episode, _MESSAGE_FIELD[type(episode)], shared[index]))
+                bodies.append(_spliced(episode, *shared[index]))
             else:
                 bodies.append(encode_episode(episode))
         except PydanticSerializationError as exc:
