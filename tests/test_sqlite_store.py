@@ -864,4 +864,7 @@ async def test_the_wal_stays_bounded_without_automatic_checkpoints(
             await store.append("t", [Message.user(f"{n} " + "x" * 3000)], [1])
         wal = os.path.getsize(f"{path}-wal")
         assert (await store.stats("t")).message_count == 300
-    assert wal < 400_000, f"the WAL grew to {wal:,} bytes over 300 writes of 3 KB"
+    # Idle, a checkpoint follows every 10 calls (a WAL of about 230 KB here); on a loaded machine
+    # the next write is often queued before the worker looks, and the checkpoint waits for 40
+    # calls (about 970 KB at worst). Without checkpoints between calls the WAL reaches 6.2 MB.
+    assert wal < 2_000_000, f"the WAL grew to {wal:,} bytes over 300 writes of 3 KB"
