@@ -739,7 +739,7 @@ def test_construction_does_not_load_the_encoding(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(tokens_module, "_LOADED", {})
     began = time.perf_counter()
     counter = TiktokenCounter()
-    assert time.perf_counter() - began < 0.05
+    assert time.perf_counter() - began < 0.25  # building the encoding takes over 0.3 s (test above)
     assert tokens_module._LOADED == {}
     assert counter.count(Message.user("hi")) == 3 + counter.count_text("user") + 1
 
