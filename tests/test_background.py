@@ -11,7 +11,15 @@ from typing import Any
 import anyio
 import pytest
 
-from contextfold import Compactor, Message, RunOptions, SummarizeOptions, ToolCall, conversation
+from contextfold import (
+    CompactionResult,
+    Compactor,
+    Message,
+    RunOptions,
+    SummarizeOptions,
+    ToolCall,
+    conversation,
+)
 from contextfold.episodes import SummaryCheckpoint
 from contextfold.stores import MemoryStore, SQLiteStore
 from contextfold.summarizers import FunctionSummarizer
@@ -80,35 +88,60 @@ def turn(n: int) -> list[Message]:
     ]
 
 
-async def grow_until_started(compactor: Compactor, summarizer: SlowSummarizer) -> int:
-    """Append turns, checking after each, until the background summary starts; return the turns added."""
+BACKGROUND_TOKENS = 0.6 * 2_000
+"""Where ``options()`` starts a background summary: background_at of the trigger budget."""
+
+
+async def grow_until_started(
+    compactor: Compactor, started: anyio.Event, *, check_within: float | None = None
+) -> int:
+    """Append turns, checking after each, until the background summary starts; return the turns added.
+
+    The appends stop once the context is past ``background_at``: on a loaded
+    machine more of them could reach the hard trigger before the summary's
+    task first ran, and that step would wait for the summary.
+    """
     n = 0
-    while not summarizer.started.is_set():
+    tokens = 0
+    while tokens < BACKGROUND_TOKENS:
         await compactor.append(THREAD, turn(n))
         n += 1
-        assert await compactor.maybe_compact(THREAD) is None
-        await anyio.sleep(0)
+        with anyio.fail_after(check_within):  # when given: the check never waits for the summarizer
+            assert await compactor.maybe_compact(THREAD) is None
+        tokens = (await compactor.context_tokens(THREAD))[1]
+    with anyio.fail_after(10):
+        await started.wait()
     return n
+
+
+async def step_until_applied(compactor: Compactor, *, within: float = 0.5) -> CompactionResult:
+    """Check until a step returns the background fold; no check may wait for it.
+
+    The fold can be in the store a moment before its task has handed the
+    result over (on PostgreSQL the lease is released in between), and a step
+    never waits for that.
+    """
+    with anyio.fail_after(10):
+        while True:
+            with anyio.fail_after(within):
+                result = await compactor.maybe_compact(THREAD)
+            if result is not None:
+                return result
+            await anyio.sleep(0.01)
 
 
 async def test_the_step_does_not_wait_for_a_background_summary(store: Any) -> None:
     """Crossing background_at starts the summary in the background; a later step applies it at once."""
-    summarizer = SlowSummarizer(0.3)
+    summarizer = SlowSummarizer(1.0)
     async with Compactor(
         store, options=options(), summarizer=summarizer, counter=ApproximateCounter()
     ) as compactor:
-        results = []
-        n = 0
-        while not summarizer.started.is_set():
-            await compactor.append(THREAD, turn(n))
-            n += 1
-            with anyio.fail_after(0.1):  # the check never waits for the summarizer
-                results.append(await compactor.maybe_compact(THREAD))
-        assert all(r is None for r in results)
-        await anyio.sleep(0.5)
+        n = await grow_until_started(compactor, summarizer.started, check_within=0.5)
+        with anyio.fail_after(10):
+            while await store.latest_checkpoint(THREAD) is None:
+                await anyio.sleep(0.01)
         await compactor.append(THREAD, turn(n))
-        with anyio.fail_after(0.1):
-            applied = await compactor.maybe_compact(THREAD)
+        applied = await step_until_applied(compactor)
         assert applied is not None and applied.compacted and applied.background
         context = await compactor.context(THREAD)
         assert context[0].is_summary
@@ -124,7 +157,7 @@ async def test_the_background_task_writes_the_fold_and_the_step_only_returns_it(
     async with Compactor(
         store, options=options(), summarizer=summarizer, counter=ApproximateCounter()
     ) as compactor:
-        await grow_until_started(compactor, summarizer)
+        await grow_until_started(compactor, summarizer.started)
         with anyio.fail_after(5):
             while await store.latest_checkpoint(THREAD) is None:
                 await anyio.sleep(0.01)
@@ -140,7 +173,7 @@ async def test_the_background_task_writes_the_fold_and_the_step_only_returns_it(
 
         store.fold = fold
         try:
-            result = await compactor.maybe_compact(THREAD)
+            result = await step_until_applied(compactor)
         finally:
             del store.fold
         assert writes == []
@@ -157,7 +190,7 @@ async def test_the_hard_trigger_waits_for_the_same_background_summary(store: Any
     async with Compactor(
         store, options=options(), summarizer=summarizer, counter=ApproximateCounter()
     ) as compactor:
-        n = await grow_until_started(compactor, summarizer)
+        n = await grow_until_started(compactor, summarizer.started)
         for _ in range(6):  # well past the budget while the summarizer is held at its gate
             await compactor.append(THREAD, turn(n))
             n += 1
@@ -178,12 +211,7 @@ async def test_leaving_the_compactor_cancels_the_background_summary_and_writes_n
     async with Compactor(
         store, options=options(), summarizer=summarizer, counter=ApproximateCounter()
     ) as compactor:
-        n = 0
-        while not summarizer.started.is_set():
-            await compactor.append(THREAD, turn(n))
-            n += 1
-            await compactor.maybe_compact(THREAD)
-            await anyio.sleep(0)
+        await grow_until_started(compactor, summarizer.started)
         before = [r async for r in store.replay(THREAD)]
     await anyio.sleep(0.05)
     assert [r async for r in store.replay(THREAD)] == before
@@ -282,7 +310,7 @@ async def test_closing_at_any_point_of_a_background_summary_leaves_the_thread_wh
 
 KILLED_WORKER = """
 import sys, anyio
-from contextfold import Compactor, Message, RunOptions, SummarizeOptions
+from contextfold import CompactionResult, Compactor, Message, RunOptions, SummarizeOptions
 from contextfold.stores import SQLiteStore
 from contextfold.summarizers import FunctionSummarizer
 from contextfold.tokens import ApproximateCounter
