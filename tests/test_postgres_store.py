@@ -105,6 +105,28 @@ async def test_reopening_keeps_the_data(postgres_url: str, schema: str) -> None:
         assert [r.seq async for r in second.replay("t")] == [1]
 
 
+async def test_reading_times_needs_no_time_zone_file_on_the_loop(
+    postgres_url: str, schema: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server in another time zone: timestamps read back in UTC, and no tz file is read on the loop.
+
+    psycopg looks the session's zone up with zoneinfo, from disk, on the
+    event loop, the first time a process reads a timestamp; under the
+    blocking detector the lookup failed and psycopg fell back with a warning.
+    """
+    from psycopg import _tz
+
+    monkeypatch.delitem(_tz._timezones, b"Europe/Paris", raising=False)
+    url = postgres_url + ("&" if "?" in postgres_url else "?") + "options=-c%20TimeZone%3DEurope/Paris"
+    async with PostgresStore(url, schema=schema) as store:
+        before = datetime.now(UTC)
+        await store.record("t", UserMessageEpisode(message=Message.user("hi")))
+        [record] = [r async for r in store.replay("t")]
+    assert record.at.utcoffset() == timedelta(0)
+    assert before - timedelta(seconds=5) < record.at < datetime.now(UTC) + timedelta(seconds=5)
+    assert not [r.getMessage() for r in caplog.records if "timezone" in r.getMessage()]
+
+
 async def test_a_newer_schema_version_is_refused(postgres_url: str, schema: str) -> None:
     """A schema written by a newer release fails open with a StoreError naming the version and the fix."""
     async with PostgresStore(postgres_url, schema=schema):

@@ -496,9 +496,13 @@ class PostgresStore(AsyncResource):
         self._pool = pool
 
     async def _configure(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        # A session setting, so it holds for every statement the pool runs on it.
+        # Session settings, so they hold for every statement the pool runs on the connection.
+        # Times are read back in UTC: psycopg then needs no time-zone file for the server's
+        # zone, which it would read from disk on the event loop at the first timestamp.
         milliseconds = max(1, round(self._statement_timeout * 1000))
-        await conn.execute(sql.SQL("SET statement_timeout = {}").format(sql.Literal(milliseconds)))
+        await conn.execute(
+            sql.SQL("SET statement_timeout = {}; SET TimeZone = 'UTC'").format(sql.Literal(milliseconds))
+        )
 
     async def aclose(self) -> None:
         """Close the pool; later calls raise ``StoreClosedError``. Closing twice is fine.
