@@ -132,6 +132,15 @@ def test_a_bad_path_is_a_config_error_before_any_file_is_made(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_in_memory_database_is_refused_with_the_store_to_use_instead() -> None:
+    """':memory:' would give each connection its own empty database; the error names MemoryStore."""
+    with pytest.raises(ConfigError) as caught:
+        SQLiteStore(":memory:")
+    assert caught.value.key == "path"
+    assert caught.value.value == ":memory:"
+    assert "MemoryStore()" in str(caught.value)
+
+
 class _BytesPath:
     def __fspath__(self) -> bytes:
         return b"agent.db"

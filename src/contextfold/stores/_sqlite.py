@@ -78,7 +78,7 @@ import anyio
 from anyio import to_thread
 
 from .._episodes import Episode, EpisodeRecord, SummaryCheckpoint
-from .._errors import StoreClosedError, StoreError
+from .._errors import ConfigError, StoreClosedError, StoreError
 from .._messages import Message
 from .._policy import EpisodicCompactionPressure
 from .._resource import AsyncResource
@@ -644,7 +644,16 @@ class SQLiteStore(AsyncResource):
         lease_seconds: float = 300.0,
         synchronous: Literal["NORMAL", "FULL"] = "FULL",
     ) -> None:
-        self.path = Path(check_path("path", path))
+        text = check_path("path", path)
+        if text == ":memory:":
+            # Each connection would get a database of its own: the reader would see no tables.
+            raise ConfigError(
+                "path",
+                "is SQLite's in-memory database, which the store's second (reader) connection "
+                "cannot see; use MemoryStore() for a store in memory, or a file path such as 'agent.db'",
+                value=path,
+            )
+        self.path = Path(text)
         self._busy_timeout = check_seconds(
             "busy_timeout", busy_timeout, example=30, maximum=_MAX_BUSY_TIMEOUT
         )
