@@ -151,7 +151,7 @@ class SessionRow:
     context: float
     folds: int
     floor: float = 0.0
-    """The tokenize-once floor measured right before this run (the machine's speed drifts)."""
+    """The tokenize-once floor, measured in slices between this run's own steps."""
 
     @property
     def total(self) -> float:
@@ -159,13 +159,33 @@ class SessionRow:
 
 
 def tokenize_once_floor(messages: Sequence[Message]) -> float:
-    """Seconds to tokenize each message's text exactly once with tiktoken: the floor of any counting."""
+    """Seconds to tokenize each message's text exactly once with tiktoken: the floor of any counting.
+
+    The collector is off meanwhile: a collection would walk whatever heap the
+    runs around it left, which is not the floor's cost.
+    """
     encode = TiktokenCounter().encoding.encode_ordinary
     texts = [m.text + "".join(c.arguments for c in m.tool_calls) for m in messages]
-    started = time.perf_counter()
-    for text in texts:
-        encode(text)
-    return time.perf_counter() - started
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        started = time.perf_counter()
+        for text in texts:
+            encode(text)
+        return time.perf_counter() - started
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def floored(row: SessionRow, before: float, after: float) -> SessionRow:
+    """``row`` against the mean of the floors measured right before and right after it.
+
+    On a shared machine the same loop's speed drifts by half within a minute,
+    more than the differences between runs; each run is set against the floor
+    of its own minutes, measured while nothing of the run is still working.
+    """
+    return SessionRow(row.run, row.hook, row.append, row.context, row.folds, (before + after) / 2)
 
 
 @asynccontextmanager
@@ -299,8 +319,10 @@ def langgraph_runs(messages: Sequence[Message], folder: Path, postgres_url: str 
     except ImportError:
         print("  (langgraph-checkpoint-sqlite missing: pip install 'contextfold[bench]')", file=sys.stderr)
     else:
+        before = tokenize_once_floor(messages)
         with SqliteSaver.from_conn_string(str(folder / "langgraph.db")) as saver:
-            rows.append(langgraph_session("langgraph, SqliteSaver", saver, messages))
+            row = langgraph_session("langgraph, SqliteSaver", saver, messages)
+        rows.append(floored(row, before, tokenize_once_floor(messages)))
     if postgres_url is None:
         return rows
     try:
@@ -323,46 +345,47 @@ def langgraph_runs(messages: Sequence[Message], folder: Path, postgres_url: str 
         ) as conn:
             saver = PostgresSaver(conn)  # type: ignore[arg-type]
             saver.setup()
-            rows.append(langgraph_session("langgraph, PostgresSaver", saver, messages))
+            before = tokenize_once_floor(messages)
+            row = langgraph_session("langgraph, PostgresSaver", saver, messages)
+            rows.append(floored(row, before, tokenize_once_floor(messages)))
     finally:
         with psycopg.connect(postgres_url, autocommit=True) as admin:
             admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
     return rows
 
 
-async def whole_session(count: int, postgres_url: str | None) -> None:
-    """(a) One thread growing to ``count`` messages, one step each, against the tokenize-once floor.
-
-    The floor is measured again right before each run, and each run is set
-    against its own: on a shared machine the same loop's speed drifts by half
-    over a few minutes, more than the differences between runs.
-    """
-    messages = agent_session(count)
+async def contextfold_runs(messages: Sequence[Message], postgres_url: str | None) -> list[SessionRow]:
+    """(a) One thread growing to ``len(messages)`` messages, one step each, on every backend."""
     TiktokenCounter().count(messages[0])  # load the encoding before anything is timed
     backends = ["memory", "sqlite FULL", "sqlite NORMAL"] + (["postgres"] if postgres_url else [])
     rows: list[SessionRow] = []
-
-    def floored(row: SessionRow, floor: float) -> SessionRow:
-        return SessionRow(row.run, row.hook, row.append, row.context, row.folds, floor)
-
     with tempfile.TemporaryDirectory() as folder:
         for backend in backends:
+            before = tokenize_once_floor(messages)
             async with open_backend(backend, Path(folder), postgres_url) as store:
-                floor = tokenize_once_floor(messages)
                 row = await contextfold_session(store, f"contextfold {backend}", messages)
-                rows.append(floored(row, floor))
-        try:
-            floor = tokenize_once_floor(messages)
-            rows.append(floored(await anyio.to_thread.run_sync(langchain_in_memory, messages), floor))
-            floor = tokenize_once_floor(messages)
-            for row in await anyio.to_thread.run_sync(langgraph_runs, messages, Path(folder), postgres_url):
-                rows.append(floored(row, floor))
-        except ImportError:
-            print("  (LangChain missing: pip install 'contextfold[bench]' for its rows)", file=sys.stderr)
+            rows.append(floored(row, before, tokenize_once_floor(messages)))  # the store closed first
+    return rows
+
+
+def peer_runs(messages: Sequence[Message], postgres_url: str | None) -> list[SessionRow]:
+    """The same session through LangChain and LangGraph, on the main thread as ours ran (no event loop)."""
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            before = tokenize_once_floor(messages)
+            rows = [floored(langchain_in_memory(messages), before, tokenize_once_floor(messages))]
+            return rows + langgraph_runs(messages, Path(folder), postgres_url)
+    except ImportError:
+        print("  (LangChain missing: pip install 'contextfold[bench]' for its rows)", file=sys.stderr)
+        return []
+
+
+def print_session(rows: Sequence[SessionRow], count: int) -> None:
+    """Each run against its own floor (see :func:`floored`)."""
     floors = sorted(row.floor for row in rows)
     print(
         f"\nwhole session: {count:,} messages, one step each, 32k-token budget, instant summarizer; "
-        f"floor (tokenize each message once, measured before each run) {floors[0] * 1e3:.0f}-"
+        f"floor (tokenize each message once, measured right before and after each run) {floors[0] * 1e3:.0f}-"
         f"{floors[-1] * 1e3:.0f} ms"
     )
     print(
@@ -378,7 +401,9 @@ async def whole_session(count: int, postgres_url: str | None) -> None:
         )
 
 
-async def main_async(sizes: Sequence[int], session: int, repeat: int, postgres_url: str | None) -> None:
+async def main_async(
+    sizes: Sequence[int], session: int, repeat: int, postgres_url: str | None
+) -> list[SessionRow]:
     print(f"maybe_compact with no trigger firing (median of {repeat} calls)")
     print(
         f"{'messages':>9} {'memory µs':>11} {'sqlite µs':>11} {'langchain µs':>13} "
@@ -414,7 +439,8 @@ async def main_async(sizes: Sequence[int], session: int, repeat: int, postgres_u
         # runs, and every full garbage collection in them would walk it.
         del messages
         gc.collect()
-        await whole_session(session, postgres_url)
+        return await contextfold_runs(agent_session(session), postgres_url)
+    return []
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -430,7 +456,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     postgres_url = None if args.postgres_url == "none" else args.postgres_url
-    anyio.run(main_async, sizes, args.session, args.repeat, postgres_url)
+    rows = anyio.run(main_async, sizes, args.session, args.repeat, postgres_url)
+    if args.session:
+        print_session([*rows, *peer_runs(agent_session(args.session), postgres_url)], args.session)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def test_step_benchmark_prints_flat_ratios_and_the_whole_session_table(
     assert "ratio 400/50 messages: memory" in out
     rows = [line.split() for line in out.splitlines() if line.strip().startswith(("50 ", "400 "))]
     assert len(rows) == 2
-    assert "floor (tokenize each message once, measured before each run)" in out
+    assert "floor (tokenize each message once, measured right before and after each run)" in out
     for run in (
         "contextfold memory",
         "contextfold sqlite FULL",
