@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -151,7 +151,7 @@ class SessionRow:
     context: float
     folds: int
     floor: float = 0.0
-    """The tokenize-once floor, measured in slices between this run's own steps."""
+    """The tokenize-once floor of this run's own minutes (see :func:`floored`)."""
 
     @property
     def total(self) -> float:
@@ -178,14 +178,15 @@ def tokenize_once_floor(messages: Sequence[Message]) -> float:
             gc.enable()
 
 
-def floored(row: SessionRow, before: float, after: float) -> SessionRow:
-    """``row`` against the mean of the floors measured right before and right after it.
+def floored(row: SessionRow, before: float, messages: Sequence[Message]) -> SessionRow:
+    """``row`` against the mean of the floor measured ``before`` it and the floor measured now.
 
     On a shared machine the same loop's speed drifts by half within a minute,
     more than the differences between runs; each run is set against the floor
-    of its own minutes, measured while nothing of the run is still working.
+    of its own minutes, measured while nothing of the run is still working
+    (call this once its store is closed).
     """
-    return SessionRow(row.run, row.hook, row.append, row.context, row.folds, (before + after) / 2)
+    return replace(row, floor=(before + tokenize_once_floor(messages)) / 2)
 
 
 @asynccontextmanager
@@ -322,7 +323,7 @@ def langgraph_runs(messages: Sequence[Message], folder: Path, postgres_url: str 
         before = tokenize_once_floor(messages)
         with SqliteSaver.from_conn_string(str(folder / "langgraph.db")) as saver:
             row = langgraph_session("langgraph, SqliteSaver", saver, messages)
-        rows.append(floored(row, before, tokenize_once_floor(messages)))
+        rows.append(floored(row, before, messages))
     if postgres_url is None:
         return rows
     try:
@@ -347,7 +348,7 @@ def langgraph_runs(messages: Sequence[Message], folder: Path, postgres_url: str 
             saver.setup()
             before = tokenize_once_floor(messages)
             row = langgraph_session("langgraph, PostgresSaver", saver, messages)
-            rows.append(floored(row, before, tokenize_once_floor(messages)))
+            rows.append(floored(row, before, messages))
     finally:
         with psycopg.connect(postgres_url, autocommit=True) as admin:
             admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
@@ -364,7 +365,7 @@ async def contextfold_runs(messages: Sequence[Message], postgres_url: str | None
             before = tokenize_once_floor(messages)
             async with open_backend(backend, Path(folder), postgres_url) as store:
                 row = await contextfold_session(store, f"contextfold {backend}", messages)
-            rows.append(floored(row, before, tokenize_once_floor(messages)))  # the store closed first
+            rows.append(floored(row, before, messages))  # the store closed first
     return rows
 
 
@@ -373,7 +374,7 @@ def peer_runs(messages: Sequence[Message], postgres_url: str | None) -> list[Ses
     try:
         with tempfile.TemporaryDirectory() as folder:
             before = tokenize_once_floor(messages)
-            rows = [floored(langchain_in_memory(messages), before, tokenize_once_floor(messages))]
+            rows = [floored(langchain_in_memory(messages), before, messages)]
             return rows + langgraph_runs(messages, Path(folder), postgres_url)
     except ImportError:
         print("  (LangChain missing: pip install 'contextfold[bench]' for its rows)", file=sys.stderr)
@@ -403,7 +404,8 @@ def print_session(rows: Sequence[SessionRow], count: int) -> None:
 
 async def main_async(
     sizes: Sequence[int], session: int, repeat: int, postgres_url: str | None
-) -> list[SessionRow]:
+) -> tuple[list[Message], list[SessionRow]]:
+    """The check table, then contextfold's session runs: the session's messages and their rows."""
     print(f"maybe_compact with no trigger firing (median of {repeat} calls)")
     print(
         f"{'messages':>9} {'memory µs':>11} {'sqlite µs':>11} {'langchain µs':>13} "
@@ -439,8 +441,9 @@ async def main_async(
         # runs, and every full garbage collection in them would walk it.
         del messages
         gc.collect()
-        return await contextfold_runs(agent_session(session), postgres_url)
-    return []
+        steps = agent_session(session)
+        return steps, await contextfold_runs(steps, postgres_url)
+    return [], []
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -456,9 +459,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     postgres_url = None if args.postgres_url == "none" else args.postgres_url
-    rows = anyio.run(main_async, sizes, args.session, args.repeat, postgres_url)
+    steps, rows = anyio.run(main_async, sizes, args.session, args.repeat, postgres_url)
     if args.session:
-        print_session([*rows, *peer_runs(agent_session(args.session), postgres_url)], args.session)
+        print_session([*rows, *peer_runs(steps, postgres_url)], args.session)
 
 
 if __name__ == "__main__":

@@ -298,7 +298,7 @@ async def test_closing_at_any_point_of_a_background_summary_leaves_the_thread_wh
                     await compactor.append(THREAD, turn(n))
                     n += 1
                     await compactor.maybe_compact(THREAD)
-                    started = (await compactor.context_tokens(THREAD))[1] >= 0.6 * 2_000
+                    started = (await compactor.context_tokens(THREAD))[1] >= BACKGROUND_TOKENS
                 for _ in range(yields):
                     await anyio.lowlevel.checkpoint()
         before = await store.load(THREAD)
@@ -310,7 +310,7 @@ async def test_closing_at_any_point_of_a_background_summary_leaves_the_thread_wh
 
 KILLED_WORKER = """
 import sys, anyio
-from contextfold import CompactionResult, Compactor, Message, RunOptions, SummarizeOptions
+from contextfold import Compactor, Message, RunOptions, SummarizeOptions
 from contextfold.stores import SQLiteStore
 from contextfold.summarizers import FunctionSummarizer
 from contextfold.tokens import ApproximateCounter

@@ -199,10 +199,10 @@ _MAX_BUSY_TIMEOUT = 2_000_000.0
 _MAX_LEASE = 366 * 86_400.0
 
 _CLOSE_GRACE = 5.0
+"""Seconds ``aclose`` waits beyond ``busy_timeout`` for a call in progress to end."""
 
 _CHECKPOINT_EVERY = 100
 """Calls between two checkpoints of the WAL: about SQLite's default of 1000 pages."""
-"""Seconds ``aclose`` waits beyond ``busy_timeout`` for a call in progress to end."""
 
 _NOW = "((julianday('now') - 2440587.5) * 86400.0)"
 """The database's clock in Unix seconds (millisecond precision): every handle measures leases by it."""
