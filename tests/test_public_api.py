@@ -6,6 +6,7 @@ import importlib
 import inspect
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +36,7 @@ def test_all_is_every_public_name_the_module_has(name: str) -> None:
     found = {n for n, v in vars(module).items() if not n.startswith("_") and not inspect.ismodule(v)}
     found -= {"annotations", "TYPE_CHECKING", "Any"}
     found |= {"PostgresStore"} if name == "contextfold.stores" else set()  # loaded on first use
+    found |= set(getattr(module, "_HOMES", ()))  # contextfold.summarizers: loaded on first use
     assert set(module.__all__) == found
     assert len(module.__all__) == len(set(module.__all__))
 
@@ -82,6 +84,54 @@ def test_importing_contextfold_imports_no_optional_dependency_and_little_else() 
         "contextfold.Compactor\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_folding_with_the_offline_summarizer_imports_no_http_client(tmp_path: Path) -> None:
+    """A Compactor on SQLite folding with the default summarizer never imports httpx, tenacity, click or rich.
+
+    ``contextfold.summarizers`` imported its two HTTP clients with the package,
+    so the compactor's first use brought in httpx and tenacity, and through
+    httpx's command line click, rich and pygments: about 11,000 more objects
+    for every full garbage collection of the process to walk.
+    """
+    code = (
+        "import asyncio, gc, sys\n"
+        "from contextfold import Compactor, Message, RunOptions, SummarizeOptions\n"
+        "from contextfold.stores import SQLiteStore\n"
+        "from contextfold.summarizers import ExtractiveSummarizer, FunctionSummarizer, Summarizer\n"
+        "async def main():\n"
+        f"    async with SQLiteStore({str(tmp_path / 'cf.db')!r}) as store:\n"
+        "        options = RunOptions(\n"
+        "            max_history_tokens=2_000,\n"
+        "            compaction=SummarizeOptions(trigger_token_budget=600, min_recent_messages=2),\n"
+        "        )\n"
+        "        compactor = Compactor(store, options=options)\n"
+        "        assert isinstance(compactor.summarizer, ExtractiveSummarizer)\n"
+        "        folds = 0\n"
+        "        for n in range(40):\n"
+        "            result = await compactor.maybe_compact('t')\n"
+        "            folds += result is not None and result.compacted\n"
+        "            await compactor.append('t', [Message.user(f'step {n}: ' + 'words ' * 30)])\n"
+        "        assert folds, 'no fold ran'\n"
+        "asyncio.run(main())\n"
+        "heavy = ['httpx', 'tenacity', 'click', 'rich', 'pygments']\n"
+        "loaded = [m for m in heavy if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+        "from contextfold.summarizers import OpenAICompatibleSummarizer\n"
+        "assert 'httpx' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_summarizers_package_names_every_export_and_no_other() -> None:
+    """Each name in contextfold.summarizers.__all__ resolves (loaded on first use); an unknown one raises."""
+    from contextfold import summarizers
+
+    assert sorted(dir(summarizers)) == sorted(summarizers.__all__)
+    for name in summarizers.__all__:
+        assert getattr(summarizers, name).__name__ == name
+    with pytest.raises(AttributeError, match="Summariser"):
+        summarizers.Summariser  # noqa: B018
 
 
 def test_every_error_derives_from_the_root() -> None:

@@ -12,12 +12,29 @@ implements ``complete(system, user, max_tokens)`` and gets contextfold's
 prompt, chunking and checks.
 """
 
-from ._anthropic import AnthropicSummarizer
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._base import FunctionSummarizer, Summarizer, Summary
-from ._chat import ChatSummarizer
-from ._extractive import ExtractiveSummarizer
-from ._openai import OpenAICompatibleSummarizer
-from ._retry import SummarizerRetry
+
+if TYPE_CHECKING:
+    from ._anthropic import AnthropicSummarizer
+    from ._chat import ChatSummarizer
+    from ._extractive import ExtractiveSummarizer
+    from ._openai import OpenAICompatibleSummarizer
+    from ._retry import SummarizerRetry
+
+# Imported on first use: the HTTP clients bring httpx and tenacity (and httpx its
+# command line's click, rich and pygments when they are installed), tens of
+# thousands of objects that a process folding with its own summarizer never needs
+# and that every full garbage collection would walk.
+_HOMES: dict[str, str] = {
+    "AnthropicSummarizer": "_anthropic",
+    "ChatSummarizer": "_chat",
+    "ExtractiveSummarizer": "_extractive",
+    "OpenAICompatibleSummarizer": "_openai",
+    "SummarizerRetry": "_retry",
+}
 
 __all__ = [
     "AnthropicSummarizer",
@@ -29,3 +46,16 @@ __all__ = [
     "SummarizerRetry",
     "Summary",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
