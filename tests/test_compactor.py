@@ -647,3 +647,23 @@ async def test_the_summary_role_is_configurable_and_never_pinned(store: Any) -> 
     assert context[0].text == "prompt" and context[1].is_summary
     assert sum(m.is_summary for m in context) == 1
     assert summarizer.calls[-1][1] is not None
+
+
+async def test_a_message_edited_after_append_leaves_the_context_as_stored(store: Any) -> None:
+    """The context a step sends is what the store holds, even if the caller edits a message it appended.
+
+    On SQLite the cached context held the caller's own message object, so
+    metadata edited after ``append`` reached the next request (and a fold's
+    replacement rows) while the stored row kept the old value.
+    """
+    compactor = Compactor(store)
+    await compactor.append(THREAD, [Message.system("You are terse.")])
+    await compactor.maybe_compact(THREAD)
+    await compactor.context(THREAD)  # the context is cached from here on
+    message = Message.user("hi", metadata={"trace": "a"})
+    await compactor.append(THREAD, [message])
+    message.metadata["trace"] = "b"
+    await compactor.maybe_compact(THREAD)
+    context = await compactor.context(THREAD)
+    assert context[-1].metadata == {"trace": "a"}
+    assert [row.message for row in (await store.load(THREAD)).messages] == context

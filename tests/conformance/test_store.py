@@ -671,6 +671,27 @@ async def test_a_cancelled_record_and_append_is_applied_whole_or_not_at_all(stor
     assert outcomes == {1, 3}
 
 
+async def test_the_rows_a_write_returns_do_not_alias_the_callers_messages(store: Any) -> None:
+    """append and record_and_append return copies: editing the caller's message afterwards changes neither.
+
+    SQLiteStore and PostgresStore returned rows holding the caller's own
+    message objects (MemoryStore copied), so a metadata dict edited after the
+    write showed in what the write had returned, and through it in a
+    compactor's cached context, which then disagreed with the store.
+    """
+    plain = Message.user("a", metadata={"n": 1})
+    nested = Message.user("b", metadata={"tags": ["x"]})
+    appended = await store.append("t", [plain], [1])
+    recorded = await store.record_and_append(
+        "t", [UserMessageEpisode(message=nested)], [nested], [1], message_episodes=[0]
+    )
+    plain.metadata["n"] = 2
+    nested.metadata["tags"].append("y")
+    assert [row.message.metadata for row in appended + recorded] == [{"n": 1}, {"tags": ["x"]}]
+    window = await store.load("t")
+    assert [row.message for row in window.messages] == [row.message for row in appended + recorded]
+
+
 async def test_nan_put_into_metadata_after_building_is_refused(store: Any) -> None:
     """A NaN written into a built message's metadata is refused by the store, not stored as null."""
     message = Message.user("hi", metadata={"scores": [0.5]})

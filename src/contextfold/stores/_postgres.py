@@ -706,15 +706,16 @@ class PostgresStore(AsyncResource):
         first = int(row[0]) - params["m_n"] + 1
         # The episodes took the seqs up to the counters' new last_seq.
         first_episode = None if row[1] is None else int(row[1]) - len(episodes) + 1
+        # Each row holds the copy its JSON reads back, never the caller's message.
         return [
             trusted(
                 StoredMessage,
                 seq=first + n,
-                message=message,
+                message=copy,
                 tokens=count,
                 episode_seq=None if link is None or first_episode is None else first_episode + link,
             )
-            for n, (message, count, link) in enumerate(zip(messages, params["m_tokens"], links, strict=True))
+            for n, ((_, count, copy), link) in enumerate(zip(rows, links, strict=True))
         ]
 
     def _append_query(self, *, recording: bool) -> sql.Composed:

@@ -101,6 +101,7 @@ from ._rows import (
     encode_episode,
     encode_messages,
     encode_recording,
+    encode_rows,
     missing_seq_conflict,
     stored_message,
     trusted,
@@ -423,17 +424,31 @@ async def _encode(
     return await _off_loop_if_large(messages, partial(encode_messages, messages, tokens, field=field))
 
 
+async def _encode_rows(messages: Sequence[Message], tokens: Sequence[int]) -> list[tuple[str, int, Message]]:
+    """``encode_rows``: each message's JSON, its count and its copy, off the loop for a large batch."""
+    return await _off_loop_if_large(messages, partial(encode_rows, messages, tokens))
+
+
 async def _encode_recording(
     episodes: Sequence[Episode],
     messages: Sequence[Message],
     tokens: Sequence[int],
     message_episodes: Sequence[int] | None,
-) -> tuple[list[str], list[tuple[str, int]], list[int | None]]:
-    """``encode_recording`` for a SQL row, off the event loop for a large batch."""
-    bodies, rows, links = await _off_loop_if_large(
+) -> tuple[list[str], list[tuple[str, int, Message]], list[int | None]]:
+    """``encode_recording``, off the event loop for a large batch."""
+    return await _off_loop_if_large(
         messages, partial(encode_recording, episodes, messages, tokens, message_episodes)
     )
-    return bodies, [(body, count) for body, count, _ in rows], links
+
+
+def _stored(
+    first: int, rows: list[tuple[str, int, Message]], links: Sequence[int | None]
+) -> list[StoredMessage]:
+    """The rows as written from ``first`` on, each holding the copy its JSON reads back, not the caller's."""
+    return [
+        trusted(StoredMessage, seq=first + n, message=copy, tokens=count, episode_seq=link)
+        for n, ((_, count, copy), link) in enumerate(zip(rows, links, strict=True))
+    ]
 
 
 def _tombstone(thread: str, row: tuple[Any, ...]) -> Tombstone:
@@ -869,17 +884,14 @@ class SQLiteStore(AsyncResource):
         self, thread: str, messages: Sequence[Message], tokens: Sequence[int]
     ) -> list[StoredMessage]:
         check_thread(thread)
-        rows = await _encode(messages, tokens)
+        encoded = await _encode_rows(messages, tokens)
+        rows = [(body, count) for body, count, _ in encoded]
 
         def run(conn: sqlite3.Connection) -> int:
             with _transaction(conn, "IMMEDIATE"):
                 return _append_rows(conn, thread, rows)
 
-        first = await self._call(run)
-        return [
-            StoredMessage(seq=first + n, message=message, tokens=count)
-            for n, (message, count) in enumerate(zip(messages, tokens, strict=True))
-        ]
+        return _stored(await self._call(run), encoded, [None] * len(encoded))
 
     async def load(self, thread: str, *, max_tokens: int | None = None) -> ContextWindow:
         check_thread(thread)
@@ -1069,7 +1081,8 @@ class SQLiteStore(AsyncResource):
         message_episodes: Sequence[int] | None = None,
     ) -> list[StoredMessage]:
         check_thread(thread)
-        bodies, rows, links = await _encode_recording(episodes, messages, tokens, message_episodes)
+        bodies, encoded, links = await _encode_recording(episodes, messages, tokens, message_episodes)
+        rows = [(body, count) for body, count, _ in encoded]
         when = datetime.now(UTC)
 
         def run(conn: sqlite3.Connection) -> tuple[int, list[int | None]]:
@@ -1079,10 +1092,7 @@ class SQLiteStore(AsyncResource):
                 return _append_rows(conn, thread, rows, linked), linked
 
         first, linked = await self._call(run)
-        return [
-            trusted(StoredMessage, seq=first + n, message=message, tokens=count, episode_seq=link)
-            for n, (message, count, link) in enumerate(zip(messages, tokens, linked, strict=True))
-        ]
+        return _stored(first, encoded, linked)
 
     async def fold(
         self,
