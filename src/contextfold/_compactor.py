@@ -20,6 +20,8 @@ and is applied at a later step if its prefix is unchanged.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -60,6 +62,7 @@ from ._strategies import CompactionPlan, SlidingWindow, Strategy, unanswered_cal
 from ._telemetry import FoldSpan, Telemetry, error_type
 from ._tokens import TiktokenCounter, TokenCounter
 from .stores._base import ContextWindow, EpisodicStore, ShortTermStore, Store, StoredMessage, ThreadStats
+from .stores._rows import trusted
 from .summarizers._base import Summarizer, Summary
 
 __all__ = [
@@ -131,13 +134,22 @@ class _Backoff:
 
 @dataclass(slots=True)
 class _Cache:
-    """A thread's working context as this process last saw it, valid at ``version``."""
+    """A thread's working context as this process last saw it, valid at ``version``.
+
+    Each row is kept as its message beside plain lists of its seq, tokens and
+    episode seq, not as a ``StoredMessage``: numbers in a list are nothing the
+    garbage collector walks, so a thousand cached threads cost a full collection
+    their messages and no more. ``rows()`` builds the ``StoredMessage`` rows a fold
+    plans over.
+    """
 
     version: int
     last_seq: int = 0
-    rows: list[StoredMessage] = field(default_factory=list)
     plain: list[Message] = field(default_factory=list)
-    """The rows' messages, kept beside them so a step's context is one list copy."""
+    """The rows' messages, in seq order: a step's context is one copy of this list."""
+    seqs: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    links: list[int | None] = field(default_factory=list)
     total_tokens: int = 0
     turns: int = 0
     """Messages other than tool results, which belong to their call's turn: kept as rows arrive."""
@@ -152,18 +164,28 @@ class _Cache:
 
     def extend(self, rows: Sequence[StoredMessage]) -> None:
         for row in rows:
-            message = row.message
-            self.rows.append(row)
-            self.plain.append(message)
-            self.total_tokens += row.tokens
-            self.last_seq = max(self.last_seq, row.seq)
-            for call in message.tool_calls:
-                self.open_calls[call.id] = call
-            if message.role is Role.TOOL:
-                if message.tool_call_id is not None:
-                    self.open_calls.pop(message.tool_call_id, None)
-            else:
-                self.turns += 1
+            self.add(row.seq, row.message, row.tokens, row.episode_seq)
+
+    def add(self, seq: int, message: Message, tokens: int, link: int | None) -> None:
+        self.plain.append(message)
+        self.seqs.append(seq)
+        self.tokens.append(tokens)
+        self.links.append(link)
+        self.total_tokens += tokens
+        self.last_seq = max(self.last_seq, seq)
+        for call in message.tool_calls:
+            self.open_calls[call.id] = call
+        if message.role is Role.TOOL:
+            if message.tool_call_id is not None:
+                self.open_calls.pop(message.tool_call_id, None)
+        else:
+            self.turns += 1
+
+    def rows(self) -> list[StoredMessage]:
+        return [
+            trusted(StoredMessage, seq=seq, message=message, tokens=count, episode_seq=link)
+            for seq, message, count, link in zip(self.seqs, self.plain, self.tokens, self.links, strict=True)
+        ]
 
     @property
     def messages(self) -> list[Message]:
@@ -600,7 +622,7 @@ class Compactor:
         """The rows a fold plans over, the thread's version and its total tokens."""
         cache = await self._fresh_cache(thread)
         if cache is not None:
-            return list(cache.rows), cache.version, cache.total_tokens
+            return cache.rows(), cache.version, cache.total_tokens
         stats = await self.short_term.stats(thread)
         limit = settings.window_tokens
         if limit is not None and stats.total_tokens > limit:
@@ -902,14 +924,13 @@ class Compactor:
         cache = self._cache.get(thread)
         if cache is not None and cache.version == prepared.version:
             first = prepared.through_seq - len(prepared.replacement) + 1
-            head = [
-                StoredMessage(seq=first + n, message=message, tokens=count)
-                for n, (message, count) in enumerate(zip(prepared.replacement, prepared.tokens, strict=True))
-            ]
-            rest = [row for row in cache.rows if row.seq > prepared.through_seq]
             rebuilt = _Cache(prepared.version + 1)
-            rebuilt.extend(head)
-            rebuilt.extend(rest)
+            for n, (message, count) in enumerate(zip(prepared.replacement, prepared.tokens, strict=True)):
+                rebuilt.add(first + n, message, count, None)
+            start = bisect.bisect_right(cache.seqs, prepared.through_seq)
+            kept = zip(cache.seqs, cache.plain, cache.tokens, cache.links, strict=True)
+            for seq, message, count, link in itertools.islice(kept, start, None):
+                rebuilt.add(seq, message, count, link)
             rebuilt.last_seq = max(rebuilt.last_seq, cache.last_seq)
             self._cache[thread] = rebuilt
         else:
