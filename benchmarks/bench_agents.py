@@ -14,8 +14,9 @@ and a lag that is one round of every agent's step) and paced (each step
 awaits a ``--model-ms`` model call, 100 ms by default, so the loop has room
 and the lag is what blocking work costs everyone else).
 
-Printed per backend and load, with the default collector and after
-``gc.freeze()``: steps/s, hook p50/p99, the no-op hook's p99 (the checks where
+Printed per backend and load, each run in a process of its own (so no run
+carries the modules or heap of the runs before it), with the default
+collector and after ``gc.freeze()``: steps/s, hook p50/p99, the no-op hook's p99 (the checks where
 no trigger fired), loop-lag p99 and max, the longest collection, and the
 folds that ran.
 
@@ -28,8 +29,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +41,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -194,42 +199,87 @@ async def run_agents(
         stop.set()
 
 
-async def main_async(
-    agents: int, steps: int, backends: Sequence[str], postgres_url: str, model_ms: float
-) -> int:
-    print(f"{agents} agents x {steps} steps on one store, 8k-token trigger, instant summarizer")
-    print("+freeze: gc.freeze() after start-up, so full collections skip the imported modules' objects")
-    print(f"paced: each step awaits a {model_ms:g} ms model call; saturated: no wait at all")
-    print(
-        f"{'backend':<25} {'steps/s':>8} {'hook p50 ms':>12} {'hook p99 ms':>12} {'no-op p99 ms':>13} "
-        f"{'lag p99 ms':>11} {'lag max ms':>11} {'gc max ms':>10} {'folds':>6}"
-    )
+COLUMNS = ("steps/s", "hook p50 ms", "hook p99 ms", "no-op p99 ms", "lag p99 ms", "lag max ms", "gc max ms")
+
+
+def summary(m: Measured) -> dict[str, float]:
+    """One run's row: throughput, hook latencies, loop lag and the longest collection (ms)."""
+    return {
+        "steps/s": m.steps / m.seconds,
+        "hook p50 ms": statistics.median(m.hooks) * 1e3,
+        "hook p99 ms": percentile(m.hooks, 0.99) * 1e3,
+        "no-op p99 ms": percentile(m.noop_hooks, 0.99) * 1e3,
+        "lag p99 ms": percentile(m.lags, 0.99) * 1e3,
+        "lag max ms": max(m.lags, default=0.0) * 1e3,
+        "gc max ms": max(m.gc_pauses, default=0.0) * 1e3,
+        "folds": m.folds,
+    }
+
+
+def one_run(args: argparse.Namespace) -> int:
+    """In a child process: one backend, one load, printed as one JSON line."""
+    backend, load, freeze = args.one.split(":")
     with tempfile.TemporaryDirectory() as folder:
-        loads = [("saturated", 0.0)] + ([("paced", model_ms / 1e3)] if model_ms else [])
-        runs = [(b, f, load) for load in loads for f in (False, True) for b in backends]
-        for backend, freeze, (load, model_seconds) in runs:
-            try:
-                m = await run_backend(
+        try:
+            m = anyio.run(
+                partial(
+                    run_backend,
                     backend,
-                    agents,
-                    steps,
+                    args.agents,
+                    args.steps,
                     Path(folder),
-                    postgres_url,
-                    freeze=freeze,
-                    model_seconds=model_seconds,
+                    args.postgres_url,
+                    freeze=freeze == "freeze",
+                    model_seconds=args.model_ms / 1e3 if load == "paced" else 0.0,
                 )
-            except OSError as exc:
-                print(f"{backend:<8} skipped: {exc}", file=sys.stderr)
-                continue
-            finally:
-                gc.unfreeze()
-            label = f"{backend}{' +freeze' if freeze else ''} {load}"
-            print(
-                f"{label:<25} {m.steps / m.seconds:8.0f} {statistics.median(m.hooks) * 1e3:12.2f} "
-                f"{percentile(m.hooks, 0.99) * 1e3:12.2f} {percentile(m.noop_hooks, 0.99) * 1e3:13.2f} "
-                f"{percentile(m.lags, 0.99) * 1e3:11.2f} {max(m.lags, default=0.0) * 1e3:11.2f} "
-                f"{max(m.gc_pauses, default=0.0) * 1e3:10.2f} {m.folds:6d}"
             )
+        except OSError as exc:
+            print(f"{backend:<8} skipped: {exc}", file=sys.stderr)
+            return 3
+    print(json.dumps(summary(m)))
+    return 0
+
+
+def main_runs(args: argparse.Namespace) -> int:
+    """Every backend, load and collector setting, each in a process of its own, printed as a table.
+
+    A process of its own: a run would otherwise carry the modules and the heap
+    the runs before it left (psycopg's for the SQLite run after PostgreSQL's),
+    and every full collection in it would walk them.
+    """
+    print(f"{args.agents} agents x {args.steps} steps on one store, 8k-token trigger, instant summarizer")
+    print("each run in a fresh process; +freeze: gc.freeze() after start-up, so full collections skip")
+    print("the imported modules' objects")
+    print(f"paced: each step awaits a {args.model_ms:g} ms model call; saturated: no wait at all")
+    heading = " ".join(f"{name:>{max(8, len(name))}}" for name in COLUMNS)
+    print(f"{'backend':<25} {heading} {'folds':>6}")
+    loads = ["saturated"] + (["paced"] if args.model_ms else [])
+    for load, freeze, backend in itertools.product(loads, ("", "freeze"), args.backends.split(",")):
+        child = [
+            sys.executable,
+            __file__,
+            "--one",
+            f"{backend}:{load}:{freeze}",
+            "--agents",
+            str(args.agents),
+            "--steps",
+            str(args.steps),
+            "--model-ms",
+            str(args.model_ms),
+            "--postgres-url",
+            args.postgres_url,
+        ]
+        done = subprocess.run(child, capture_output=True, text=True, check=False)
+        if done.returncode == 3:
+            print(done.stderr.strip(), file=sys.stderr)
+            continue
+        if done.returncode != 0:
+            print(done.stderr, file=sys.stderr)
+            return done.returncode
+        row = json.loads(done.stdout.splitlines()[-1])
+        label = f"{backend}{' +freeze' if freeze else ''} {load}"
+        cells = [f"{row[name]:>{max(8, len(name))}.{0 if name == 'steps/s' else 2}f}" for name in COLUMNS]
+        print(f"{label:<25} " + " ".join(cells) + f" {row['folds']:6d}")
     return 0
 
 
@@ -244,10 +294,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--postgres-url", default=os.environ.get("CONTEXTFOLD_TEST_POSTGRES_URL", DEFAULT_POSTGRES_URL)
     )
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # backend:load:freeze, in a child process
     args = parser.parse_args(argv)
-    return anyio.run(
-        main_async, args.agents, args.steps, args.backends.split(","), args.postgres_url, args.model_ms
-    )
+    return one_run(args) if args.one else main_runs(args)
 
 
 if __name__ == "__main__":
