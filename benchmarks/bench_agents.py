@@ -16,9 +16,9 @@ and the lag is what blocking work costs everyone else).
 
 Printed per backend and load, each run in a process of its own (so no run
 carries the modules or heap of the runs before it), with the default
-collector and after ``gc.freeze()``: steps/s, hook p50/p99, the no-op hook's p99 (the checks where
-no trigger fired), loop-lag p99 and max, the longest collection, and the
-folds that ran.
+collector and after ``gc.freeze()``: steps/s, hook p50/p99, the no-op hook's
+p99 (the checks where no trigger fired), loop-lag p99 and max, the longest
+collection, and the folds that ran.
 
 Run it:  python benchmarks/bench_agents.py [--agents 50] [--steps 200] [--model-ms 100]
          [--backends memory,sqlite,postgres]
