@@ -825,6 +825,117 @@ async def test_a_point_read_waits_in_the_thread_until_the_store_is_open(
         await store.aclose()
 
 
+def small_writes(store: SQLiteStore) -> list[Any]:
+    """One of each write a step makes: append, record, record_and_append."""
+    return [
+        store.append("t", [Message.user("a")], [1]),
+        store.record("t", UserMessageEpisode(message=Message.user("b"))),
+        store.record_and_append(
+            "t",
+            [UserMessageEpisode(message=Message.user("c"))],
+            [Message.user("c")],
+            [1],
+            message_episodes=[0],
+        ),
+    ]
+
+
+def committed(path: Path) -> tuple[list[str], int]:
+    """What another connection sees: the thread's message texts and its episode count."""
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        rows = conn.execute("SELECT body FROM messages WHERE thread = 't' ORDER BY seq").fetchall()
+        (episodes,) = conn.execute("SELECT count(*) FROM episodes WHERE thread = 't'").fetchone()
+    return [Message.model_validate_json(body).text for (body,) in rows], episodes
+
+
+@BOTH
+async def test_a_steps_small_writes_at_normal_run_on_the_loop_without_a_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With synchronous=NORMAL a step's writes commit on the loop's own connection: no hop to a thread.
+
+    At FULL every commit syncs the disk, so each write goes to the store's
+    thread; a write of more than 64 KiB goes there at NORMAL too.
+    """
+    async with SQLiteStore(tmp_path / "normal.db", synchronous="NORMAL") as store:
+        conn = store._loop_writer
+        assert conn is not None
+        threads: list[int] = []
+        conn.set_trace_callback(lambda statement: threads.append(threading.get_ident()))
+        counting = Counting(monkeypatch)
+        for write in small_writes(store):
+            await write
+        assert counting.hops == []
+        assert threads and set(threads) == {threading.get_ident()}
+        assert committed(tmp_path / "normal.db") == (["a", "c"], 2)
+        await store.append("t", [Message.user("x" * 70_000)], [1])
+        assert counting.hops[0] == "worker"  # (on trio its caller waits through to_thread as well)
+        conn.set_trace_callback(None)
+    async with SQLiteStore(tmp_path / "full.db") as store:
+        assert store._loop_writer is None
+        counting = Counting(monkeypatch)
+        for write in small_writes(store):
+            await write
+        assert counting.hops.count("worker") == 3
+        assert committed(tmp_path / "full.db") == (["a", "c"], 2)
+
+
+async def test_a_small_write_made_while_the_thread_has_a_call_runs_after_it(tmp_path: Path) -> None:
+    """Writes keep the order they were made in: none overtakes a call already handed to the thread.
+
+    The large append goes to the store's thread; the small one, made while
+    that call is queued or running, must not commit first on the loop.
+    """
+    async with SQLiteStore(tmp_path / "order.db", synchronous="NORMAL") as store:
+        for n in range(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(store.append, "t", [Message.user(f"large {n} " + "x" * 70_000)], [1])
+                await anyio.sleep(0)  # the large append is handed to the thread
+                tg.start_soon(store.append, "t", [Message.user(f"small {n}")], [1])
+        texts = [m.message.text.split(" x")[0] for m in (await store.load("t")).messages]
+        assert texts == [f"{kind} {n}" for n in range(20) for kind in ("large", "small")]
+
+
+async def test_a_write_lock_held_elsewhere_sends_the_write_to_the_thread_and_the_loop_runs_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At NORMAL, a write that finds another process's write lock waits for it in the thread, not the loop."""
+    path = tmp_path / "locked.db"
+    async with SQLiteStore(path, synchronous="NORMAL") as store:
+        await store.append("t", [Message.user("before")], [1])
+        holding, release = threading.Event(), threading.Event()
+
+        def hold_the_write_lock() -> None:
+            with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as other:
+                other.execute("BEGIN IMMEDIATE")
+                holding.set()
+                release.wait(10)
+                other.execute("COMMIT")
+
+        gaps: list[float] = []
+
+        async def tick() -> None:
+            while not release.is_set():
+                started = anyio.current_time()
+                await anyio.sleep(0.005)
+                gaps.append(anyio.current_time() - started)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, hold_the_write_lock)
+            await anyio.to_thread.run_sync(holding.wait, 5)
+            tg.start_soon(tick)
+            counting = Counting(monkeypatch)
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as writes:
+                    writes.start_soon(store.append, "t", [Message.user("after")], [1])
+                    await anyio.sleep(0.3)
+                    assert (await store.stats("t")).message_count == 1  # still waiting for the lock
+                    release.set()
+        assert counting.hops[0] == "worker"
+        assert committed(path) == (["before", "after"], 0)
+        assert max(gaps) < 0.1, f"the loop stalled {max(gaps) * 1000:.0f} ms while the write waited"
+
+
 async def test_a_write_does_not_wait_for_the_checkpoint_it_makes_due(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import random
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -57,6 +58,8 @@ target = concurrency.target  # the same fresh SQLite file or PostgreSQL schema p
 def open_target(target: Target, *, app: str | None = None, lease_seconds: float = LEASE_SECONDS) -> Any:
     if target["backend"] == "sqlite":
         return SQLiteStore(target["path"], lease_seconds=lease_seconds)
+    if target["backend"] == "sqlite-normal":  # a step's writes commit on the loop's own connection
+        return SQLiteStore(target["path"], lease_seconds=lease_seconds, synchronous="NORMAL")
     from contextfold.stores import PostgresStore
 
     params = [f"application_name={app}"] if app else []
@@ -197,9 +200,13 @@ def _postgres_hooks(lock: int) -> list[str]:
 
 
 def _arm_sqlite(store: Any, point: tuple[str, int] | str, tell: Any) -> list[int]:
-    """Hooks that kill the process at ``point``; they count the statements and steps they see."""
+    """Hooks that kill the process at ``point``; they count the statements and steps they see.
+
+    The third count is of the statements the calling thread (the event loop's) ran.
+    """
     kind, at = ("count", 0) if point == "never" else point
-    seen = [0, 0]
+    seen = [0, 0, 0]
+    caller = threading.get_ident()
 
     def die(where: str) -> None:
         tell.send(("killed", where))
@@ -207,6 +214,7 @@ def _arm_sqlite(store: Any, point: tuple[str, int] | str, tell: Any) -> list[int
 
     def statement(text: str) -> None:
         seen[0] += 1
+        seen[2] += threading.get_ident() == caller
         if kind == "statement" and seen[0] == at:
             die(f"at the start of statement {at}: {text.split()[0]}")
 
@@ -216,8 +224,10 @@ def _arm_sqlite(store: Any, point: tuple[str, int] | str, tell: Any) -> list[int
             die(f"after VM instruction {at}")
         return 0
 
-    store._conn.set_trace_callback(statement)
-    store._conn.set_progress_handler(step, 1)
+    # Both connections that write: the store's thread's, and at NORMAL the loop's own.
+    for conn in {id(c): c for c in (store._conn, store._loop_writer) if c is not None}.values():
+        conn.set_trace_callback(statement)
+        conn.set_progress_handler(step, 1)
     return seen
 
 
@@ -229,7 +239,7 @@ async def call_then_die(target: Target, op: str, point: Any, app: str, tell: Any
         else:
             plan = plan_fold(await store.load(THREAD))
             tell.send(("before", plan["checkpoint"].model_dump_json(), plan["through_seq"]))
-        seen = _arm_sqlite(store, point, tell) if target["backend"] == "sqlite" else [0, 0]
+        seen = _arm_sqlite(store, point, tell) if target["backend"].startswith("sqlite") else [0, 0, 0]
         if op == "record":
             await record_step(store, messages)
         else:
@@ -339,7 +349,7 @@ def applied(op: str, told: list[Any], before: Snapshot) -> tuple[tuple[Any, ...]
 
 
 @pytest.mark.parametrize(
-    "target", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+    "target", ["sqlite", "sqlite-normal", pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
 )
 async def test_sigkill_inside_a_record_or_a_fold_leaves_old_or_new(target: Target) -> None:
     """Killed at each point of record_and_append and fold, the thread is exactly as before or as after."""
@@ -394,7 +404,10 @@ async def test_sigkill_inside_a_record_or_a_fold_leaves_old_or_new(target: Targe
         else:
             for op in ("record", "fold"):
                 told = await kill_once(store, op, "never")
-                statements, steps = next(said[1:] for said in told if said[0] == "counted")
+                statements, steps, on_loop = next(said[1:] for said in told if said[0] == "counted")
+                # At NORMAL the step's record commits on the loop; a fold always in the thread.
+                on_the_loop = (target["backend"], op) == ("sqlite-normal", "record")
+                assert on_loop == (statements if on_the_loop else 0)
                 points = [("statement", n) for n in range(1, statements + 1)]
                 points += [
                     ("step", max(1, steps * k // SQLITE_STEP_POINTS)) for k in range(1, SQLITE_STEP_POINTS)

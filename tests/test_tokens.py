@@ -706,7 +706,8 @@ async def test_aload_loads_the_encoding_in_a_worker_thread_while_the_loop_keeps_
         await counter.aload()
         loaded.set()
     took = time.perf_counter() - began
-    assert took > 0.3, "the encoding was really built"
+    # Emptied above, so this load built the encoding (a timed floor here failed on a fast pass: 0.29 s).
+    assert list(tokens_module._LOADED) == [("o200k_base", False)], "the encoding was really built"
     on_time = [late for late in lateness if late < 0.020]
     assert sum(on_time) + 0.005 * len(on_time) > took / 3, "the loop ran for a good part of the load"
     assert max(lateness) < took * 0.7, f"loop stalled {max(lateness):.2f} s of a {took:.2f} s load"

@@ -27,9 +27,16 @@ RawSQL = Callable[[str, Sequence[Any]], Awaitable[list[tuple[Any, ...]]]]
 BACKENDS = [
     pytest.param("memory", id="memory"),
     pytest.param("sqlite", id="sqlite"),
+    # synchronous=NORMAL makes a step's small writes on the event loop's own connection.
+    pytest.param("sqlite-normal", id="sqlite-normal"),
     pytest.param("postgres", id="postgres", marks=pytest.mark.postgres),
 ]
 SQL_BACKENDS = BACKENDS[1:]
+
+
+def dialect(backend: str) -> str:
+    """The SQL a backend speaks: ``sqlite`` for either synchronous mode, else the backend."""
+    return "sqlite" if backend.startswith("sqlite") else backend
 
 
 @pytest.fixture(params=BACKENDS)
@@ -40,7 +47,7 @@ def backend(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def database(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, str]:
     """Where the test's data lives: the SQLite file, or the PostgreSQL URL and schema."""
-    if backend == "sqlite":
+    if backend.startswith("sqlite"):
         return {"path": str(tmp_path / "contextfold.db")}
     if backend == "postgres":
         return {"url": request.getfixturevalue("postgres_url"), "schema": f"cf_test_{uuid.uuid4().hex[:12]}"}
@@ -56,7 +63,9 @@ async def open_store(backend: str, database: dict[str, str]) -> AsyncIterator[Op
     async def factory(**options: Any) -> Any:
         if backend == "memory":
             return memory
-        if backend == "sqlite":
+        if backend.startswith("sqlite"):
+            if backend == "sqlite-normal":
+                options.setdefault("synchronous", "NORMAL")
             store: Any = SQLiteStore(database["path"], **options)
         else:
             from contextfold.stores import PostgresStore
@@ -104,7 +113,7 @@ def raw_sql(backend: str, database: dict[str, str]) -> RawSQL:
             await conn.commit()
             return rows
 
-    if backend == "sqlite":
+    if backend.startswith("sqlite"):
         return sqlite_run
     if backend == "postgres":
         return postgres_run

@@ -17,7 +17,7 @@ from contextfold import Message, StoreError
 from contextfold.episodes import SummaryCheckpoint, UserMessageEpisode
 from contextfold.stores import ThreadStats
 
-from .conftest import SQL_BACKENDS, OpenStore, RawSQL
+from .conftest import SQL_BACKENDS, OpenStore, RawSQL, dialect
 
 # Every turn up to 12, then growing by half up to enough turns to outlast the
 # slowest operation here (a PostgreSQL transaction of a few round trips), so
@@ -188,7 +188,7 @@ async def test_a_write_failing_after_its_first_statement_changes_nothing(
     messages_before = await state(store, "t")
     log_before = [r async for r in store.replay("t")]
     pressure_before = await store.pressure("t")
-    for statement in INJECT[backend]:
+    for statement in INJECT[dialect(backend)]:
         await raw_sql(statement, [])
 
     def replace(tokens: int) -> Any:

@@ -15,7 +15,7 @@ from contextfold.episodes import SummaryCheckpoint, UserMessageEpisode
 from contextfold.messages import SUMMARY_METADATA_KEY
 from contextfold.stores import Store, ThreadStats
 
-from .conftest import SQL_BACKENDS, OpenStore, RawSQL
+from .conftest import SQL_BACKENDS, OpenStore, RawSQL, dialect
 from .test_failures import CANCEL_AFTER, INJECT, cancelled_after
 
 INT64_MAX = 2**63 - 1
@@ -202,7 +202,7 @@ async def test_record_and_append_failing_in_the_database_writes_neither(
     """When the database refuses a message row, the episodes the call recorded before it are rolled back."""
     await say(store, "t", "before")
     before = await everything(store, "t")
-    for statement in FAIL_MESSAGE_INSERT[backend]:
+    for statement in FAIL_MESSAGE_INSERT[dialect(backend)]:
         await raw_sql(statement, [])
     with pytest.raises(StoreError, match="injected failure"):
         await store.record_and_append(
@@ -329,7 +329,7 @@ async def test_a_fold_failing_in_the_database_writes_no_checkpoint(
     """When the database refuses the summary row, the checkpoint recorded in the same fold is rolled back."""
     await say(store, "t", "a", "b", "c")
     before = await everything(store, "t")
-    for statement in FAIL_MESSAGE_INSERT[backend]:
+    for statement in FAIL_MESSAGE_INSERT[dialect(backend)]:
         await raw_sql(statement, [])
     with pytest.raises(StoreError, match="injected failure"):
         await store.fold(
