@@ -23,6 +23,7 @@ $(CLI_STAMP): pyproject.toml | $(BIN)/python
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks
+	$(BIN)/ruff format --check src tests examples benchmarks
 
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict src

@@ -427,9 +427,7 @@ class PostgresStore(AsyncResource):
             )
         self._min_size = _pool_size("min_size", min_size, 0)
         self._max_size = _pool_size("max_size", max_size, max(1, min_size))
-        self._lease_seconds = check_seconds(
-            "lease_seconds", lease_seconds, example=300, maximum=_MAX_SECONDS
-        )
+        self._lease_seconds = check_seconds("lease_seconds", lease_seconds, example=300, maximum=_MAX_SECONDS)
         self._statement_timeout = check_seconds(
             "statement_timeout", statement_timeout, example=30, maximum=_MAX_SECONDS
         )

@@ -716,9 +716,7 @@ class SQLiteStore(AsyncResource):
         self._busy_timeout = check_seconds(
             "busy_timeout", busy_timeout, example=30, maximum=_MAX_BUSY_TIMEOUT
         )
-        self._lease_seconds = check_seconds(
-            "lease_seconds", lease_seconds, example=300, maximum=_MAX_LEASE
-        )
+        self._lease_seconds = check_seconds("lease_seconds", lease_seconds, example=300, maximum=_MAX_LEASE)
         self._synchronous = check_choice("synchronous", synchronous, ("FULL", "NORMAL"))
         # The worker thread opens, uses and closes the connections; it starts on first use.
         self._worker: _Worker | None = None
@@ -1102,9 +1100,7 @@ class SQLiteStore(AsyncResource):
 
     # episodic -------------------------------------------------------------
 
-    async def record(
-        self, thread: str, episode: Episode, *, at: datetime | None = None
-    ) -> EpisodeRecord:
+    async def record(self, thread: str, episode: Episode, *, at: datetime | None = None) -> EpisodeRecord:
         check_thread(thread)
         when = utc(at, "at")
         body = encode_episode(episode)
