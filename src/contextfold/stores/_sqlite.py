@@ -22,8 +22,8 @@ read-only connection in a worker thread, so they never queue behind the
 store's own write waiting for another process.
 
 The per-step point reads (``state``, ``stats``, ``pressure``: one indexed
-SELECT of one row) run on the event loop itself, through a third read-only
-connection with ``PRAGMA busy_timeout = 0``. That is safe because in WAL mode
+SELECT of one row) run on the event loop itself, through a third connection
+(read-only at ``FULL``) with ``PRAGMA busy_timeout = 0``. That is safe because in WAL mode
 a reader takes no lock a writer holds: it reads the last committed snapshot
 from the database file and the WAL, whatever other connections or processes
 are writing. The only times a WAL reader must wait (another process
@@ -42,7 +42,7 @@ At ``synchronous="NORMAL"`` no commit syncs the disk (only checkpoints do), so
 a step's own small writes (``append``, ``record``, ``record_and_append`` of at
 most 64 KiB) are made on that on-loop connection too, which also writes: the
 hop to the worker thread and back cost more than the transaction itself
-(about 150 µs against 130 µs here), and the point read that follows finds the
+(about 150 µs against 100-130 µs here), and the point read that follows finds the
 connection's page cache still valid. Such a write runs only when the worker
 thread has no call of this store waiting or running, so writes keep the order
 they were made in and never run beside the worker's checkpoint; with
