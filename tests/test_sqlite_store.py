@@ -852,7 +852,7 @@ def committed(path: Path) -> tuple[list[str], int]:
 async def test_a_steps_small_writes_at_normal_run_on_the_loop_without_a_thread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With synchronous=NORMAL a step's writes commit on the loop's own connection: no hop to a thread.
+    """With synchronous=NORMAL a step's writes (and a fold's lease) commit on the loop: no hop to a thread.
 
     At FULL every commit syncs the disk, so each write goes to the store's
     thread; a write of more than 64 KiB goes there at NORMAL too.
@@ -865,9 +865,13 @@ async def test_a_steps_small_writes_at_normal_run_on_the_loop_without_a_thread(
         counting = Counting(monkeypatch)
         for write in small_writes(store):
             await write
+        async with store.compaction_lock("t") as taken:  # a lease's take and release
+            assert taken
         assert counting.hops == []
         assert threads and set(threads) == {threading.get_ident()}
         assert committed(tmp_path / "normal.db") == (["a", "c"], 2)
+        with contextlib.closing(sqlite3.connect(tmp_path / "normal.db")) as other:
+            assert other.execute("SELECT count(*) FROM compaction_leases").fetchone() == (0,)
         await store.append("t", [Message.user("x" * 70_000)], [1])
         assert counting.hops[0] == "worker"  # (on trio its caller waits through to_thread as well)
         conn.set_trace_callback(None)

@@ -40,7 +40,8 @@ read takes the worker-thread path.
 
 At ``synchronous="NORMAL"`` no commit syncs the disk (only checkpoints do), so
 a step's own small writes (``append``, ``record``, ``record_and_append`` of at
-most 64 KiB) are made on that on-loop connection too, which also writes: the
+most 64 KiB, and a compaction lease's one-row statements) are made on that
+on-loop connection too, which also writes: the
 hop to the worker thread and back cost more than the transaction itself
 (about 150 µs against 100-130 µs here), and the point read that follows finds the
 connection's page cache still valid. Such a write runs only when the worker
@@ -1088,7 +1089,7 @@ class SQLiteStore(AsyncResource):
             conn.execute("DELETE FROM compaction_leases WHERE thread = ? AND owner = ?", (thread, owner))
             self._leases.discard((thread, owner))
 
-        if not await self._call(take):
+        if not await self._write(take, 0):
             yield False
             return
         try:
@@ -1096,7 +1097,7 @@ class SQLiteStore(AsyncResource):
         finally:
             with anyio.move_on_after(self._busy_timeout + _CLOSE_GRACE, shield=True):
                 if not self._closed:
-                    await self._call(release)
+                    await self._write(release, 0)
 
     # episodic -------------------------------------------------------------
 
