@@ -825,6 +825,13 @@ async def test_a_point_read_waits_in_the_thread_until_the_store_is_open(
         await store.aclose()
 
 
+async def thread_settled(store: SQLiteStore) -> None:
+    """Until the store's thread has finished its last call's upkeep (a loaded machine may lag)."""
+    with anyio.fail_after(10):
+        while store._worker is not None and not store._worker.idle:
+            await anyio.sleep(0.001)
+
+
 def small_writes(store: SQLiteStore) -> list[Any]:
     """One of each write a step makes: append, record, record_and_append."""
     return [
@@ -862,6 +869,7 @@ async def test_a_steps_small_writes_at_normal_run_on_the_loop_without_a_thread(
         assert conn is not None
         threads: list[int] = []
         conn.set_trace_callback(lambda statement: threads.append(threading.get_ident()))
+        await thread_settled(store)  # the open's call
         counting = Counting(monkeypatch)
         for write in small_writes(store):
             await write

@@ -39,6 +39,7 @@ from contextfold._episodes import EpisodeRecord
 from contextfold.episodes import SummaryCheckpoint, UserMessageEpisode
 from contextfold.messages import SUMMARY_METADATA_KEY
 from contextfold.stores import SQLiteStore
+from test_sqlite_store import thread_settled
 from test_store_concurrency import Snapshot, check_agreement, plan_fold
 
 pytestmark = pytest.mark.slow
@@ -240,6 +241,8 @@ async def call_then_die(target: Target, op: str, point: Any, app: str, tell: Any
             plan = plan_fold(await store.load(THREAD))
             tell.send(("before", plan["checkpoint"].model_dump_json(), plan["through_seq"]))
         seen = _arm_sqlite(store, point, tell) if target["backend"].startswith("sqlite") else [0, 0, 0]
+        if target["backend"] == "sqlite-normal":
+            await thread_settled(store)  # so the record is made on the loop, as a step's would be
         if op == "record":
             await record_step(store, messages)
         else:
