@@ -945,7 +945,7 @@ async def test_a_write_lock_held_elsewhere_sends_the_write_to_the_thread_and_the
                     release.set()
         assert counting.hops[0] == "worker"
         assert committed(path) == (["before", "after"], 0)
-        assert max(gaps) < 0.1, f"the loop stalled {max(gaps) * 1000:.0f} ms while the write waited"
+        assert max(gaps) < 0.2, f"the loop stalled {max(gaps) * 1000:.0f} ms while the write waited"
 
 
 async def test_a_write_does_not_wait_for_the_checkpoint_it_makes_due(
