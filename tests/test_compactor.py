@@ -130,6 +130,45 @@ async def test_a_step_reads_from_the_store_only_its_check(store: Any) -> None:
     assert [m.metadata["n"] for m in await compactor.context(THREAD)][-3:] == ["u7", "a7", "r7"]
 
 
+async def test_a_step_that_folds_sends_the_folded_context_without_reading_it_back(store: Any) -> None:
+    """After a fold, the step's context() is the folded context, read from nothing but the check.
+
+    The fold consumed the step's check, so context() used to read the thread's
+    tail once more (finding no new rows) after every fold.
+    """
+    compactor = Compactor(store, options=options(budget=1_500), counter=ApproximateCounter())
+    reads: list[str] = []
+    for name in ("tail", "load", "state", "stats"):
+        real = getattr(store, name)
+
+        def counting(real: Any = real, name: str = name) -> Any:
+            async def read(*args: Any, **kwargs: Any) -> Any:
+                reads.append(name)
+                return await real(*args, **kwargs)
+
+            return read
+
+        setattr(store, name, counting())
+    await compactor.append(THREAD, turn(0))
+    await compactor.context(THREAD)  # the cache is filled
+    folds = 0
+    for n in range(1, 30):
+        await compactor.append(THREAD, turn(n))
+        reads.clear()
+        result = await compactor.maybe_compact(THREAD)
+        context = await compactor.context(THREAD)
+        assert reads == ["state"], f"step {n} read {reads}"
+        if result is not None and result.compacted:
+            folds += 1
+            stored = (await store.load(THREAD)).plain
+            assert [(m.role, m.text, m.metadata) for m in context] == [
+                (m.role, m.text, m.metadata) for m in stored
+            ]
+            assert context[0].metadata.get(SUMMARY_METADATA_KEY) is True
+            assert context[-1].metadata["n"] == f"r{n}"
+    assert folds >= 2
+
+
 async def test_a_no_op_check_does_not_wait_behind_other_ready_tasks(store: Any) -> None:
     """A no-op maybe_compact lets no other task run: with many busy agents it does not wait a round.
 

@@ -881,6 +881,16 @@ class Compactor:
         tokens_after = prepared.checkpoint.tokens_after
         if current is not None and current.total_tokens > prepared.tokens_before:
             tokens_after += current.total_tokens - prepared.tokens_before
+        cache = self._cache.get(thread)
+        if not background and cache is not None and cache.version == prepared.version + 1:
+            # The step's state is its check's plus this fold: its context() needs no read.
+            self._seen[thread] = trusted(
+                ThreadStats,
+                message_count=len(cache.seqs),
+                total_tokens=cache.total_tokens,
+                version=cache.version,
+                last_seq=cache.last_seq,
+            )
         summary = prepared.summary
         result = CompactionResult(
             thread=thread,
