@@ -99,15 +99,8 @@ async def test_no_trigger_returns_none_without_loading_or_tokenizing(store: Any)
     assert counter.misses == misses
 
 
-async def test_a_step_reads_from_the_store_only_its_check(store: Any) -> None:
-    """Check, context, then append a call with its result: one state() read, no tail or load.
-
-    A batch that makes a tool call and answers it used to re-read the thread's
-    tail to find the call open, on every tool step.
-    """
-    compactor = Compactor(store, options=options(budget=100_000), counter=ApproximateCounter())
-    await grow(compactor, range(3))
-    await compactor.context(THREAD)
+def counted_reads(store: Any) -> list[str]:
+    """The list each read of ``store`` (tail, load, state, stats) appends its name to, from now on."""
     reads: list[str] = []
     for name in ("tail", "load", "state", "stats"):
         real = getattr(store, name)
@@ -120,6 +113,19 @@ async def test_a_step_reads_from_the_store_only_its_check(store: Any) -> None:
             return read
 
         setattr(store, name, counting())
+    return reads
+
+
+async def test_a_step_reads_from_the_store_only_its_check(store: Any) -> None:
+    """Check, context, then append a call with its result: one state() read, no tail or load.
+
+    A batch that makes a tool call and answers it used to re-read the thread's
+    tail to find the call open, on every tool step.
+    """
+    compactor = Compactor(store, options=options(budget=100_000), counter=ApproximateCounter())
+    await grow(compactor, range(3))
+    await compactor.context(THREAD)
+    reads = counted_reads(store)
     for n in range(3, 8):
         reads.clear()
         assert await compactor.maybe_compact(THREAD) is None
@@ -137,18 +143,7 @@ async def test_a_step_that_folds_sends_the_folded_context_without_reading_it_bac
     tail once more (finding no new rows) after every fold.
     """
     compactor = Compactor(store, options=options(budget=1_500), counter=ApproximateCounter())
-    reads: list[str] = []
-    for name in ("tail", "load", "state", "stats"):
-        real = getattr(store, name)
-
-        def counting(real: Any = real, name: str = name) -> Any:
-            async def read(*args: Any, **kwargs: Any) -> Any:
-                reads.append(name)
-                return await real(*args, **kwargs)
-
-            return read
-
-        setattr(store, name, counting())
+    reads = counted_reads(store)
     await compactor.append(THREAD, turn(0))
     await compactor.context(THREAD)  # the cache is filled
     folds = 0
