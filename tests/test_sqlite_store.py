@@ -693,6 +693,35 @@ async def test_a_caller_cancelled_before_its_write_submits_nothing(
         assert (await store.stats("t")).message_count == 0
 
 
+@BOTH
+async def test_a_write_waiting_for_the_store_thread_holds_no_pool_thread(tmp_path: Path) -> None:
+    """A write's caller waits for the store's thread without taking a token of anyio's thread pool.
+
+    On trio every waiting write held a pool thread (``to_thread.run_sync`` of
+    a blocking wait): with the pool's one token held elsewhere, no write
+    could return.
+    """
+    async with SQLiteStore(tmp_path / "pool.db") as store:  # FULL: every write goes to the thread
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        tokens, limiter.total_tokens = limiter.total_tokens, 1
+        release = threading.Event()
+        try:
+            async with anyio.create_task_group() as tg:
+                # Holds the one token until the writes are done, or for 3 s at most.
+                tg.start_soon(anyio.to_thread.run_sync, release.wait, 3)
+                await anyio.sleep(0.05)
+                started = anyio.current_time()
+                for n in range(5):
+                    await store.append("t", [Message.user(f"m{n}")], [1])
+                took = anyio.current_time() - started
+                release.set()
+        finally:
+            release.set()
+            limiter.total_tokens = tokens
+        assert took < 2, f"five writes took {took:.1f} s: each waited for the pool's token"
+        assert (await store.stats("t")).message_count == 5
+
+
 class Counting:
     """Counts the hops to a thread: anyio.to_thread.run_sync and submissions to the store's thread."""
 

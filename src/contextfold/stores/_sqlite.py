@@ -6,8 +6,9 @@ the store's own worker thread (one per store, named ``contextfold-sqlite
 never waits on the disk or on another process's write lock. On asyncio a call
 is handed to that thread through a ``queue.SimpleQueue`` and its result comes
 back with ``loop.call_soon_threadsafe``: two cheap hops instead of a trip
-through a thread pool. On other backends (trio) the caller waits for the same
-thread from ``anyio.to_thread.run_sync``. Either way cancellation works as
+through a thread pool. On trio the result comes back through the run's token
+(``TrioToken.run_sync_soon``), so no pool thread is held while a call waits
+its turn. Either way cancellation works as
 ``anyio.to_thread.run_sync``'s (never abandoning the thread): a caller
 cancelled while its call runs waits, shielded, for the call to end, gets its
 result, and its cancelled scope raises at its next checkpoint; a call whose
@@ -551,6 +552,16 @@ def _notify_loop(loop: asyncio.AbstractEventLoop, job: _Job) -> None:
         pass  # the loop was closed: nobody waits for this call any more
 
 
+def _notify_trio(token: Any, task: Any) -> None:
+    """In the worker thread: have the trio run behind ``token`` reschedule the waiting ``task``."""
+    import trio
+
+    try:
+        token.run_sync_soon(trio.lowlevel.reschedule, task)
+    except trio.RunFinishedError:
+        pass  # the run ended: nobody waits for this call any more
+
+
 def _wake(job: _Job) -> None:
     """On the caller's loop: the call ended."""
     waiter = job.waiter
@@ -643,18 +654,22 @@ class _Worker:
                 # A plain asyncio cancel (no cancelled anyio scope) is raised at once.
                 if await _wait_out(job, loop) or anyio.current_effective_deadline() != -math.inf:
                     raise
-        else:
-            ended = threading.Event()
-            job.notify = ended.set
+        else:  # trio: rescheduled through the run's token, so no pool thread waits for the call
+            import trio
+
+            lowlevel = trio.lowlevel
+            job.notify = partial(_notify_trio, lowlevel.current_trio_token(), lowlevel.current_task())
             self._submit(job)
-            try:
-                await to_thread.run_sync(ended.wait)
-            except anyio.get_cancelled_exc_class():
-                # Cancelled before the waiting thread started (once started, it is not abandoned).
-                if not job.take():
-                    with anyio.CancelScope(shield=True):
-                        await to_thread.run_sync(ended.wait)
-                raise
+
+            def abort(raise_cancel: object) -> trio.lowlevel.Abort:
+                if job.take():  # not started: it never runs, and the cancellation is raised now
+                    job.notify = job.fn = _nothing
+                    return lowlevel.Abort.SUCCEEDED
+                # It runs: woken when it ends with its result, the cancellation raised at the
+                # caller's next checkpoint (as trio.to_thread.run_sync does).
+                return lowlevel.Abort.FAILED
+
+            await lowlevel.wait_task_rescheduled(abort)
         return cast(_T, job.result())
 
 
