@@ -876,21 +876,11 @@ class Compactor:
             await self._emit(lost)
             return None
         self._backoff.pop(thread, None)
-        self._after_fold(thread, prepared, settings)
         current = self._seen.get(thread)
+        self._after_fold(thread, prepared, settings, background=background)
         tokens_after = prepared.checkpoint.tokens_after
         if current is not None and current.total_tokens > prepared.tokens_before:
             tokens_after += current.total_tokens - prepared.tokens_before
-        cache = self._cache.get(thread)
-        if not background and cache is not None and cache.version == prepared.version + 1:
-            # The step's state is its check's plus this fold: its context() needs no read.
-            self._seen[thread] = trusted(
-                ThreadStats,
-                message_count=len(cache.seqs),
-                total_tokens=cache.total_tokens,
-                version=cache.version,
-                last_seq=cache.last_seq,
-            )
         summary = prepared.summary
         result = CompactionResult(
             thread=thread,
@@ -929,7 +919,7 @@ class Compactor:
         await self._emit(event)
         return result
 
-    def _after_fold(self, thread: str, prepared: _Prepared, settings: Settings) -> None:
+    def _after_fold(self, thread: str, prepared: _Prepared, settings: Settings, *, background: bool) -> None:
         """Bring the cache to the folded state and set when the next token fold may fire."""
         cache = self._cache.get(thread)
         if cache is not None and cache.version == prepared.version:
@@ -943,6 +933,15 @@ class Compactor:
                 rebuilt.add(seq, message, count, link)
             rebuilt.last_seq = max(rebuilt.last_seq, cache.last_seq)
             self._cache[thread] = rebuilt
+            if not background:
+                # The step's state is its check's plus this fold: its context() needs no read.
+                self._seen[thread] = trusted(
+                    ThreadStats,
+                    message_count=len(rebuilt.seqs),
+                    total_tokens=rebuilt.total_tokens,
+                    version=rebuilt.version,
+                    last_seq=rebuilt.last_seq,
+                )
         else:
             self._forget_cache(thread)
         after = prepared.checkpoint.tokens_after + self._overhead.get(thread, 0)

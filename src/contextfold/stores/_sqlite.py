@@ -742,7 +742,6 @@ class SQLiteStore(AsyncResource):
         # from one thread: the first that used it, kept under key 0.
         self._loop_conn: sqlite3.Connection | None = None
         self._loop_reader: sqlite3.Connection | None = None
-        self._loop_writer: sqlite3.Connection | None = None
         self._loop_thread: dict[int, int] = {}
         self._read_lock = anyio.Lock()
         self._closed = False
@@ -768,7 +767,7 @@ class SQLiteStore(AsyncResource):
         no thread afterwards.
         """
         self._closed = True
-        self._loop_reader = self._loop_writer = None
+        self._loop_reader = None
         with anyio.move_on_after(self._busy_timeout + _CLOSE_GRACE, shield=True):
             async with self._read_lock:
                 worker, self._worker = self._worker, None
@@ -785,7 +784,7 @@ class SQLiteStore(AsyncResource):
         conn, self._conn = self._conn, None
         reader, self._reader = self._reader, None
         loop_conn, self._loop_conn = self._loop_conn, None
-        self._loop_reader = self._loop_writer = None
+        self._loop_reader = None
         for other in (loop_conn, reader):
             if other is not None:
                 other.close()
@@ -810,8 +809,6 @@ class SQLiteStore(AsyncResource):
             self._conn, self._reader, self._loop_conn = conn, reader, loop_conn
             if not self._closed:
                 self._loop_reader = loop_conn
-                if self._synchronous == "NORMAL":
-                    self._loop_writer = loop_conn
         return self._conn
 
     def _connect(self) -> tuple[sqlite3.Connection, sqlite3.Connection, sqlite3.Connection]:
@@ -908,6 +905,16 @@ class SQLiteStore(AsyncResource):
         except sqlite3.Error as exc:  # the next one copies what this one did not
             _logger.debug("checkpoint of %s failed, done again later: %s", self.path, exc)
 
+    @property
+    def _loop_writer(self) -> sqlite3.Connection | None:
+        """The on-loop connection when it also writes (``synchronous="NORMAL"``), else ``None``."""
+        return self._loop_reader if self._synchronous == "NORMAL" else None
+
+    def _on_loop_thread(self) -> bool:
+        """Whether this is the thread that first used the on-loop connection (no other may)."""
+        me = threading.get_ident()
+        return self._loop_thread.setdefault(0, me) == me
+
     async def _write(self, fn: Callable[[sqlite3.Connection], _T], size: int) -> _T:
         """``fn`` (one write transaction of ``size`` bytes): on the loop when it can be, else as ``_call``."""
         if size <= _WRITE_ON_LOOP_BYTES and self._loop_writer is not None:
@@ -928,10 +935,7 @@ class SQLiteStore(AsyncResource):
         rolled back: the worker's write waits as long as it may and reports it.
         """
         conn, worker = self._loop_writer, self._worker
-        if conn is None or worker is None or not worker.idle:
-            return False, None
-        me = threading.get_ident()
-        if self._loop_thread.setdefault(0, me) != me:
+        if conn is None or worker is None or not worker.idle or not self._on_loop_thread():
             return False, None
         try:
             result = fn(conn)
@@ -940,7 +944,7 @@ class SQLiteStore(AsyncResource):
                 with contextlib.suppress(sqlite3.Error):
                     conn.rollback()
                 if conn.in_transaction:
-                    self._loop_reader = self._loop_writer = None
+                    self._loop_reader = None
             return False, None
         self._calls_since_checkpoint += 1
         if self._calls_since_checkpoint >= _CHECKPOINT_EVERY:
@@ -974,11 +978,8 @@ class SQLiteStore(AsyncResource):
         reports the error.
         """
         reader = self._loop_reader
-        if reader is None:
+        if reader is None or not self._on_loop_thread():
             return None
-        me = threading.get_ident()
-        if self._loop_thread.setdefault(0, me) != me:
-            return None  # another thread's loop uses this connection
         try:
             return fn(reader)
         except sqlite3.Error:
