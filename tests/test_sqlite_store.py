@@ -216,6 +216,46 @@ async def test_state_is_one_statement(tmp_path: Path) -> None:
     assert state.pressure.estimated_context_tokens == 2_000
 
 
+async def test_a_recorded_step_writes_each_row_once_and_reads_none(tmp_path: Path) -> None:
+    """A step on a thread with rows: each counter row is updated in place, its new seq returned with it.
+
+    Six statements (BEGIN, the log's counters, the episodes, the context's
+    stats, the messages, COMMIT) and no SELECT of the rows it then rewrites.
+    """
+    async with SQLiteStore(tmp_path / "step.db", synchronous="NORMAL") as store:
+        await fill(store, "t", 10)
+        episodes = [
+            UserMessageEpisode(message=Message.user("a")),
+            UserMessageEpisode(message=Message.user("b")),
+        ]
+        await store.record_and_append(
+            "t", episodes, [e.message for e in episodes], [1, 1], message_episodes=[0, 1]
+        )
+        await thread_settled(store)
+        statements: list[str] = []
+        assert store._loop_reader is not None
+        store._loop_reader.set_trace_callback(statements.append)
+        stored = await store.record_and_append(
+            "t", episodes, [e.message for e in episodes], [2, 3], message_episodes=[0, 1]
+        )
+        store._loop_reader.set_trace_callback(None)
+        # What each statement does to which table, a statement per row (executemany) told once.
+        done = [" ".join(statement.split()[:3]) for statement in statements]
+        assert list(dict.fromkeys(done)) == [
+            "BEGIN IMMEDIATE",
+            "UPDATE episode_threads SET",
+            "INSERT INTO episodes",
+            "UPDATE threads SET",
+            "INSERT INTO messages",
+            "COMMIT",
+        ]
+        assert [(row.seq, row.episode_seq, row.tokens) for row in stored] == [(13, 3, 2), (14, 4, 3)]
+        state = await store.state("t")
+        assert (state.stats.message_count, state.stats.total_tokens, state.stats.last_seq) == (14, 17, 14)
+        assert state.pressure.total_user_messages == state.pressure.user_messages_since_boundary == 4
+        assert [r.seq async for r in store.replay("t")] == [1, 2, 3, 4]
+
+
 async def test_state_does_the_same_work_whatever_the_thread_length(tmp_path: Path) -> None:
     """SQLite runs as many VM instructions for state() of a 20,000-message thread as of a 10-message one."""
     async with SQLiteStore(tmp_path / "flat.db", synchronous="NORMAL") as store:
@@ -455,6 +495,33 @@ async def test_a_row_of_the_wrong_type_is_a_store_error_naming_the_thread(
         query(path, statement)
         with pytest.raises(StoreError, match=rf"thread \"it's\": .*{names}"):
             await getattr(store, read)("it's")
+
+
+@pytest.mark.parametrize(
+    ("statement", "names"),
+    [
+        ("UPDATE threads SET total_tokens = 'lots'", "the threads row"),
+        ("UPDATE threads SET last_seq = 2.5", "the threads row"),
+        ("UPDATE episode_threads SET total_user_messages = 1.5", "the episode_threads row"),
+        ("UPDATE episode_threads SET boundary_seq = 'x'", "the episode_threads row"),
+    ],
+    ids=["threads-tokens", "threads-seq", "counters", "boundary"],
+)
+async def test_a_step_written_over_a_row_of_the_wrong_type_reports_it_and_writes_nothing(
+    tmp_path: Path, statement: str, names: str
+) -> None:
+    """A recorded step adds to the thread's rows in place, but never to a mistyped one: that is reported."""
+    path = tmp_path / "typed.db"
+    async with SQLiteStore(path) as store:
+        episode = UserMessageEpisode(message=Message.user("a"))
+        await store.record_and_append("t", [episode], [episode.message], [1], message_episodes=[0])
+        query(path, statement)
+        before = [query(path, f"SELECT * FROM {table} ORDER BY 1, 2") for table in ("messages", "episodes")]
+        step = UserMessageEpisode(message=Message.user("b"))
+        with pytest.raises(StoreError, match=rf"thread 't': {names} is corrupt"):
+            await store.record_and_append("t", [step], [step.message], [1], message_episodes=[0])
+        after = [query(path, f"SELECT * FROM {table} ORDER BY 1, 2") for table in ("messages", "episodes")]
+        assert after == before
 
 
 async def test_stats_answer_while_the_stores_own_write_waits_for_another_process(tmp_path: Path) -> None:

@@ -164,25 +164,37 @@ def encode_rows(
         )
     rows: list[tuple[str, int, Message]] = []
     for index, (message, count) in enumerate(zip(messages, tokens, strict=True)):
-        where = f"{field}[{index}]"
         if not isinstance(message, Message):
             raise InvalidMessageError(
-                where, f"must be a Message, got {type(message).__name__}; build one with Message.user(...)"
+                f"{field}[{index}]",
+                f"must be a Message, got {type(message).__name__}; build one with Message.user(...)",
             )
-        _whole_number(f"tokens[{index}]", count, minimum=0)
-        # Metadata edited in place after the message was built would be written as null.
-        _check_finite(message.metadata, f"{where}.metadata")
-        if isinstance(message.content, list):
-            _check_finite(message.content, f"{where}.content")
+        if type(count) is not int or not 0 <= count <= INT64_MAX:
+            _whole_number(f"tokens[{index}]", count, minimum=0)
+        # The common message is copied without parsing its JSON (its metadata checked meanwhile).
+        copy = _plain_copy(message)
         try:
-            body = message.model_dump_json(warnings="error")
-            copy = _plain_copy(message)
             if copy is None:
-                copy = Message.model_validate_json(body)
-        except (ValidationError, PydanticSerializationError) as exc:
-            raise InvalidMessageError(where, _first_error(exc)) from None
+                body, copy = _encode_and_read_back(message, f"{field}[{index}]")
+            else:
+                body = message.model_dump_json(warnings="error")
+        except PydanticSerializationError as exc:  # a lone surrogate, say
+            raise InvalidMessageError(f"{field}[{index}]", _first_error(exc)) from None
         rows.append((body, count, copy))
     return rows
+
+
+def _encode_and_read_back(message: Message, where: str) -> tuple[str, Message]:
+    """A message ``_plain_copy`` cannot copy: its JSON and the message that JSON reads back as."""
+    # Metadata edited in place after the message was built would be written as null.
+    _check_finite(message.metadata, f"{where}.metadata")
+    if isinstance(message.content, list):
+        _check_finite(message.content, f"{where}.content")
+    try:
+        body = message.model_dump_json(warnings="error")
+        return body, Message.model_validate_json(body)
+    except ValidationError as exc:
+        raise InvalidMessageError(where, _first_error(exc)) from None
 
 
 _SCALARS = frozenset({str, int, float, bool, type(None)})
@@ -208,9 +220,12 @@ def _plain_copy(message: Message) -> Message | None:
         or type(fields["tool_call_id"]) not in _OPTIONAL_TEXT
         or type(fields["name"]) not in _OPTIONAL_TEXT
         or type(metadata) is not dict
-        or not all(type(key) is str and type(value) in _SCALARS for key, value in metadata.items())
     ):
         return None
+    for key, value in metadata.items():
+        kind = type(value)
+        if type(key) is not str or kind not in _SCALARS or (kind is float and not math.isfinite(value)):
+            return None
     calls = fields["tool_calls"]
     if calls:
         calls = _plain_calls(calls)
@@ -372,8 +387,19 @@ def message_field(episode: Episode) -> str | None:
     return _MESSAGE_FIELD.get(type(episode))
 
 
+_MESSAGE_ONLY: dict[type, tuple[str, str]] = {
+    kind: (name, f'{{"kind":"{name}","message":')
+    for kind in (UserMessageEpisode, SystemMessageEpisode, ToolResultEpisode)
+    for name in [kind.model_fields["kind"].default]
+}
+"""Kind and JSON before the message, for each episode type holding nothing but its kind and message."""
+
+
 def _spliced(episode: Episode, field: str, message_body: str) -> str:
     """The episode's JSON with its message written as ``message_body`` (already encoded and checked)."""
+    known = _MESSAGE_ONLY.get(type(episode))
+    if known is not None and episode.kind == known[0]:
+        return f"{known[1]}{message_body}}}"
     rest = episode.model_dump_json(exclude={field}, warnings="error")
     return f'{rest[:-1]},"{field}":{message_body}}}'
 

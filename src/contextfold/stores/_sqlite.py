@@ -94,13 +94,22 @@ from typing import Any, Literal, Self, TypeVar, cast
 import anyio
 from anyio import to_thread
 
-from .._episodes import Episode, EpisodeRecord, SummaryCheckpoint
+from .._episodes import (
+    Episode,
+    EpisodeRecord,
+    LlmCallEpisode,
+    SummaryCheckpoint,
+    SystemMessageEpisode,
+    ToolResultEpisode,
+    UserMessageEpisode,
+)
 from .._errors import ConfigError, StoreClosedError, StoreError
 from .._messages import Message
 from .._policy import EpisodicCompactionPressure
 from .._resource import AsyncResource
 from ._base import ContextWindow, StoredMessage, ThreadInfo, ThreadState, ThreadStats, Tombstone
 from ._rows import (
+    INT64_MAX,
     PressureCounters,
     Window,
     by_activity,
@@ -358,38 +367,106 @@ def _record_rows(
     conn: sqlite3.Connection, thread: str, episodes: Sequence[Episode], bodies: list[str], when: datetime
 ) -> list[int]:
     """Insert episodes after the thread's newest and update its counters; return their seqs."""
-    counters = _read_counters(conn, thread)
-    seqs: list[int] = []
-    rows: list[tuple[object, ...]] = []
-    for episode, body in zip(episodes, bodies, strict=True):
-        counters = counters.after(episode, when)
-        seqs.append(counters.last_seq)
-        rows.append((thread, counters.last_seq, when.isoformat(), episode.kind, body))
-    conn.executemany("INSERT INTO episodes (thread, seq, at, kind, body) VALUES (?, ?, ?, ?, ?)", rows)
-    if rows:
-        _write_counters(conn, thread, counters)
+    last_seq = _count_messages_recorded(conn, thread, episodes)
+    if last_seq is not None:
+        first = last_seq - len(episodes) + 1
+        seqs = list(range(first, last_seq + 1))
+    else:
+        counters = _read_counters(conn, thread)
+        seqs = []
+        for episode in episodes:
+            counters = counters.after(episode, when)
+            seqs.append(counters.last_seq)
+        if seqs:
+            _write_counters(conn, thread, counters)
+    at = when.isoformat()
+    conn.executemany(
+        "INSERT INTO episodes (thread, seq, at, kind, body) VALUES (?, ?, ?, ?, ?)",
+        [
+            (thread, seq, at, episode.kind, body)
+            for seq, episode, body in zip(seqs, episodes, bodies, strict=True)
+        ],
+    )
     return seqs
+
+
+_COUNT_MESSAGES = """UPDATE episode_threads SET last_seq = last_seq + ?,
+    total_user_messages = total_user_messages + ?,
+    user_messages_since_boundary = user_messages_since_boundary + ?,
+    user_messages_after_latest_run_completed = user_messages_after_latest_run_completed + ?
+WHERE thread = ? AND typeof(last_seq) = 'integer' AND typeof(total_user_messages) = 'integer'
+    AND typeof(user_messages_since_boundary) = 'integer' AND typeof(run_completed_since_boundary) = 'integer'
+    AND typeof(user_messages_after_latest_run_completed) = 'integer'
+    AND (boundary_seq IS NULL OR typeof(boundary_seq) = 'integer') AND typeof(first_at) = 'text'
+    AND last_seq <= ? AND total_user_messages <= ? AND user_messages_since_boundary <= ?
+    AND user_messages_after_latest_run_completed <= ?
+RETURNING last_seq"""
+"""The counters' update for message episodes in one statement, when the row is sound and stays in range."""
+
+_MESSAGE_EPISODES = (UserMessageEpisode, SystemMessageEpisode, ToolResultEpisode, LlmCallEpisode)
+
+
+def _count_messages_recorded(
+    conn: sqlite3.Connection, thread: str, episodes: Sequence[Episode]
+) -> int | None:
+    """The counters' update for a batch of message episodes, in one statement: the new ``last_seq``.
+
+    ``None`` (nothing written) unless every episode records a message and the
+    thread's counters row holds sound numbers that stay under the limit: the
+    caller then reads the row, reports what is wrong with it, or creates it.
+    Message episodes only add: to the seq, and a user message to the three
+    user-message counts; the boundary, the runs and the first time stay.
+    """
+    if not episodes or not all(type(episode) in _MESSAGE_EPISODES for episode in episodes):
+        return None
+    n = len(episodes)
+    users = sum(1 for episode in episodes if type(episode) is UserMessageEpisode)
+    seq_limit, user_limit = INT64_MAX - n, INT64_MAX - users
+    row = _one(
+        conn,
+        _COUNT_MESSAGES,
+        (n, users, users, users, thread, seq_limit, user_limit, user_limit, user_limit),
+    )
+    return None if row is None else int(row[0])
 
 
 def _append_rows(
     conn: sqlite3.Connection, thread: str, rows: list[tuple[str, int]], links: Sequence[int | None] = ()
 ) -> int:
     """Append message rows after the thread's newest and update its stats; return the first seq."""
-    stats = _read_stats(conn, thread)
-    total = check_total(thread, stats.total_tokens + sum(count for _, count in rows))
-    _insert_messages(conn, thread, stats.last_seq + 1, rows, links)
-    _write_stats(
-        conn,
-        thread,
-        stats.model_copy(
-            update={
-                "message_count": stats.message_count + len(rows),
-                "total_tokens": total,
-                "last_seq": stats.last_seq + len(rows),
-            }
-        ),
+    tokens = sum(count for _, count in rows)
+    n = len(rows)
+    counted = _one(
+        conn, _COUNT_ROWS, (n, tokens, n, thread, INT64_MAX - n, INT64_MAX - tokens, INT64_MAX - n)
     )
-    return stats.last_seq + 1
+    if counted is not None:
+        first = int(counted[0]) - len(rows) + 1
+    else:  # a new thread, or a row to report: read it
+        stats = _read_stats(conn, thread)
+        total = check_total(thread, stats.total_tokens + tokens)
+        first = stats.last_seq + 1
+        _write_stats(
+            conn,
+            thread,
+            stats.model_copy(
+                update={
+                    "message_count": stats.message_count + len(rows),
+                    "total_tokens": total,
+                    "last_seq": stats.last_seq + len(rows),
+                }
+            ),
+        )
+    _insert_messages(conn, thread, first, rows, links)
+    return first
+
+
+_COUNT_ROWS = """UPDATE threads SET message_count = message_count + ?, total_tokens = total_tokens + ?,
+    last_seq = last_seq + ?
+WHERE thread = ? AND typeof(message_count) = 'integer' AND typeof(total_tokens) = 'integer'
+    AND typeof(version) = 'integer' AND typeof(last_seq) = 'integer'
+    AND message_count <= ? AND total_tokens <= ? AND last_seq <= ?
+RETURNING last_seq"""
+"""The stats' update for appended rows in one statement, when the row is sound and stays in range."""
 
 
 def _swap(
