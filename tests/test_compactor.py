@@ -117,7 +117,7 @@ def counted_reads(store: Any) -> list[str]:
 
 
 async def test_a_step_reads_from_the_store_only_its_check(store: Any) -> None:
-    """Check, context, then append a call with its result: one state() read, no tail or load.
+    """Check, context, then append a call with its result: one stats() read, no tail or load.
 
     A batch that makes a tool call and answers it used to re-read the thread's
     tail to find the call open, on every tool step.
@@ -131,9 +131,19 @@ async def test_a_step_reads_from_the_store_only_its_check(store: Any) -> None:
         assert await compactor.maybe_compact(THREAD) is None
         context = await compactor.context(THREAD)
         await compactor.append(THREAD, turn(n))
-        assert reads == ["state"], f"step {n} read {reads}"
+        assert reads == ["stats"], f"step {n} read {reads}"
         assert [m.metadata["n"] for m in context[-3:]] == [f"u{n - 1}", f"a{n - 1}", f"r{n - 1}"]
     assert [m.metadata["n"] for m in await compactor.context(THREAD)][-3:] == ["u7", "a7", "r7"]
+
+
+async def test_a_naive_now_is_refused_whether_or_not_the_check_reads_the_log(store: Any) -> None:
+    """Without the episodic policy the check reads the stats alone, and still refuses a naive ``now``."""
+    compactor = Compactor(store, options=options(budget=100_000), counter=ApproximateCounter())
+    await grow(compactor, range(2))
+    with pytest.raises(ConfigError, match="timezone-aware") as caught:
+        await compactor.maybe_compact(THREAD, now=datetime(2026, 1, 1))
+    assert caught.value.key == "now"
+    assert await compactor.maybe_compact(THREAD, now=datetime(2026, 1, 1, tzinfo=UTC)) is None
 
 
 async def test_a_step_that_folds_sends_the_folded_context_without_reading_it_back(store: Any) -> None:
@@ -152,7 +162,7 @@ async def test_a_step_that_folds_sends_the_folded_context_without_reading_it_bac
         reads.clear()
         result = await compactor.maybe_compact(THREAD)
         context = await compactor.context(THREAD)
-        assert reads == ["state"], f"step {n} read {reads}"
+        assert reads == ["stats"], f"step {n} read {reads}"
         if result is not None and result.compacted:
             folds += 1
             stored = (await store.load(THREAD)).plain

@@ -62,7 +62,7 @@ from ._strategies import CompactionPlan, SlidingWindow, Strategy, unanswered_cal
 from ._telemetry import FoldSpan, Telemetry, error_type
 from ._tokens import TiktokenCounter, TokenCounter
 from .stores._base import ContextWindow, EpisodicStore, ShortTermStore, Store, StoredMessage, ThreadStats
-from .stores._rows import trusted
+from .stores._rows import trusted, utc
 from .summarizers._base import Summarizer, Summary
 
 __all__ = [
@@ -132,6 +132,25 @@ class _Backoff:
     skips_left: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class _Rows:
+    """The rows a fold plans over, as parallel lists: each row's message, tokens, seq and episode seq."""
+
+    messages: list[Message]
+    tokens: list[int]
+    seqs: list[int]
+    links: list[int | None]
+
+    @classmethod
+    def of(cls, rows: Sequence[StoredMessage]) -> _Rows:
+        return cls(
+            [row.message for row in rows],
+            [row.tokens for row in rows],
+            [row.seq for row in rows],
+            [row.episode_seq for row in rows],
+        )
+
+
 @dataclass(slots=True)
 class _Cache:
     """A thread's working context as this process last saw it, valid at ``version``.
@@ -139,8 +158,7 @@ class _Cache:
     Each row is kept as its message beside plain lists of its seq, tokens and
     episode seq, not as a ``StoredMessage``: numbers in a list are nothing the
     garbage collector walks, so a thousand cached threads cost a full collection
-    their messages and no more. ``rows()`` builds the ``StoredMessage`` rows a fold
-    plans over.
+    their messages and no more. A fold plans over a ``snapshot()`` of the lists.
     """
 
     version: int
@@ -181,11 +199,9 @@ class _Cache:
         else:
             self.turns += 1
 
-    def rows(self) -> list[StoredMessage]:
-        return [
-            trusted(StoredMessage, seq=seq, message=message, tokens=count, episode_seq=link)
-            for seq, message, count, link in zip(self.seqs, self.plain, self.tokens, self.links, strict=True)
-        ]
+    def snapshot(self) -> _Rows:
+        """The rows as they are now, in lists of their own (a step may extend the cache meanwhile)."""
+        return _Rows(self.plain.copy(), self.tokens.copy(), self.seqs.copy(), self.links.copy())
 
     @property
     def messages(self) -> list[Message]:
@@ -527,10 +543,12 @@ class Compactor:
         self, thread: str, now: datetime | None, settings: Settings
     ) -> tuple[ThreadStats, EpisodicCompactionPressure | None]:
         episodic: EpisodicCompactionPressure | None
-        if self._store is not None:
+        if self._store is not None and settings.episodic:  # both in one read
             state = await self._store.state(thread, now=now)
             stats, episodic = state.stats, state.pressure
         else:
+            if now is not None:
+                utc(now, "now")  # refused here as the read would refuse it
             stats = await self.short_term.stats(thread)
             episodic = (
                 await self.episodic.pressure(thread, now=now, estimated_context_tokens=stats.total_tokens)
@@ -618,11 +636,11 @@ class Compactor:
                     return prepared
                 return await self._apply(prepared, settings, span=span)
 
-    async def _window(self, thread: str, settings: Settings) -> tuple[list[StoredMessage], int, int]:
+    async def _window(self, thread: str, settings: Settings) -> tuple[_Rows, int, int]:
         """The rows a fold plans over, the thread's version and its total tokens."""
         cache = await self._fresh_cache(thread)
         if cache is not None:
-            return cache.rows(), cache.version, cache.total_tokens
+            return cache.snapshot(), cache.version, cache.total_tokens
         stats = await self.short_term.stats(thread)
         limit = settings.window_tokens
         if limit is not None and stats.total_tokens > limit:
@@ -633,15 +651,14 @@ class Compactor:
                 limit,
             )
         window = await self.short_term.load(thread)
-        return list(window.messages), window.version, window.total_tokens
+        return _Rows.of(window.messages), window.version, window.total_tokens
 
-    async def _close_abandoned(self, thread: str, rows: Sequence[StoredMessage], settings: Settings) -> bool:
+    async def _close_abandoned(self, thread: str, messages: list[Message], settings: Settings) -> bool:
         """Give every abandoned tool call an error result; return whether any was closed."""
         turns_after = settings.abandon_after_turns
         seconds = settings.abandon_after_seconds
         if turns_after is None and seconds is None:
             return False
-        messages = [row.message for row in rows]
         unanswered = unanswered_calls(messages)
         if not unanswered:
             return False
@@ -686,9 +703,9 @@ class Compactor:
     ) -> _Prepared | CompactionResult | None:
         started = time.perf_counter()
         rows, version, total = await self._window(thread, settings)
-        if not recovery and await self._close_abandoned(thread, rows, settings):
+        if not recovery and await self._close_abandoned(thread, rows.messages, settings):
             rows, version, total = await self._window(thread, settings)
-        messages = [row.message for row in rows]
+        messages, tokens, seqs = rows.messages, rows.tokens, rows.seqs
         overhead = self._overhead.get(thread, 0)
         config = settings.config
         if recovery:  # every turn but a still-running step goes into the summary
@@ -696,7 +713,7 @@ class Compactor:
         plan = config.plan(
             messages,
             total + overhead,
-            message_tokens=[row.tokens for row in rows],
+            message_tokens=tokens,
             episodic=episodic,
             force_reason=reason if forced or background else None,
             by_tokens=True if background or reason == Reason.MANUAL else None,
@@ -737,9 +754,7 @@ class Compactor:
             )
 
         kept_tokens = [
-            rows[kept_start + i].tokens
-            if message is messages[kept_start + i]
-            else self.counter.count(message)
+            tokens[kept_start + i] if message is messages[kept_start + i] else self.counter.count(message)
             for i, message in enumerate(kept)
         ]
         summary: Summary | None = None
@@ -771,24 +786,23 @@ class Compactor:
             new_head.append(message)
         elif plan.previous_summary is not None:
             new_head.append(plan.previous_summary)
-            summary_tokens = rows[pinned_len].tokens
+            summary_tokens = tokens[pinned_len]
 
         # Everything up to the last changed message is rewritten; the rest stays untouched.
         last_changed = max(changed, default=-1)
         through_index = kept_start + last_changed
         replacement = new_head + kept[: last_changed + 1]
-        head_tokens = [row.tokens for row in rows[:pinned_len]]
+        head_tokens = tokens[:pinned_len]
         if len(new_head) > pinned_len:
             head_tokens.append(summary_tokens)
         replacement_tokens = head_tokens + kept_tokens[: last_changed + 1]
-        removed_tokens = sum(row.tokens for row in rows[: through_index + 1])
+        removed_tokens = sum(tokens[: through_index + 1])
         tokens_after = total - removed_tokens + sum(replacement_tokens)
-        dropped_rows = rows[body_start:kept_start]
-        log_seqs = [row.episode_seq for row in dropped_rows if row.episode_seq is not None]
+        log_seqs = [link for link in rows.links[body_start:kept_start] if link is not None]
         checkpoint = SummaryCheckpoint(
             trigger=reason,
-            from_seq=rows[body_start].seq if body_start < len(rows) else rows[through_index].seq,
-            through_seq=rows[through_index].seq,
+            from_seq=seqs[body_start] if body_start < len(seqs) else seqs[through_index],
+            through_seq=seqs[through_index],
             summary=summary.text if summary is not None else "",
             model=summary.model if summary is not None else None,
             usage=summary.usage if summary is not None else Usage(),
@@ -803,7 +817,7 @@ class Compactor:
             thread=thread,
             reason=reason,
             version=version,
-            through_seq=rows[through_index].seq,
+            through_seq=seqs[through_index],
             replacement=replacement,
             tokens=replacement_tokens,
             checkpoint=checkpoint,

@@ -118,12 +118,14 @@ def group_units(body: Sequence[Message]) -> tuple[list[Unit], list[Orphan]]:
     last_result: dict[int, int] = {}
     answered: dict[int, set[str]] = {}
     orphans: list[Orphan] = []
-    for index, message in enumerate(body):
-        if message.role is Role.ASSISTANT:
-            for call in message.tool_calls:
+    assistant, tool = Role.ASSISTANT, Role.TOOL
+    roles = [message.role for message in body]
+    for index, role in enumerate(roles):
+        if role is assistant:
+            for call in body[index].tool_calls:
                 owner[call.id] = index
-        elif message.role is Role.TOOL:
-            call_id = message.tool_call_id or ""
+        elif role is tool:
+            call_id = body[index].tool_call_id or ""
             caller = owner.get(call_id)
             if caller is None:
                 orphans.append(Orphan(index, call_id))
@@ -131,27 +133,28 @@ def group_units(body: Sequence[Message]) -> tuple[list[Unit], list[Orphan]]:
                 last_result[caller] = index
                 answered.setdefault(caller, set()).add(call_id)
 
+    def waiting(index: int) -> bool:
+        # What answered holds for a caller is a subset of its call ids, which are unique.
+        calls = body[index].tool_calls
+        return bool(calls) and len(answered.get(index, ())) < len(calls)
+
     units: list[Unit] = []
     index = 0
     while index < len(body):
-        message = body[index]
-        if message.role is Role.ASSISTANT:
+        role = roles[index]
+        if role is assistant:
             stop = last_result.get(index, index) + 1
+            pending = waiting(index)
             scan = index + 1
             while scan < stop:  # a spanned assistant's results may reach further still
-                if body[scan].role is Role.ASSISTANT:
+                if roles[scan] is assistant:
                     stop = max(stop, last_result.get(scan, scan) + 1)
+                    pending = pending or waiting(scan)
                 scan += 1
-            pending = any(
-                call.id not in answered.get(owner_index, set())
-                for owner_index in range(index, stop)
-                if body[owner_index].role is Role.ASSISTANT
-                for call in body[owner_index].tool_calls
-            )
             units.append(Unit("assistant", index, stop, pending))
             index = stop
             continue
-        kind: UnitKind = message.role.value  # type: ignore[assignment]
+        kind: UnitKind = role.value
         units.append(Unit(kind, index, index + 1))
         index += 1
     return units, orphans
