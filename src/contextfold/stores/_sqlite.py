@@ -64,6 +64,10 @@ last call's result back and no other call is waiting: the step that made it
 due does not wait for it, and an agent's next write usually finds it done
 (the model call between two steps is longer). A store that never runs idle
 checkpoints anyway after four times as many calls, so the WAL stays bounded.
+At ``synchronous="NORMAL"`` the writes the event loop makes itself go on
+beside the checkpoint's copy and syncs; if they wrote meanwhile, a second pass
+copies what they added with them waiting (a few calls' pages, not a hundred),
+so that the whole WAL is copied and the next write starts it over.
 
 The schema version lives in ``PRAGMA user_version`` and is migrated on open.
 The episode table is append-only in the database itself: triggers reject
@@ -616,9 +620,13 @@ def _nothing() -> None:
     pass
 
 
-def _checkpoint(conn: sqlite3.Connection) -> None:
-    """Copy what no reader still needs from the WAL into the database file, waiting for nobody."""
-    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+def _checkpoint(conn: sqlite3.Connection) -> bool:
+    """Copy what no reader still needs from the WAL into the database file, waiting for nobody.
+
+    True if the whole WAL was copied: the next write then starts it over from its beginning.
+    """
+    busy, frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    return not busy and frames == copied
 
 
 def _notify_loop(loop: asyncio.AbstractEventLoop, job: _Job) -> None:
@@ -659,6 +667,8 @@ class _Worker:
         # Calls submitted and not yet through (their upkeep included): written under the lock.
         self._pending = 0
         self._pending_lock = threading.Lock()
+        self.beside = False
+        """Set by ``after`` for upkeep that the event loop's own writes may run beside."""
         self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self.thread.start()
 
@@ -699,6 +709,11 @@ class _Worker:
     def idle(self) -> bool:
         """No call is waiting or running (a call submitted now would start at once)."""
         return self._pending == 0
+
+    @property
+    def free(self) -> bool:
+        """No call is waiting or running but, at most, upkeep that writes may run beside."""
+        return self._pending == 0 or (self.beside and self._pending == 1)
 
     def post(self, fn: Callable[[], object]) -> None:
         """Have the thread run ``fn()`` after the calls already submitted, not waiting for it."""
@@ -824,6 +839,9 @@ class SQLiteStore(AsyncResource):
         self._closed = False
         self._leases: set[tuple[str, str]] = set()
         self._calls_since_checkpoint = 0
+        # The loop's writes as a checkpoint's second pass sees them (set in the loop's thread).
+        self._loop_commits = 0
+        self._loop_writing = False
 
     def __repr__(self) -> str:
         return f"SQLiteStore({str(self.path)!r})"
@@ -978,9 +996,33 @@ class SQLiteStore(AsyncResource):
             return
         self._calls_since_checkpoint = 0
         try:
+            if self._checkpoint_beside_the_loop(conn):
+                return
             _checkpoint(conn)
         except sqlite3.Error as exc:  # the next one copies what this one did not
             _logger.debug("checkpoint of %s failed, done again later: %s", self.path, exc)
+
+    def _checkpoint_beside_the_loop(self, conn: sqlite3.Connection) -> bool:
+        """A checkpoint's first pass, the loop's writes going on beside it; True if it copied everything.
+
+        The pass copies the frames that were in the WAL when it began. If the
+        loop wrote meanwhile, their frames are left for a second pass, made
+        with the loop's writes waiting: SQLite starts the WAL over only at a
+        write that finds every frame copied.
+        """
+        worker = self._worker
+        if worker is None or self._loop_writer is None:
+            return False
+        commits = self._loop_commits
+        worker.beside = True
+        try:
+            copied_all = _checkpoint(conn)
+        finally:
+            worker.beside = False
+        deadline = time.monotonic() + 1.0
+        while self._loop_writing and time.monotonic() < deadline:  # a write begun beside it ends first
+            time.sleep(0.0001)
+        return copied_all and self._loop_commits == commits
 
     @property
     def _loop_writer(self) -> sqlite3.Connection | None:
@@ -1006,16 +1048,23 @@ class SQLiteStore(AsyncResource):
         """``(True, fn(conn))`` on the busy_timeout-0 connection, or ``(False, None)`` to use the worker.
 
         Only when no call of this store is waiting or running in its worker
-        thread, so the writes keep the order they were made in and never run
-        beside the worker's checkpoint. Any SQLite error (the write lock held by
-        another process answers busy at once) falls back, its transaction
-        rolled back: the worker's write waits as long as it may and reports it.
+        thread, so the writes keep the order they were made in; the first pass
+        of a checkpoint (see ``_after_call``) is no call, and they run beside
+        it. Any SQLite error (the write lock held by another process answers
+        busy at once) falls back, its transaction rolled back: the worker's
+        write waits as long as it may and reports it.
         """
         conn, worker = self._loop_writer, self._worker
-        if conn is None or worker is None or not worker.idle or not self._on_loop_thread():
+        if conn is None or worker is None or not self._on_loop_thread():
             return False, None
+        # Raised before the worker is looked at: a checkpoint that stops letting writes run
+        # beside it then sees this one and waits for it (_checkpoint_beside_the_loop).
+        self._loop_writing = True
         try:
+            if not worker.free:
+                return False, None
             result = fn(conn)
+            self._loop_commits += 1
         except sqlite3.Error:
             if conn.in_transaction:  # its ROLLBACK failed too: try once more, else give up the connection
                 with contextlib.suppress(sqlite3.Error):
@@ -1023,6 +1072,8 @@ class SQLiteStore(AsyncResource):
                 if conn.in_transaction:
                     self._loop_reader = None
             return False, None
+        finally:
+            self._loop_writing = False
         self._calls_since_checkpoint += 1
         if self._calls_since_checkpoint >= _CHECKPOINT_EVERY:
             worker.post(_nothing)  # the worker checkpoints after it (_after_call)
