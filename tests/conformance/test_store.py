@@ -614,6 +614,18 @@ async def test_a_token_total_past_64_bits_is_refused(store: Any) -> None:
     with pytest.raises(ConfigError, match="tokens"):
         await store.record_and_append("t", [said("x")], [Message.user("x")], [1])
     assert await everything(store, "t") == before
+    # Counts that each fit but whose sum does not, in one call on another thread.
+    for call in (
+        lambda: store.append("u", [Message.user("a"), Message.user("b")], [INT64_MAX, INT64_MAX]),
+        lambda: store.record_and_append(
+            "u", [said("a"), said("b")], [Message.user("a"), Message.user("b")], [INT64_MAX, INT64_MAX]
+        ),
+    ):
+        await store.append("u", [Message.user("first")], [1])  # the thread has rows: the in-place update
+        kept = await everything(store, "u")
+        with pytest.raises(ConfigError, match="2\\*\\*63"):
+            await call()
+        assert await everything(store, "u") == kept
 
 
 async def test_a_cancelled_fold_is_applied_whole_or_not_at_all(store: Any) -> None:

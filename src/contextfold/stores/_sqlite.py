@@ -440,8 +440,10 @@ def _append_rows(
     """Append message rows after the thread's newest and update its stats; return the first seq."""
     tokens = sum(count for _, count in rows)
     n = len(rows)
-    counted = _one(
-        conn, _COUNT_ROWS, (n, tokens, n, thread, INT64_MAX - n, INT64_MAX - tokens, INT64_MAX - n)
+    counted = (
+        _one(conn, _COUNT_ROWS, (n, tokens, n, thread, INT64_MAX - n, INT64_MAX - tokens, INT64_MAX - n))
+        if tokens <= INT64_MAX  # else no SQLite integer holds the sum: the check below says so
+        else None
     )
     if counted is not None:
         first = int(counted[0]) - len(rows) + 1
