@@ -134,9 +134,12 @@ def group_units(body: Sequence[Message]) -> tuple[list[Unit], list[Orphan]]:
                 answered.setdefault(caller, set()).add(call_id)
 
     def waiting(index: int) -> bool:
-        # What answered holds for a caller is a subset of its call ids, which are unique.
         calls = body[index].tool_calls
-        return bool(calls) and len(answered.get(index, ())) < len(calls)
+        if not calls:
+            return False
+        got = answered.get(index)
+        # What answered holds is some of the caller's ids: as many as it has calls is all of them.
+        return got is None or (len(got) < len(calls) and any(call.id not in got for call in calls))
 
     units: list[Unit] = []
     index = 0
