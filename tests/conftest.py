@@ -34,11 +34,7 @@ BOTH_BACKENDS = (TESTS / "conformance", TESTS / "test_compactor.py", TESTS / "te
 
 # Tests known to fail on trio, by node id without the parameters, each with why.
 # TODO(trio): remove each entry as the code it names is fixed.
-TRIO_XFAIL: dict[str, str] = {
-    "tests/conformance/test_store.py::test_a_lease_is_refused_to_another_handle_until_it_expires": (
-        "SQLiteStore.compaction_lock's generator is left to the garbage collector (ResourceWarning)"
-    ),
-}
+TRIO_XFAIL: dict[str, str] = {}
 
 # PostgresStore runs on asyncio only: psycopg's AsyncConnection and psycopg_pool wait
 # on asyncio's loop. Its tests on trio are left out at collection (the README says so),

@@ -399,6 +399,12 @@ async def test_a_lease_is_refused_to_another_handle_until_it_expires(
     assert time.monotonic() - taken >= 0.4
     async with crashed.compaction_lock("t") as again:
         assert not again  # the successor's lease is live
+    # The dead holder's exit, late (a process that died never makes it) and here rather than
+    # left to the garbage collector, which would run it in whatever test comes next: it must
+    # not hand back the lease it lost.
+    await holder.__aexit__(None, None, None)
+    async with crashed.compaction_lock("t") as again:
+        assert not again  # still the successor's
     await successor.__aexit__(None, None, None)
 
 
