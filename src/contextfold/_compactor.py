@@ -1,8 +1,9 @@
 """The ``Compactor``: recording, the per-step check, and the orchestration of one fold.
 
-The per-step check is the hot path. It reads the store's maintained state
-(counters, version, newest seq: one query on a ``Store``) and returns
-``None`` when no trigger fires, without loading or tokenizing anything. The
+The per-step check is the hot path. It reads the store's maintained stats
+(token total, version, newest seq; with the episodic policy the log's
+counters too: one query on a ``Store`` either way) and returns ``None`` when
+no trigger fires, without loading or tokenizing anything. The
 context a step sends is cached per thread and extended with the rows it has
 not seen, so a step decodes only new messages.
 

@@ -67,7 +67,7 @@ class ThreadStats(BaseModel):
 
 
 class ThreadState(BaseModel):
-    """What a compactor checks before every request: working-context stats and episodic pressure.
+    """What a compactor with the episodic policy checks before every request: stats and pressure.
 
     Read in one query, so the per-step check costs one round trip however
     long the thread is. ``pressure.estimated_context_tokens`` is
