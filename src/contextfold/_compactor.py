@@ -544,12 +544,12 @@ class Compactor:
         self, thread: str, now: datetime | None, settings: Settings
     ) -> tuple[ThreadStats, EpisodicCompactionPressure | None]:
         episodic: EpisodicCompactionPressure | None
+        if now is not None:
+            utc(now, "now")  # refused whether or not a read takes it
         if self._store is not None and settings.episodic:  # both in one read
             state = await self._store.state(thread, now=now)
             stats, episodic = state.stats, state.pressure
         else:
-            if now is not None:
-                utc(now, "now")  # refused here as the read would refuse it
             stats = await self.short_term.stats(thread)
             episodic = (
                 await self.episodic.pressure(thread, now=now, estimated_context_tokens=stats.total_tokens)

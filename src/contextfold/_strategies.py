@@ -134,12 +134,8 @@ def group_units(body: Sequence[Message]) -> tuple[list[Unit], list[Orphan]]:
                 answered.setdefault(caller, set()).add(call_id)
 
     def waiting(index: int) -> bool:
-        calls = body[index].tool_calls
-        if not calls:
-            return False
-        got = answered.get(index)
-        # What answered holds is some of the caller's ids: as many as it has calls is all of them.
-        return got is None or (len(got) < len(calls) and any(call.id not in got for call in calls))
+        got = answered.get(index, ())
+        return any(call.id not in got for call in body[index].tool_calls)
 
     units: list[Unit] = []
     index = 0

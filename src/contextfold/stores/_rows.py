@@ -169,7 +169,7 @@ def encode_rows(
                 f"{field}[{index}]",
                 f"must be a Message, got {type(message).__name__}; build one with Message.user(...)",
             )
-        if type(count) is not int or not 0 <= count <= INT64_MAX:
+        if type(count) is not int or not 0 <= count <= INT64_MAX:  # the key is built for the error only
             _whole_number(f"tokens[{index}]", count, minimum=0)
         # The common message is copied without parsing its JSON (its metadata checked meanwhile).
         copy = _plain_copy(message)
@@ -205,7 +205,7 @@ def _plain_copy(message: Message) -> Message | None:
     """The message as its JSON reads back, built without parsing it; ``None`` unless that is certain.
 
     Certain for the common message: text or no content, metadata of plain
-    scalars under string keys, tool calls whose arguments are JSON, and fields
+    scalars (finite numbers) under string keys, tool calls whose arguments are JSON, and fields
     that pass the message's own checks (a ``model_construct`` could have
     skipped them). All of it is immutable but the metadata, which is copied.
     Anything else is read back from its JSON, which also reports what does not.
@@ -387,19 +387,18 @@ def message_field(episode: Episode) -> str | None:
     return _MESSAGE_FIELD.get(type(episode))
 
 
-_MESSAGE_ONLY: dict[type, tuple[str, str]] = {
-    kind: (name, f'{{"kind":"{name}","message":')
+_MESSAGE_ONLY: dict[type, str] = {
+    kind: kind.model_fields["kind"].default
     for kind in (UserMessageEpisode, SystemMessageEpisode, ToolResultEpisode)
-    for name in [kind.model_fields["kind"].default]
 }
-"""Kind and JSON before the message, for each episode type holding nothing but its kind and message."""
+"""The kind of each episode type that holds nothing but its kind and its message."""
 
 
 def _spliced(episode: Episode, field: str, message_body: str) -> str:
     """The episode's JSON with its message written as ``message_body`` (already encoded and checked)."""
-    known = _MESSAGE_ONLY.get(type(episode))
-    if known is not None and episode.kind == known[0]:
-        return f"{known[1]}{message_body}}}"
+    kind = _MESSAGE_ONLY.get(type(episode))
+    if kind is not None and episode.kind == kind:
+        return f'{{"kind":"{kind}","message":{message_body}}}'
     rest = episode.model_dump_json(exclude={field}, warnings="error")
     return f'{rest[:-1]},"{field}":{message_body}}}'
 

@@ -446,7 +446,7 @@ def _append_rows(
         else None
     )
     if counted is not None:
-        first = int(counted[0]) - len(rows) + 1
+        first = int(counted[0]) - n + 1
     else:  # a new thread, or a row to report: read it
         stats = _read_stats(conn, thread)
         total = check_total(thread, stats.total_tokens + tokens)
@@ -456,9 +456,9 @@ def _append_rows(
             thread,
             stats.model_copy(
                 update={
-                    "message_count": stats.message_count + len(rows),
+                    "message_count": stats.message_count + n,
                     "total_tokens": total,
-                    "last_seq": stats.last_seq + len(rows),
+                    "last_seq": stats.last_seq + n,
                 }
             ),
         )
