@@ -21,9 +21,9 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from contextfold import ConfigError, Message, StoreError
 from contextfold._errors import StoreClosedError
-from contextfold.episodes import UserMessageEpisode
+from contextfold.episodes import UserMessageEpisode, episode_for
 from contextfold.stores import SQLiteStore
-from contextfold.stores._sqlite import _MIGRATIONS, SCHEMA_VERSION, _Worker
+from contextfold.stores._sqlite import _BODY, _MIGRATIONS, _WITH_EPISODES, SCHEMA_VERSION, _Worker
 
 
 def query(path: Path, statement: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -159,17 +159,22 @@ def test_good_options_are_accepted_as_given(tmp_path: Path) -> None:
     assert store.path == tmp_path / "ok.db"
 
 
-def _version_1(path: Path) -> None:
-    """A database as schema version 1 wrote it, with a thread in both memories."""
+def _old_database(path: Path, version: int) -> None:
+    """A database as schema ``version`` (1 or 2) wrote it: a thread in both memories, "from v<version>".
+
+    Schema 2 links the message row to its episode; both keep the message's text.
+    """
     conn = sqlite3.connect(path, isolation_level=None)
     try:
-        for statement in _MIGRATIONS[1]:
-            conn.execute(statement)
-        conn.execute("PRAGMA user_version = 1")
-        body = Message.user("from v1").model_dump_json()
+        for target in range(1, version + 1):
+            for statement in _MIGRATIONS[target]:
+                conn.execute(statement)
+        conn.execute(f"PRAGMA user_version = {version}")
+        message = Message.user(f"from v{version}")
         conn.execute("INSERT INTO threads VALUES ('t', 1, 5, 0, 1)")
-        conn.execute("INSERT INTO messages VALUES ('t', 1, 5, ?)", (body,))
-        episode = UserMessageEpisode(message=Message.user("from v1")).model_dump_json()
+        link = ", 1" if version == 2 else ""
+        conn.execute(f"INSERT INTO messages VALUES ('t', 1, 5, ?{link})", (message.model_dump_json(),))
+        episode = UserMessageEpisode(message=message).model_dump_json()
         conn.execute(
             "INSERT INTO episodes VALUES ('t', 1, '2026-01-01T00:00:00+00:00', 'user_message', ?)", (episode,)
         )
@@ -183,7 +188,7 @@ def _version_1(path: Path) -> None:
 async def test_a_version_1_database_is_migrated_and_keeps_its_data(tmp_path: Path) -> None:
     """Opening a schema-1 file migrates it to the current schema; its rows read back and forget works."""
     path = tmp_path / "v1.db"
-    _version_1(path)
+    _old_database(path, 1)
     async with SQLiteStore(path) as store:
         window = await store.load("t")
         assert window.plain == [Message.user("from v1")]
@@ -197,8 +202,71 @@ async def test_a_version_1_database_is_migrated_and_keeps_its_data(tmp_path: Pat
             query(path, "DELETE FROM episodes WHERE thread = 't'")
         tombstone = await store.forget("t")
         assert (tombstone.messages, tombstone.episodes) == (2, 2)
-    assert query(path, "PRAGMA user_version") == [(SCHEMA_VERSION,)] == [(2,)]
+    assert query(path, "PRAGMA user_version") == [(SCHEMA_VERSION,)] == [(3,)]
     assert query(path, "SELECT count(*) FROM episodes") == [(0,)]
+
+
+async def test_a_version_2_database_is_migrated_and_keeps_its_rows(tmp_path: Path) -> None:
+    """Schema 2 kept each message's text twice: its rows read back after the migration, and new ones share."""
+    path = tmp_path / "v2.db"
+    _old_database(path, 2)
+    async with SQLiteStore(path) as store:
+        step = UserMessageEpisode(message=Message.user("from v3"))
+        await store.record_and_append("t", [step], [step.message], [1], message_episodes=[0])
+        window = await store.load("t")
+        assert window.plain == [Message.user("from v2"), Message.user("from v3")]
+        assert [m.episode_seq for m in window.messages] == [1, 2]
+        assert (await store.tail("t", after_seq=1)).plain == [Message.user("from v3")]
+    assert query(path, "PRAGMA user_version") == [(3,)]
+    assert query(path, "SELECT seq, body IS NULL, body_chars FROM messages ORDER BY seq") == [
+        (1, 0, None),
+        (2, 1, len(Message.user("from v3").model_dump_json())),
+    ]
+    assert query(path, "SELECT name FROM sqlite_master WHERE name LIKE 'messages%'") == [("messages",)]
+
+
+async def test_a_recorded_message_is_stored_once_in_its_episode(tmp_path: Path) -> None:
+    """A message recorded by its own episode keeps its text in the log alone; the row holds only its length.
+
+    A row with no episode of its own (a plain append, a fold's summary, a late
+    tool result's note) keeps its text in the row, and every kind reads back.
+    """
+    path = tmp_path / "once.db"
+    text = "x" * 3_000 + " ünïcødé ☃ 𝄞"
+    async with SQLiteStore(path) as store:
+        recorded = [Message.user(text), Message.assistant("done", metadata={"reply": "a key like the field"})]
+        episodes = [UserMessageEpisode(message=recorded[0]), episode_for(recorded[1], model="m")]
+        await store.record_and_append("t", episodes, recorded, [10, 2], message_episodes=[0, 1])
+        await store.append("t", [Message.user("plain")], [1])
+        # The episode records one message and the row holds another: no sharing is possible.
+        other = UserMessageEpisode(message=Message.user("said"))
+        await store.record_and_append("t", [other], [Message.user("sent")], [1], message_episodes=[0])
+        assert (await store.load("t")).plain == [*recorded, Message.user("plain"), Message.user("sent")]
+    rows = query(path, "SELECT seq, body IS NULL, episode_seq FROM messages ORDER BY seq")
+    assert rows == [(1, 1, 1), (2, 1, 2), (3, 0, None), (4, 0, 3)]
+    unshared = [Message.user("plain").model_dump_json(), Message.user("sent").model_dump_json()]
+    assert query(path, "SELECT sum(length(body)) FROM messages") == [(sum(map(len, unshared)),)]
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "UPDATE messages SET body_chars = 5 WHERE seq = 1",
+        "UPDATE messages SET body_chars = 'x' WHERE seq = 1",
+    ],
+    ids=["wrong-length", "mistyped-length"],
+)
+async def test_a_row_whose_length_does_not_fit_its_episode_is_reported_by_seq(
+    tmp_path: Path, statement: str
+) -> None:
+    """A shared row whose length was changed reads as a corrupt row, named by thread and seq."""
+    path = tmp_path / "length.db"
+    async with SQLiteStore(path) as store:
+        step = UserMessageEpisode(message=Message.user("hello"))
+        await store.record_and_append("t", [step], [step.message], [1], message_episodes=[0])
+        query(path, statement)
+        with pytest.raises(StoreError, match=r"thread 't': short-term message seq 1 is corrupt"):
+            await store.load("t")
 
 
 async def test_state_is_one_statement(tmp_path: Path) -> None:
@@ -760,6 +828,35 @@ async def test_a_caller_cancelled_before_its_write_submits_nothing(
         assert (await store.stats("t")).message_count == 0
 
 
+async def test_a_write_on_the_loop_yields_once_before_it_writes(tmp_path: Path) -> None:
+    """At NORMAL a step's write on the loop lets other tasks run first; a cancellation then stops it whole.
+
+    On asyncio, which runs woken tasks in order (trio shuffles each batch, so
+    which of two woken tasks goes first is not fixed there).
+    """
+    async with SQLiteStore(tmp_path / "yield.db", synchronous="NORMAL") as store:
+        await store.append("warm", [Message.user("open the file")], [1])
+        ran: list[int] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: _note(ran))
+            await store.append("t", [Message.user("a")], [1])
+            assert ran == [1], "the write gave the loop to the task waiting for it"
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_cancel, scope)  # runs at the write's yield, before the write
+                await store.append("t", [Message.user("b")], [1])
+        assert scope.cancelled_caught
+        assert (await store.load("t")).plain == [Message.user("a")]
+
+
+async def _note(ran: list[int]) -> None:
+    ran.append(1)
+
+
+async def _cancel(scope: anyio.CancelScope) -> None:
+    scope.cancel()
+
+
 @BOTH
 async def test_a_write_waiting_for_the_store_thread_holds_no_pool_thread(tmp_path: Path) -> None:
     """A write's caller waits for the store's thread without taking a token of anyio's thread pool.
@@ -946,7 +1043,7 @@ def small_writes(store: SQLiteStore) -> list[Any]:
 def committed(path: Path) -> tuple[list[str], int]:
     """What another connection sees: the thread's message texts and its episode count."""
     with contextlib.closing(sqlite3.connect(path)) as conn:
-        rows = conn.execute("SELECT body FROM messages WHERE thread = 't' ORDER BY seq").fetchall()
+        rows = conn.execute(f"SELECT {_BODY} {_WITH_EPISODES} WHERE m.thread = 't' ORDER BY m.seq").fetchall()
         (episodes,) = conn.execute("SELECT count(*) FROM episodes WHERE thread = 't'").fetchone()
     return [Message.model_validate_json(body).text for (body,) in rows], episodes
 

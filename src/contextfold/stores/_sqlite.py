@@ -70,6 +70,9 @@ copies what they added with them waiting (a few calls' pages, not a hundred),
 so that the whole WAL is copied and the next write starts it over.
 
 The schema version lives in ``PRAGMA user_version`` and is migrated on open.
+A message recorded by its own episode has its text stored once, in the
+episode: the context's row holds the length of the message's JSON, which is
+the episode's body but its last character, and reads join the two.
 The episode table is append-only in the database itself: triggers reject
 UPDATE, DELETE and a replacing INSERT, whoever issues them. The one DELETE
 they let through is ``forget``'s: it opens a row in ``forgetting`` for the
@@ -149,7 +152,7 @@ except ModuleNotFoundError:  # pragma: no cover - trio requires sniffio: without
 
 __all__ = ["SCHEMA_VERSION", "SQLiteStore"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The schema this code writes; ``PRAGMA user_version`` of every file it opened."""
 
 _T = TypeVar("_T")
@@ -221,6 +224,25 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         """CREATE TRIGGER episodes_no_delete BEFORE DELETE ON episodes
         WHEN NOT EXISTS (SELECT 1 FROM forgetting WHERE thread = OLD.thread)
         BEGIN SELECT RAISE(ABORT, 'contextfold episodes are append-only: DELETE is not allowed'); END""",
+    ),
+    # A message recorded by its own episode keeps its text there alone: the row holds the
+    # length of its JSON (the end of the episode's body), not a second copy. Rows of small
+    # values are what WITHOUT ROWID suits, and a step then writes one page of them, not two.
+    3: (
+        """CREATE TABLE messages_v3 (
+            thread TEXT NOT NULL,
+            seq INTEGER NOT NULL,
+            tokens INTEGER NOT NULL,
+            body TEXT,
+            episode_seq INTEGER,
+            body_chars INTEGER,
+            PRIMARY KEY (thread, seq),
+            CHECK (body IS NOT NULL OR (episode_seq IS NOT NULL AND body_chars IS NOT NULL))
+        ) WITHOUT ROWID""",
+        """INSERT INTO messages_v3 (thread, seq, tokens, body, episode_seq)
+        SELECT thread, seq, tokens, body, episode_seq FROM messages""",
+        "DROP TABLE messages",
+        "ALTER TABLE messages_v3 RENAME TO messages",
     ),
 }
 
@@ -311,15 +333,46 @@ def _insert_messages(
     first_seq: int,
     rows: list[tuple[str, int]],
     episode_seqs: Sequence[int | None] = (),
+    shared: Sequence[bool] = (),
 ) -> None:
+    """Insert the rows from ``first_seq`` on; a ``shared`` row's JSON is read from its episode's body.
+
+    Such a row (what ``Compactor.append`` writes for every message) stores no
+    body of its own, only its length: its JSON is its episode's body but the
+    last character (see ``_BODY``), so the text is written once, not twice.
+    """
     links = list(episode_seqs) or [None] * len(rows)
+    flags = list(shared) or [False] * len(rows)
     conn.executemany(
-        "INSERT INTO messages (thread, seq, tokens, body, episode_seq) VALUES (?, ?, ?, ?, ?)",
+        "INSERT INTO messages (thread, seq, tokens, body, episode_seq, body_chars) VALUES (?, ?, ?, ?, ?, ?)",
         [
-            (thread, first_seq + n, count, body, link)
-            for n, ((body, count), link) in enumerate(zip(rows, links, strict=True))
+            (thread, first_seq + n, count, None, link, len(body))
+            if share
+            else (thread, first_seq + n, count, body, link, None)
+            for n, ((body, count), link, share) in enumerate(zip(rows, links, flags, strict=True))
         ],
     )
+
+
+_BODY = "coalesce(m.body, substr(e.body, -1 - m.body_chars, m.body_chars))"
+"""A message row's JSON: its own body, or the end of its episode's body (all but the last character)."""
+
+_WITH_EPISODES = (
+    "FROM messages AS m LEFT JOIN episodes AS e "
+    "ON m.body IS NULL AND e.thread = m.thread AND e.seq = m.episode_seq"
+)
+"""The message rows, each beside the episode that holds its JSON when the row holds none."""
+
+
+def _shared(
+    bodies: Sequence[str], rows: Sequence[tuple[str, int]], links: Sequence[int | None]
+) -> list[bool]:
+    """For each row, whether its JSON is its episode's body but the last character (so stored once)."""
+    flags = []
+    for (body, _), link in zip(rows, links, strict=True):
+        episode = None if link is None else bodies[link]
+        flags.append(episode is not None and len(episode) > len(body) and episode.endswith(body, 0, -1))
+    return flags
 
 
 def _parse_time(thread: str, what: str, text: str) -> datetime:
@@ -435,7 +488,11 @@ def _count_messages_recorded(
 
 
 def _append_rows(
-    conn: sqlite3.Connection, thread: str, rows: list[tuple[str, int]], links: Sequence[int | None] = ()
+    conn: sqlite3.Connection,
+    thread: str,
+    rows: list[tuple[str, int]],
+    links: Sequence[int | None] = (),
+    shared: Sequence[bool] = (),
 ) -> int:
     """Append message rows after the thread's newest and update its stats; return the first seq."""
     tokens = sum(count for _, count in rows)
@@ -462,7 +519,7 @@ def _append_rows(
                 }
             ),
         )
-    _insert_messages(conn, thread, first, rows, links)
+    _insert_messages(conn, thread, first, rows, links, shared)
     return first
 
 
@@ -1039,10 +1096,11 @@ class SQLiteStore(AsyncResource):
     async def _write(self, fn: Callable[[sqlite3.Connection], _T], size: int) -> _T:
         """``fn`` (one write transaction of ``size`` bytes): on the loop when it can be, else as ``_call``."""
         if size <= _WRITE_ON_LOOP_BYTES and self._loop_writer is not None:
-            await anyio.lowlevel.checkpoint_if_cancelled()
+            # The call's one yield comes before the write, so a cancellation cannot fall
+            # between the commit and the caller: it stops the write before it begins.
+            await anyio.lowlevel.checkpoint()
             done, result = self._write_on_loop(fn)
             if done:
-                await anyio.lowlevel.cancel_shielded_checkpoint()
                 return cast(_T, result)
         return await self._call(fn)
 
@@ -1142,7 +1200,8 @@ class SQLiteStore(AsyncResource):
                 # The cursor steps through the index newest first, one row at a time,
                 # so stopping here leaves the older rows unread.
                 rows = conn.execute(
-                    "SELECT seq, tokens, body, episode_seq FROM messages WHERE thread = ? ORDER BY seq DESC",
+                    f"SELECT m.seq, m.tokens, {_BODY}, m.episode_seq {_WITH_EPISODES} "
+                    "WHERE m.thread = ? ORDER BY m.seq DESC",
                     (thread,),
                 )
                 try:
@@ -1170,8 +1229,8 @@ class SQLiteStore(AsyncResource):
             with _transaction(conn, "DEFERRED"):
                 stats = _read_stats(conn, thread)
                 rows = conn.execute(
-                    "SELECT seq, tokens, body, episode_seq FROM messages WHERE thread = ? AND seq > ? "
-                    "ORDER BY seq",
+                    f"SELECT m.seq, m.tokens, {_BODY}, m.episode_seq {_WITH_EPISODES} "
+                    "WHERE m.thread = ? AND m.seq > ? ORDER BY m.seq",
                     (thread, after),
                 ).fetchall()
             return ContextWindow(
@@ -1321,13 +1380,16 @@ class SQLiteStore(AsyncResource):
         rows = [(body, count) for body, count, _ in encoded]
         when = datetime.now(UTC)
 
+        shared = _shared(bodies, rows, links)
+
         def run(conn: sqlite3.Connection) -> tuple[int, list[int | None]]:
             with _transaction(conn, "IMMEDIATE"):
                 seqs = _record_rows(conn, thread, episodes, bodies, when)
                 linked = [None if link is None else seqs[link] for link in links]
-                return _append_rows(conn, thread, rows, linked), linked
+                return _append_rows(conn, thread, rows, linked, shared), linked
 
-        size = sum(map(len, bodies)) + sum(len(body) for body, _ in rows)
+        unshared = (len(body) for (body, _), share in zip(rows, shared, strict=True) if not share)
+        size = sum(map(len, bodies)) + sum(unshared)
         first, linked = await self._write(run, size)
         return _stored(first, encoded, linked)
 
