@@ -1203,6 +1203,7 @@ async def test_at_normal_the_loops_writes_go_on_beside_a_checkpoint(
         return not busy and frames == copied
 
     monkeypatch.setattr(_sqlite, "_CHECKPOINT_EVERY", 3)
+    monkeypatch.setattr(_sqlite, "_SECOND_PASS_AFTER", 1)  # this checkpoint makes the second pass
     monkeypatch.setattr(_sqlite, "_checkpoint", held_checkpoint)
     path = tmp_path / "beside.db"
     async with SQLiteStore(path, synchronous="NORMAL") as store:
@@ -1224,8 +1225,8 @@ async def test_at_normal_the_loops_writes_go_on_beside_a_checkpoint(
         assert committed(path) == (["one", "two", "a", "c"], 2)
         release.set()
         await thread_settled(store)
-        # The first pass copied the frames it found; a second, with the writes waiting, what
-        # the writes beside it added (the WAL may have started over in between).
+        # The first pass copied the frames it found; a second, with the writes held, what the
+        # writes beside it added (the WAL may have started over in between).
         assert len(passes) == 2
         (_, first, _), (_, second, copied) = passes
         assert first > 0 and second == copied > 0
@@ -1233,6 +1234,85 @@ async def test_at_normal_the_loops_writes_go_on_beside_a_checkpoint(
         with contextlib.closing(sqlite3.connect(path)) as other:
             _, frames, _ = other.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
         assert 0 < frames < 10  # the WAL started over: it holds the last write's pages alone
+
+
+async def test_writes_beside_a_checkpoint_are_held_only_by_every_third_one_in_a_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the loop wrote beside a checkpoint waits for the next; the third such one copies it held.
+
+    Every checkpoint used to copy that remainder at once with the loop's writes
+    held, and a busy agent's next write waited for its syncs (about 1-2 ms)
+    at every checkpoint. The WAL can start over only once a pass has copied
+    everything, so the remainder is left to the next checkpoint, and the third
+    in a row makes the held pass that lets the WAL start over.
+    """
+    from contextfold.stores import _sqlite
+
+    passes: list[bool] = []  # per pass, whether the loop's writes were free to go on beside it
+    stores: list[SQLiteStore] = []
+
+    def checkpoint_with_a_write_beside(conn: sqlite3.Connection) -> bool:
+        store = stores[0]
+        assert store._worker is not None
+        free = store._worker.free
+        passes.append(free)
+        copied = _sqlite_checkpoint(conn)
+        if free:
+            store._loop_commits += 1  # as if the loop wrote during the pass
+        return copied
+
+    _sqlite_checkpoint = _sqlite._checkpoint
+    monkeypatch.setattr(_sqlite, "_CHECKPOINT_EVERY", 2)
+    monkeypatch.setattr(_sqlite, "_checkpoint", checkpoint_with_a_write_beside)
+    async with SQLiteStore(tmp_path / "held.db", synchronous="NORMAL") as store:
+        stores.append(store)
+        await thread_settled(store)  # the open's call
+        for n in range(8):
+            await store.append("t", [Message.user(f"m{n}")], [1])
+            await thread_settled(store)
+        assert (await store.stats("t")).message_count == 8
+    # Four checkpoints (each after two calls): three left a remainder, the third of those
+    # was followed by the held pass, and the count started over for the fourth.
+    assert passes == [True, True, True, False, True]
+
+
+async def test_posted_upkeep_does_not_hold_the_loops_writes() -> None:
+    """The empty call that starts a checkpoint is no caller's call: writes are free beside it, not behind.
+
+    A write made after the loop posted that call, before the thread began the
+    checkpoint's first pass, used to find the thread busy, went to it, and
+    waited for the whole checkpoint.
+    """
+    worker = _Worker("upkeep")
+    started, release = threading.Event(), threading.Event()
+    try:
+        worker.post(lambda: (started.set(), release.wait(5)))
+        assert worker.free and not worker.idle  # queued
+        assert await anyio.to_thread.run_sync(started.wait, 5)
+        assert worker.free and not worker.idle  # running
+        call = anyio.Event()
+
+        async def a_call() -> None:
+            await worker.run(lambda: None)
+            call.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(a_call)
+            await wait_until(lambda: not worker.free)  # a caller's call queued behind it
+            release.set()
+            with anyio.fail_after(5):
+                await call.wait()
+        await wait_until(lambda: worker.free and worker.idle)
+    finally:
+        release.set()
+        worker.stop()
+
+
+async def wait_until(condition: Any) -> None:
+    with anyio.fail_after(5):
+        while not condition():
+            await anyio.sleep(0.001)
 
 
 async def test_the_wal_stays_bounded_without_automatic_checkpoints(

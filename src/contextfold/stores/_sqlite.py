@@ -47,7 +47,7 @@ hop to the worker thread and back cost more than the transaction itself
 (about 150 µs against 100-130 µs here), and the point read that follows finds the
 connection's page cache still valid. Such a write runs only when the worker
 thread has no call of this store waiting or running, so writes keep the order
-they were made in and never run beside the worker's checkpoint; with
+they were made in; with
 ``busy_timeout = 0`` a write lock held by another process answers busy at
 once, and then, as on any SQLite error (the transaction rolled back), the
 write is made the ordinary way in the worker thread. At ``FULL`` every write
@@ -65,9 +65,12 @@ due does not wait for it, and an agent's next write usually finds it done
 (the model call between two steps is longer). A store that never runs idle
 checkpoints anyway after four times as many calls, so the WAL stays bounded.
 At ``synchronous="NORMAL"`` the writes the event loop makes itself go on
-beside the checkpoint's copy and syncs; if they wrote meanwhile, a second pass
-copies what they added with them waiting (a few calls' pages, not a hundred),
-so that the whole WAL is copied and the next write starts it over.
+beside the checkpoint's copy and syncs (and beside the empty call that starts
+it). If they wrote meanwhile, what they added stays in the WAL for the next
+checkpoint, and the WAL cannot start over; the ``_SECOND_PASS_AFTER``-th such
+checkpoint in a row copies the rest with them waiting (a few calls' pages,
+not a hundred), so that the whole WAL is copied and the next write starts it
+over.
 
 The schema version lives in ``PRAGMA user_version`` and is migrated on open.
 A message recorded by its own episode has its text stored once, in the
@@ -256,6 +259,11 @@ _CLOSE_GRACE = 5.0
 
 _CHECKPOINT_EVERY = 100
 """Calls between two checkpoints of the WAL: about SQLite's default of 1000 pages."""
+
+_SECOND_PASS_AFTER = 3
+"""Checkpoints in a row that the loop's writes beside them kept from copying the whole WAL before
+one copies the rest with the writes waiting: a busy thread's WAL holds at most about this many
+checkpoints' calls, and a write waits for a checkpoint this many times fewer."""
 
 _WRITE_ON_LOOP_BYTES = 64 * 1024
 """The largest write (encoded bytes) ``synchronous="NORMAL"`` makes on the event loop."""
@@ -650,10 +658,12 @@ class _Job:
     atomic, so exactly one of them gets it.
     """
 
-    __slots__ = ("claim", "fn", "notify", "outcome", "waiter")
+    __slots__ = ("claim", "fn", "notify", "outcome", "upkeep", "waiter")
 
-    def __init__(self, fn: Callable[[], object]) -> None:
+    def __init__(self, fn: Callable[[], object], *, upkeep: bool = False) -> None:
         self.fn = fn
+        self.upkeep = upkeep
+        """Posted for the thread's upkeep after it (``_Worker.post``): no caller's call."""
         self.claim = [True]
         self.notify: Callable[[], object] = _nothing
         self.outcome: tuple[bool, Any] | None = None
@@ -723,11 +733,13 @@ class _Worker:
     def __init__(self, name: str, after: Callable[[bool], None] = lambda idle: None) -> None:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._after = after
-        # Calls submitted and not yet through (their upkeep included): written under the lock.
+        # Jobs submitted and not yet through (their upkeep included), and of them the callers'
+        # calls not yet handed back (posted upkeep is none): written under the lock.
         self._pending = 0
+        self._calls = 0
         self._pending_lock = threading.Lock()
-        self.beside = False
-        """Set by ``after`` for upkeep that the event loop's own writes may run beside."""
+        self.hold = False
+        """Set by ``after`` for upkeep that the event loop's own writes must wait for."""
         self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self.thread.start()
 
@@ -738,6 +750,7 @@ class _Worker:
             if job is None:
                 return
             if not job.take():  # its caller was cancelled before it started: it never runs
+                self._handed_back(job)
                 self._done()
                 continue
             try:
@@ -748,12 +761,18 @@ class _Worker:
             # episodes and rows: dropped here, they are freed by reference counting
             # the moment the caller is done, not left for the garbage collector.
             notify, job.notify, job.fn = job.notify, _nothing, _nothing
+            self._handed_back(job)
             notify()
             try:
                 self._after(jobs.empty())
             except Exception:  # upkeep only: the thread must go on serving calls
                 _logger.exception("%s: upkeep after a call failed", self.thread.name)
             self._done()
+
+    def _handed_back(self, job: _Job) -> None:
+        if not job.upkeep:
+            with self._pending_lock:
+                self._calls -= 1
 
     def _done(self) -> None:
         with self._pending_lock:
@@ -762,22 +781,26 @@ class _Worker:
     def _submit(self, job: _Job) -> None:
         with self._pending_lock:
             self._pending += 1
+            self._calls += not job.upkeep
         self._jobs.put(job)
 
     @property
     def idle(self) -> bool:
-        """No call is waiting or running (a call submitted now would start at once)."""
+        """No call is waiting or running, nor upkeep (a call submitted now would start at once)."""
         return self._pending == 0
 
     @property
     def free(self) -> bool:
-        """No call is waiting or running but, at most, upkeep that writes may run beside."""
-        return self._pending == 0 or (self.beside and self._pending == 1)
+        """No caller's call is waiting or running: writes may go on beside upkeep that does not hold them.
+
+        Upkeep (posted, or after a call already handed back) orders no write:
+        a write made beside it commits as it would have a moment earlier.
+        """
+        return self._calls == 0 and not self.hold
 
     def post(self, fn: Callable[[], object]) -> None:
         """Have the thread run ``fn()`` after the calls already submitted, not waiting for it."""
-        job = _Job(fn)
-        self._submit(job)
+        self._submit(_Job(fn, upkeep=True))
 
     def stop(self) -> None:
         """End the thread after the calls already submitted."""
@@ -898,9 +921,11 @@ class SQLiteStore(AsyncResource):
         self._closed = False
         self._leases: set[tuple[str, str]] = set()
         self._calls_since_checkpoint = 0
-        # The loop's writes as a checkpoint's second pass sees them (set in the loop's thread).
+        # The loop's writes as a checkpoint sees them (set in the loop's thread).
         self._loop_commits = 0
         self._loop_writing = False
+        # Checkpoints in a row whose first pass left frames the loop wrote beside it (the thread's).
+        self._checkpoints_left_over = 0
 
     def __repr__(self) -> str:
         return f"SQLiteStore({str(self.path)!r})"
@@ -1055,33 +1080,45 @@ class SQLiteStore(AsyncResource):
             return
         self._calls_since_checkpoint = 0
         try:
-            if self._checkpoint_beside_the_loop(conn):
-                return
-            _checkpoint(conn)
+            worker = self._worker
+            if worker is None or self._loop_writer is None:
+                _checkpoint(conn)
+            elif self._checkpoint_beside_the_loop(conn):
+                self._checkpoints_left_over = 0
+            else:
+                self._checkpoints_left_over += 1
+                if self._checkpoints_left_over >= _SECOND_PASS_AFTER:
+                    self._checkpoint_holding_the_loop(conn, worker)
+                    self._checkpoints_left_over = 0
         except sqlite3.Error as exc:  # the next one copies what this one did not
             _logger.debug("checkpoint of %s failed, done again later: %s", self.path, exc)
 
     def _checkpoint_beside_the_loop(self, conn: sqlite3.Connection) -> bool:
-        """A checkpoint's first pass, the loop's writes going on beside it; True if it copied everything.
+        """A checkpoint pass, the loop's writes going on beside it; True if it copied everything.
 
         The pass copies the frames that were in the WAL when it began. If the
-        loop wrote meanwhile, their frames are left for a second pass, made
-        with the loop's writes waiting: SQLite starts the WAL over only at a
-        write that finds every frame copied.
+        loop wrote meanwhile, their frames are left for the next checkpoint
+        (SQLite starts the WAL over only at a write that finds every frame
+        copied); after ``_SECOND_PASS_AFTER`` such checkpoints in a row, a
+        second pass copies them with the loop's writes waiting.
         """
-        worker = self._worker
-        if worker is None or self._loop_writer is None:
-            return False
         commits = self._loop_commits
-        worker.beside = True
+        copied_all = _checkpoint(conn)
+        # The flag first: a write that lowered it had counted its commit already.
+        return copied_all and not self._loop_writing and self._loop_commits == commits
+
+    def _checkpoint_holding_the_loop(self, conn: sqlite3.Connection, worker: _Worker) -> None:
+        """A checkpoint pass with the loop's writes waiting (they go to this thread), so it copies all."""
+        # Raised before the loop's flag is looked at: a write that checks ``free`` after
+        # this sees it, and one that checked before has raised its flag and ends first.
+        worker.hold = True
         try:
-            copied_all = _checkpoint(conn)
+            deadline = time.monotonic() + 1.0
+            while self._loop_writing and time.monotonic() < deadline:
+                time.sleep(0.0001)
+            _checkpoint(conn)
         finally:
-            worker.beside = False
-        deadline = time.monotonic() + 1.0
-        while self._loop_writing and time.monotonic() < deadline:  # a write begun beside it ends first
-            time.sleep(0.0001)
-        return copied_all and self._loop_commits == commits
+            worker.hold = False
 
     @property
     def _loop_writer(self) -> sqlite3.Connection | None:
@@ -1108,17 +1145,18 @@ class SQLiteStore(AsyncResource):
         """``(True, fn(conn))`` on the busy_timeout-0 connection, or ``(False, None)`` to use the worker.
 
         Only when no call of this store is waiting or running in its worker
-        thread, so the writes keep the order they were made in; the first pass
-        of a checkpoint (see ``_after_call``) is no call, and they run beside
-        it. Any SQLite error (the write lock held by another process answers
-        busy at once) falls back, its transaction rolled back: the worker's
-        write waits as long as it may and reports it.
+        thread, so the writes keep the order they were made in; the thread's
+        upkeep is no call, and they run beside it unless it holds them (a
+        checkpoint's second pass, see ``_after_call``). Any SQLite error (the
+        write lock held by another process answers busy at once) falls back,
+        its transaction rolled back: the worker's write waits as long as it
+        may and reports it.
         """
         conn, worker = self._loop_writer, self._worker
         if conn is None or worker is None or not self._on_loop_thread():
             return False, None
-        # Raised before the worker is looked at: a checkpoint that stops letting writes run
-        # beside it then sees this one and waits for it (_checkpoint_beside_the_loop).
+        # Raised before the worker is looked at: a checkpoint that holds the loop's writes
+        # then sees this one and waits for it (_checkpoint_holding_the_loop).
         self._loop_writing = True
         try:
             if not worker.free:
