@@ -108,6 +108,25 @@ def test_arguments_that_are_not_json_say_what_they_were() -> None:
     assert "JSON" in info.value.reason
 
 
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        ("\ufeff{}", "Unexpected UTF-8 BOM"),
+        ('{"a": NaN}', "NaN is not a JSON value"),
+        ("[1,", "Expecting value"),
+        ("", "Expecting value"),
+    ],
+)
+def test_arguments_are_checked_as_json_loads_reads_them(arguments: str, said: str) -> None:
+    """The one shared decoder rejects what ``json.loads`` rejects, with its reason, and NaN besides."""
+    with pytest.raises(InvalidMessageError, match=said) as info:
+        ToolCall(id="1", name="f", arguments=arguments)
+    assert info.value.field == "arguments"
+    assert ToolCall(id="1", name="f", arguments=' {"a": [1, 2.5, null]} ').parsed_arguments() == {
+        "a": [1, 2.5, None]
+    }
+
+
 def test_invalid_message_error_is_not_a_pydantic_error() -> None:
     """Construction errors are contextfold errors, not pydantic ValidationErrors."""
     with pytest.raises(InvalidMessageError) as info:

@@ -142,10 +142,16 @@ def _check_finite(value: Any, path: str = "") -> None:
             _check_finite(item, f"{path}[{index}]")
 
 
+_ARGUMENTS = json.JSONDecoder(parse_constant=_reject_constant)
+"""One decoder for every check: ``json.loads`` with an argument builds a new one per call."""
+
+
 def check_arguments(value: str) -> str:
     """``value`` unless it is not a JSON text (NaN and Infinity are not); raises ``ValueError``."""
     try:
-        json.loads(value, parse_constant=_reject_constant)
+        if value.startswith("\ufeff"):  # what json.loads says of a byte-order mark
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", value, 0)
+        _ARGUMENTS.decode(value)
     except ValueError as exc:
         raise ValueError(f"must be a JSON text, got {value[:80]!r} ({exc})") from None
     return value
