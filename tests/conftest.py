@@ -121,10 +121,13 @@ def _blocking_detector() -> BlockBuster:
     for name in ("sqlite3.Connection.execute", "sqlite3.Cursor.fetchall"):
         functions[name].can_block_in("contextfold/stores/_sqlite.py", {"_read_on_loop"})
     # With synchronous=NORMAL a step's small write (at most 64 KiB) runs there too, on
-    # that connection: no commit syncs the disk (the worker thread's checkpoints do),
-    # and busy_timeout 0 answers at once when another process holds the write lock,
-    # falling back to the worker thread as the reads do.
-    for name in ("sqlite3.Connection.execute", "sqlite3.Connection.executemany", "sqlite3.Cursor.fetchall"):
+    # that connection, and so does a fold or replacement that removes at most 1,000 rows
+    # (its count read with fetchone; a larger one rolls back and goes to the thread): no
+    # commit syncs the disk (the worker thread's checkpoints do), and busy_timeout 0
+    # answers at once when another process holds the write lock, falling back to the
+    # worker thread as the reads do.
+    writes = ("sqlite3.Connection.execute", "sqlite3.Connection.executemany", "sqlite3.Cursor.fetchall")
+    for name in (*writes, "sqlite3.Cursor.fetchone"):
         functions[name].can_block_in("contextfold/stores/_sqlite.py", {"_write_on_loop"})
     return detector
 

@@ -41,8 +41,10 @@ read takes the worker-thread path.
 
 At ``synchronous="NORMAL"`` no commit syncs the disk (only checkpoints do), so
 a step's own small writes (``append``, ``record``, ``record_and_append`` of at
-most 64 KiB, and a compaction lease's one-row statements) are made on that
-on-loop connection too, which also writes: the
+most 64 KiB, a compaction lease's one-row statements, and a ``fold`` or
+``replace_prefix`` that removes at most ``_SWAP_ON_LOOP_ROWS`` rows; one that
+finds more rolls back before it writes and is made in the worker thread) are
+made on that on-loop connection too, which also writes: the
 hop to the worker thread and back cost more than the transaction itself
 (about 150 µs against 100-130 µs here), and the point read that follows finds the
 connection's page cache still valid. Such a write runs only when the worker
@@ -540,6 +542,10 @@ RETURNING last_seq"""
 """The stats' update for appended rows in one statement, when the row is sound and stays in range."""
 
 
+class _TooLargeForTheLoop(Exception):
+    """A swap that found more rows to remove than the event loop may: rolled back, made in the thread."""
+
+
 def _swap(
     conn: sqlite3.Connection,
     thread: str,
@@ -547,8 +553,13 @@ def _swap(
     expected_version: int,
     rows: list[tuple[str, int]],
     summary_episode_seq: Callable[[], int | None],
+    most: int | None = None,
 ) -> ThreadStats:
-    """The guarded prefix swap; ``summary_episode_seq`` runs once the guard held (a fold records there)."""
+    """The guarded prefix swap; ``summary_episode_seq`` runs once the guard held (a fold records there).
+
+    With ``most``, a swap that would remove more rows raises ``_TooLargeForTheLoop``
+    before it writes anything.
+    """
     stats = _read_stats(conn, thread)
     if stats.version != expected_version:
         raise version_conflict(thread, stats.version, expected_version)
@@ -558,6 +569,8 @@ def _swap(
         "SELECT count(*), coalesce(sum(tokens), 0) FROM messages WHERE thread = ? AND seq <= ?",
         (thread, through_seq),
     ).fetchone()
+    if most is not None and count > most:
+        raise _TooLargeForTheLoop
     total = check_total(thread, stats.total_tokens - removed + sum(n for _, n in rows))
     link = summary_episode_seq()
     conn.execute("DELETE FROM messages WHERE thread = ? AND seq <= ?", (thread, through_seq))
@@ -573,6 +586,10 @@ def _swap(
     _write_stats(conn, thread, new)
     return new
 
+
+_SWAP_ON_LOOP_ROWS = 1_000
+"""Rows a fold or replacement may remove on the event loop (at ``synchronous="NORMAL"``):
+about a millisecond of SQLite; one that finds more is rolled back and made in the worker thread."""
 
 _ENCODE_ON_LOOP = 16
 """Messages a call encodes on the event loop; a larger batch is encoded in a worker thread."""
@@ -1130,8 +1147,30 @@ class SQLiteStore(AsyncResource):
         me = threading.get_ident()
         return self._loop_thread.setdefault(0, me) == me
 
-    async def _write(self, fn: Callable[[sqlite3.Connection], _T], size: int) -> _T:
-        """``fn`` (one write transaction of ``size`` bytes): on the loop when it can be, else as ``_call``."""
+    async def _swap_write(self, run: Callable[[sqlite3.Connection, int | None], _T], size: int) -> _T:
+        """A fold's or replacement's transaction: on the loop if it removes few rows, else in the thread."""
+
+        def bounded(conn: sqlite3.Connection) -> _T:
+            return run(conn, _SWAP_ON_LOOP_ROWS)
+
+        def whole(conn: sqlite3.Connection) -> _T:
+            return run(conn, None)
+
+        try:
+            return await self._write(bounded, size, whole)
+        except _TooLargeForTheLoop:  # found on the loop, rolled back: nothing was written
+            return await self._call(whole)
+
+    async def _write(
+        self,
+        fn: Callable[[sqlite3.Connection], _T],
+        size: int,
+        in_thread: Callable[[sqlite3.Connection], _T] | None = None,
+    ) -> _T:
+        """``fn`` (one write transaction of ``size`` bytes): on the loop when it can be, else as ``_call``.
+
+        ``in_thread`` is the transaction the worker thread makes instead, when it differs.
+        """
         if size <= _WRITE_ON_LOOP_BYTES and self._loop_writer is not None:
             # The call's one yield comes before the write, so a cancellation cannot fall
             # between the commit and the caller: it stops the write before it begins.
@@ -1139,7 +1178,7 @@ class SQLiteStore(AsyncResource):
             done, result = self._write_on_loop(fn)
             if done:
                 return cast(_T, result)
-        return await self._call(fn)
+        return await self._call(fn if in_thread is None else in_thread)
 
     def _write_on_loop(self, fn: Callable[[sqlite3.Connection], _T]) -> tuple[bool, _T | None]:
         """``(True, fn(conn))`` on the busy_timeout-0 connection, or ``(False, None)`` to use the worker.
@@ -1305,11 +1344,11 @@ class SQLiteStore(AsyncResource):
         check_replace(through_seq, expected_version)
         rows = await _encode(replacement, tokens, field="replacement")
 
-        def run(conn: sqlite3.Connection) -> ThreadStats:
+        def run(conn: sqlite3.Connection, most: int | None = None) -> ThreadStats:
             with _transaction(conn, "IMMEDIATE"):
-                return _swap(conn, thread, through_seq, expected_version, rows, lambda: None)
+                return _swap(conn, thread, through_seq, expected_version, rows, lambda: None, most)
 
-        return await self._call(run)
+        return await self._swap_write(run, sum(len(body) for body, _ in rows))
 
     @asynccontextmanager
     async def compaction_lock(self, thread: str) -> AsyncIterator[bool]:
@@ -1447,7 +1486,7 @@ class SQLiteStore(AsyncResource):
         rows = await _encode(replacement, tokens, field="replacement")
         when = datetime.now(UTC)
 
-        def run(conn: sqlite3.Connection) -> int:
+        def run(conn: sqlite3.Connection, most: int | None = None) -> int:
             seqs: list[int] = []
 
             def record() -> int:
@@ -1455,10 +1494,10 @@ class SQLiteStore(AsyncResource):
                 return seqs[0]
 
             with _transaction(conn, "IMMEDIATE"):
-                _swap(conn, thread, through_seq, expected_version, rows, record)
+                _swap(conn, thread, through_seq, expected_version, rows, record, most)
             return seqs[0]
 
-        seq = await self._call(run)
+        seq = await self._swap_write(run, len(body) + sum(len(row) for row, _ in rows))
         return EpisodeRecord(thread=thread, seq=seq, at=when, episode=checkpoint)
 
     async def forget(self, thread: str) -> Tombstone:
