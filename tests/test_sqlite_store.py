@@ -1251,7 +1251,7 @@ async def test_at_normal_the_loops_writes_go_on_beside_a_checkpoint(
         return not busy and frames == copied
 
     monkeypatch.setattr(_sqlite, "_CHECKPOINT_EVERY", 3)
-    monkeypatch.setattr(_sqlite, "_SECOND_PASS_AFTER", 1)  # this checkpoint makes the second pass
+    monkeypatch.setattr(_sqlite, "_SECOND_PASS_AFTER", 0)  # any remainder: this checkpoint holds them
     monkeypatch.setattr(_sqlite, "_checkpoint", held_checkpoint)
     path = tmp_path / "beside.db"
     async with SQLiteStore(path, synchronous="NORMAL") as store:
@@ -1284,16 +1284,17 @@ async def test_at_normal_the_loops_writes_go_on_beside_a_checkpoint(
         assert 0 < frames < 10  # the WAL started over: it holds the last write's pages alone
 
 
-async def test_writes_beside_a_checkpoint_are_held_only_by_every_third_one_in_a_row(
+async def test_writes_beside_checkpoints_are_held_only_once_they_left_enough_calls(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What the loop wrote beside a checkpoint waits for the next; the third such one copies it held.
+    """What the loop wrote beside a checkpoint waits for the next; one that finds enough left holds them.
 
     Every checkpoint used to copy that remainder at once with the loop's writes
     held, and a busy agent's next write waited for its syncs (about 1-2 ms)
     at every checkpoint. The WAL can start over only once a pass has copied
-    everything, so the remainder is left to the next checkpoint, and the third
-    in a row makes the held pass that lets the WAL start over.
+    everything, so the remainder is left to the next checkpoint until the
+    calls left over reach ``_SECOND_PASS_AFTER`` intervals; then a held pass
+    lets the WAL start over.
     """
     from contextfold.stores import _sqlite
 
@@ -1312,6 +1313,7 @@ async def test_writes_beside_a_checkpoint_are_held_only_by_every_third_one_in_a_
 
     _sqlite_checkpoint = _sqlite._checkpoint
     monkeypatch.setattr(_sqlite, "_CHECKPOINT_EVERY", 2)
+    monkeypatch.setattr(_sqlite, "_SECOND_PASS_AFTER", 4, raising=False)  # 8 calls left over
     monkeypatch.setattr(_sqlite, "_checkpoint", checkpoint_with_a_write_beside)
     async with SQLiteStore(tmp_path / "held.db", synchronous="NORMAL") as store:
         stores.append(store)
@@ -1320,9 +1322,67 @@ async def test_writes_beside_a_checkpoint_are_held_only_by_every_third_one_in_a_
             await store.append("t", [Message.user(f"m{n}")], [1])
             await thread_settled(store)
         assert (await store.stats("t")).message_count == 8
-    # Four checkpoints (each after two calls): three left a remainder, the third of those
-    # was followed by the held pass, and the count started over for the fourth.
+    # Four checkpoints, each counting three calls (two writes and the empty call that starts
+    # it; the first, the open's call, one write and its own): the third found 9 calls left
+    # over and was followed by the held pass, and the count started over for the fourth.
     assert passes == [True, True, True, False, True]
+
+
+async def test_the_loops_writes_wait_once_a_checkpoint_that_cannot_run_leaves_the_wal_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint the thread cannot get through (starved of CPU, a slow disk) holds the writes back in time.
+
+    The loop's writes went on beside a checkpoint that had not begun or did
+    not end, each posting another empty call once one was due: the WAL grew
+    without bound (past 2.5 MB in 300 writes with three CPU hogs). Now the
+    loop posts one at a time, and once the calls not copied back reach
+    ``_SECOND_PASS_AFTER + 1`` intervals its writes go to the thread and wait.
+    """
+    from contextfold.stores import _sqlite
+
+    started, release = threading.Event(), threading.Event()
+
+    def slow_checkpoint(conn: sqlite3.Connection) -> bool:
+        started.set()
+        release.wait(10)
+        busy, frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        return not busy and frames == copied
+
+    posts: list[object] = []
+    real_post = _Worker.post
+
+    def post(worker: _Worker, fn: Any) -> None:
+        posts.append(fn)
+        real_post(worker, fn)
+
+    monkeypatch.setattr(_sqlite, "_CHECKPOINT_EVERY", 3)
+    monkeypatch.setattr(_sqlite, "_SECOND_PASS_AFTER", 1, raising=False)  # a bound of 6 calls
+    monkeypatch.setattr(_sqlite, "_checkpoint", slow_checkpoint)
+    monkeypatch.setattr(_Worker, "post", post)
+    async with SQLiteStore(tmp_path / "starved.db", synchronous="NORMAL") as store:
+        await thread_settled(store)  # the open's call
+        await store.append("t", [Message.user("0")], [1])
+        await store.append("t", [Message.user("1")], [1])  # due: the checkpoint begins, and stalls
+        await anyio.to_thread.run_sync(started.wait, 5)
+        counting = Counting(monkeypatch)
+        for n in range(2, 8):
+            await store.append("t", [Message.user(str(n))], [1])
+        assert counting.hops == [], "six writes beside the stalled checkpoint run on the loop"
+        assert len(posts) == 2, "one empty call, and one more once it ran: not one per write"
+        done = anyio.Event()
+
+        async def seventh() -> None:
+            await store.append("t", [Message.user("8")], [1])
+            done.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(seventh)
+            await wait_until(lambda: counting.hops == ["worker"])
+            await anyio.sleep(0.05)
+            assert not done.is_set(), "the write waits for the checkpoint in the thread"
+            release.set()
+        assert [m.text for m in (await store.load("t")).plain] == [str(n) for n in range(9)]
 
 
 async def test_posted_upkeep_does_not_hold_the_loops_writes() -> None:
@@ -1376,7 +1436,9 @@ async def test_the_wal_stays_bounded_without_automatic_checkpoints(
             await store.append("t", [Message.user(f"{n} " + "x" * 3000)], [1])
         wal = os.path.getsize(f"{path}-wal")
         assert (await store.stats("t")).message_count == 300
-    # Idle, a checkpoint follows every 10 calls (a WAL of about 230 KB here); on a loaded machine
-    # the next write is often queued before the worker looks, and the checkpoint waits for 40
-    # calls (about 970 KB at worst). Without checkpoints between calls the WAL reaches 6.2 MB.
+    # Idle, a checkpoint follows every 10 calls (a WAL of about 420 KB here, the writes going on
+    # beside it); on a loaded machine the store's thread may not run for a while, and the loop's
+    # writes go on until the calls not copied back reach (_SECOND_PASS_AFTER + 1) intervals, then
+    # wait for it (about 1.5 MB at worst with three CPU hogs). Without checkpoints the WAL
+    # reaches 6.6 MB.
     assert wal < 2_000_000, f"the WAL grew to {wal:,} bytes over 300 writes of 3 KB"

@@ -69,10 +69,10 @@ checkpoints anyway after four times as many calls, so the WAL stays bounded.
 At ``synchronous="NORMAL"`` the writes the event loop makes itself go on
 beside the checkpoint's copy and syncs (and beside the empty call that starts
 it). If they wrote meanwhile, what they added stays in the WAL for the next
-checkpoint, and the WAL cannot start over; the ``_SECOND_PASS_AFTER``-th such
-checkpoint in a row copies the rest with them waiting (a few calls' pages,
-not a hundred), so that the whole WAL is copied and the next write starts it
-over.
+checkpoint, and the WAL cannot start over; once such checkpoints have left
+``_SECOND_PASS_AFTER`` intervals' calls uncopied, a second pass copies the rest
+with them waiting (a few calls' pages, not a hundred), so that the whole WAL is
+copied and the next write starts it over.
 
 The schema version lives in ``PRAGMA user_version`` and is migrated on open.
 A message recorded by its own episode has its text stored once, in the
@@ -96,8 +96,8 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
@@ -263,9 +263,10 @@ _CHECKPOINT_EVERY = 100
 """Calls between two checkpoints of the WAL: about SQLite's default of 1000 pages."""
 
 _SECOND_PASS_AFTER = 3
-"""Checkpoints in a row that the loop's writes beside them kept from copying the whole WAL before
-one copies the rest with the writes waiting: a busy thread's WAL holds at most about this many
-checkpoints' calls, and a write waits for a checkpoint this many times fewer."""
+"""Checkpoint intervals (of ``_CHECKPOINT_EVERY`` calls) whose checkpoints the loop's writes beside
+them may keep from copying the whole WAL before one copies the rest with the writes waiting: a busy
+thread's WAL holds about this many intervals' calls at most, and a write waits for a checkpoint
+this many times less often."""
 
 _WRITE_ON_LOOP_BYTES = 64 * 1024
 """The largest write (encoded bytes) ``synchronous="NORMAL"`` makes on the event loop."""
@@ -279,16 +280,27 @@ _COUNTERS = (
 )
 
 
-@contextmanager
-def _transaction(conn: sqlite3.Connection, mode: Literal["DEFERRED", "IMMEDIATE"]) -> Iterator[None]:
-    """One transaction: committed when the block ends, rolled back if it raises."""
-    conn.execute(f"BEGIN {mode}")
-    try:
-        yield
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
+class _transaction:
+    """One transaction: committed when the block ends, rolled back if it raises.
+
+    A class rather than a generator: every step's write opens one, and this
+    costs a third of what ``contextlib.contextmanager``'s machinery does.
+    """
+
+    __slots__ = ("_begin", "_conn")
+
+    def __init__(self, conn: sqlite3.Connection, mode: Literal["DEFERRED", "IMMEDIATE"]) -> None:
+        self._conn = conn
+        self._begin = _BEGIN[mode]
+
+    def __enter__(self) -> None:
+        self._conn.execute(self._begin)
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        self._conn.execute("COMMIT" if kind is None else "ROLLBACK")
+
+
+_BEGIN = {"DEFERRED": "BEGIN DEFERRED", "IMMEDIATE": "BEGIN IMMEDIATE"}
 
 
 def _one(conn: sqlite3.Connection, query: str, params: tuple[object, ...]) -> tuple[Any, ...] | None:
@@ -595,9 +607,16 @@ _ENCODE_ON_LOOP = 16
 """Messages a call encodes on the event loop; a larger batch is encoded in a worker thread."""
 
 
+def _large(messages: object) -> bool:
+    """Whether ``messages`` is a batch large enough to stall the loop while it is encoded."""
+    if type(messages) is list or type(messages) is tuple:  # the common case, without the ABC check
+        return len(messages) > _ENCODE_ON_LOOP
+    return isinstance(messages, Sequence) and len(messages) > _ENCODE_ON_LOOP
+
+
 async def _off_loop_if_large(messages: object, fn: Callable[[], _T]) -> _T:
     """``fn()``, in a worker thread when ``messages`` is a batch large enough to stall the loop."""
-    if isinstance(messages, Sequence) and len(messages) > _ENCODE_ON_LOOP:
+    if _large(messages):
         return await to_thread.run_sync(fn)
     return fn()
 
@@ -621,9 +640,9 @@ async def _encode_recording(
     message_episodes: Sequence[int] | None,
 ) -> tuple[list[str], list[tuple[str, int, Message]], list[int | None]]:
     """``encode_recording``, off the event loop for a large batch."""
-    return await _off_loop_if_large(
-        messages, partial(encode_recording, episodes, messages, tokens, message_episodes)
-    )
+    if not _large(messages):
+        return encode_recording(episodes, messages, tokens, message_episodes)
+    return await to_thread.run_sync(partial(encode_recording, episodes, messages, tokens, message_episodes))
 
 
 def _stored(
@@ -941,8 +960,10 @@ class SQLiteStore(AsyncResource):
         # The loop's writes as a checkpoint sees them (set in the loop's thread).
         self._loop_commits = 0
         self._loop_writing = False
-        # Checkpoints in a row whose first pass left frames the loop wrote beside it (the thread's).
-        self._checkpoints_left_over = 0
+        # Calls since the WAL was last copied whole, when the loop's writes beside the checkpoints
+        # since kept them from copying it all (the thread's).
+        self._calls_left_over = 0
+        self._checkpoint_posted = False  # set by the loop, cleared by the thread
 
     def __repr__(self) -> str:
         return f"SQLiteStore({str(self.path)!r})"
@@ -1101,12 +1122,15 @@ class SQLiteStore(AsyncResource):
             if worker is None or self._loop_writer is None:
                 _checkpoint(conn)
             elif self._checkpoint_beside_the_loop(conn):
-                self._checkpoints_left_over = 0
+                self._calls_left_over = 0
             else:
-                self._checkpoints_left_over += 1
-                if self._checkpoints_left_over >= _SECOND_PASS_AFTER:
-                    self._checkpoint_holding_the_loop(conn, worker)
-                    self._checkpoints_left_over = 0
+                # Counted in calls, not checkpoints: on a loaded machine a checkpoint can come
+                # up to four times later than due, and the WAL stays within the same bound.
+                self._calls_left_over += calls
+                # What a held pass could not copy either (another process reading) is counted on.
+                held = self._calls_left_over >= _SECOND_PASS_AFTER * _CHECKPOINT_EVERY
+                if held and self._checkpoint_holding_the_loop(conn, worker):
+                    self._calls_left_over = 0
         except sqlite3.Error as exc:  # the next one copies what this one did not
             _logger.debug("checkpoint of %s failed, done again later: %s", self.path, exc)
 
@@ -1116,16 +1140,17 @@ class SQLiteStore(AsyncResource):
         The pass copies the frames that were in the WAL when it began. If the
         loop wrote meanwhile, their frames are left for the next checkpoint
         (SQLite starts the WAL over only at a write that finds every frame
-        copied); after ``_SECOND_PASS_AFTER`` such checkpoints in a row, a
-        second pass copies them with the loop's writes waiting.
+        copied); once such checkpoints have left ``_SECOND_PASS_AFTER``
+        intervals' calls, a second pass copies them with the loop's writes
+        waiting.
         """
         commits = self._loop_commits
         copied_all = _checkpoint(conn)
         # The flag first: a write that lowered it had counted its commit already.
         return copied_all and not self._loop_writing and self._loop_commits == commits
 
-    def _checkpoint_holding_the_loop(self, conn: sqlite3.Connection, worker: _Worker) -> None:
-        """A checkpoint pass with the loop's writes waiting (they go to this thread), so it copies all."""
+    def _checkpoint_holding_the_loop(self, conn: sqlite3.Connection, worker: _Worker) -> bool:
+        """A checkpoint pass with the loop's writes held (they go to this thread); True if it copied all."""
         # Raised before the loop's flag is looked at: a write that checks ``free`` after
         # this sees it, and one that checked before has raised its flag and ends first.
         worker.hold = True
@@ -1133,9 +1158,22 @@ class SQLiteStore(AsyncResource):
             deadline = time.monotonic() + 1.0
             while self._loop_writing and time.monotonic() < deadline:
                 time.sleep(0.0001)
-            _checkpoint(conn)
+            return _checkpoint(conn)
         finally:
             worker.hold = False
+
+    def _wal_is_behind(self) -> bool:
+        """Whether the calls not yet copied back reach the WAL's bound (a thread starved of CPU).
+
+        The loop's writes then go to the thread, after its checkpoint, instead
+        of growing the WAL while the thread cannot run.
+        """
+        behind = self._calls_left_over + self._calls_since_checkpoint
+        return behind >= (_SECOND_PASS_AFTER + 1) * _CHECKPOINT_EVERY
+
+    def _posted_checkpoint_starts(self) -> None:
+        """In the worker thread: the empty call the loop posted is running, its checkpoint next."""
+        self._checkpoint_posted = False
 
     @property
     def _loop_writer(self) -> sqlite3.Connection | None:
@@ -1198,7 +1236,7 @@ class SQLiteStore(AsyncResource):
         # then sees this one and waits for it (_checkpoint_holding_the_loop).
         self._loop_writing = True
         try:
-            if not worker.free:
+            if not worker.free or self._wal_is_behind():
                 return False, None
             result = fn(conn)
             self._loop_commits += 1
@@ -1212,8 +1250,11 @@ class SQLiteStore(AsyncResource):
         finally:
             self._loop_writing = False
         self._calls_since_checkpoint += 1
-        if self._calls_since_checkpoint >= _CHECKPOINT_EVERY:
-            worker.post(_nothing)  # the worker checkpoints after it (_after_call)
+        if self._calls_since_checkpoint >= _CHECKPOINT_EVERY and not self._checkpoint_posted:
+            # The worker checkpoints after it (_after_call). One at a time: the writes go on
+            # beside it, and a queue of them would read as a busy thread that defers it.
+            self._checkpoint_posted = True
+            worker.post(self._posted_checkpoint_starts)
         return True, result
 
     async def _read(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
