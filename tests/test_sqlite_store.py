@@ -1124,8 +1124,17 @@ async def test_at_normal_a_fold_of_few_rows_commits_on_the_loop(
         )
         assert counting.hops == []
         monkeypatch.setattr(_sqlite, "_SWAP_ON_LOOP_ROWS", 3)
+        conn = store._loop_writer
+        assert conn is not None
+        on_loop: list[str] = []
+        conn.set_trace_callback(on_loop.append)
         await fold(9, 2)  # removes 6 rows: tried on the loop, rolled back, made in the thread
+        conn.set_trace_callback(None)
         assert counting.hops == ["worker"]
+        # The loop counted no further than the bound: the full count ran in the thread only.
+        assert on_loop[0].startswith("BEGIN") and on_loop[-1] == "ROLLBACK"
+        assert any("LIMIT" in statement for statement in on_loop)
+        assert not any("sum(tokens)" in statement for statement in on_loop)
         window = await store.load("t")
         assert [m.text for m in window.plain] == ["summary through 9", "m9", "m10", "m11"]
         assert (window.version, window.total_tokens) == (3, 1 + 3 * 2)

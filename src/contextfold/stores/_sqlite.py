@@ -577,12 +577,17 @@ def _swap(
         raise version_conflict(thread, stats.version, expected_version)
     if _one(conn, "SELECT 1 FROM messages WHERE thread = ? AND seq = ?", (thread, through_seq)) is None:
         raise missing_seq_conflict(thread, through_seq)
+    if most is not None:  # counted no further than the bound, so a long thread costs the loop nothing
+        (found,) = conn.execute(
+            "SELECT count(*) FROM (SELECT 1 FROM messages WHERE thread = ? AND seq <= ? LIMIT ?)",
+            (thread, through_seq, most + 1),
+        ).fetchone()
+        if found > most:
+            raise _TooLargeForTheLoop
     count, removed = conn.execute(
         "SELECT count(*), coalesce(sum(tokens), 0) FROM messages WHERE thread = ? AND seq <= ?",
         (thread, through_seq),
     ).fetchone()
-    if most is not None and count > most:
-        raise _TooLargeForTheLoop
     total = check_total(thread, stats.total_tokens - removed + sum(n for _, n in rows))
     link = summary_episode_seq()
     conn.execute("DELETE FROM messages WHERE thread = ? AND seq <= ?", (thread, through_seq))
