@@ -1394,6 +1394,35 @@ async def test_the_loops_writes_wait_once_a_checkpoint_that_cannot_run_leaves_th
         assert [m.text for m in (await store.load("t")).plain] == [str(n) for n in range(9)]
 
 
+async def test_a_reader_that_keeps_frames_in_the_wal_does_not_send_the_writes_to_the_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process's long read keeps the WAL from being copied whole: the loop's writes go on.
+
+    No held pass can copy what such a reader still needs. Counting those calls
+    on after a held pass made the WAL look ever further behind, and every
+    later write went to the thread until the reader ended.
+    """
+    from contextfold.stores import _sqlite
+
+    monkeypatch.setattr(_sqlite, "_CHECKPOINT_EVERY", 2)
+    monkeypatch.setattr(_sqlite, "_SECOND_PASS_AFTER", 1, raising=False)
+    path = tmp_path / "reader.db"
+    async with SQLiteStore(path, synchronous="NORMAL") as store:
+        await store.append("t", [Message.user("before")], [1])
+        await thread_settled(store)
+        with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as reader:
+            reader.execute("BEGIN")
+            assert reader.execute("SELECT count(*) FROM messages").fetchone() == (1,)  # a snapshot
+            counting = Counting(monkeypatch)
+            for n in range(20):
+                await store.append("t", [Message.user(f"m{n}")], [1])
+                await thread_settled(store)
+            reader.execute("COMMIT")
+        assert counting.hops == [], "the writes went on on the loop beside the reader"
+        assert (await store.stats("t")).message_count == 21
+
+
 async def test_posted_upkeep_does_not_hold_the_loops_writes() -> None:
     """The empty call that starts a checkpoint is no caller's call: writes are free beside it, not behind.
 

@@ -1132,9 +1132,10 @@ class SQLiteStore(AsyncResource):
                 # Counted in calls, not checkpoints: on a loaded machine a checkpoint can come
                 # up to four times later than due, and the WAL stays within the same bound.
                 self._calls_left_over += calls
-                # What a held pass could not copy either (another process reading) is counted on.
-                held = self._calls_left_over >= _SECOND_PASS_AFTER * _CHECKPOINT_EVERY
-                if held and self._checkpoint_holding_the_loop(conn, worker):
+                if self._calls_left_over >= _SECOND_PASS_AFTER * _CHECKPOINT_EVERY:
+                    # Started over whatever it copied: what another process's reader keeps in
+                    # the WAL no held pass can copy, and the loop's writes would wait for nothing.
+                    self._checkpoint_holding_the_loop(conn, worker)
                     self._calls_left_over = 0
         except sqlite3.Error as exc:  # the next one copies what this one did not
             _logger.debug("checkpoint of %s failed, done again later: %s", self.path, exc)
@@ -1154,8 +1155,8 @@ class SQLiteStore(AsyncResource):
         # The flag first: a write that lowered it had counted its commit already.
         return copied_all and not self._loop_writing and self._loop_commits == commits
 
-    def _checkpoint_holding_the_loop(self, conn: sqlite3.Connection, worker: _Worker) -> bool:
-        """A checkpoint pass with the loop's writes held (they go to this thread); True if it copied all."""
+    def _checkpoint_holding_the_loop(self, conn: sqlite3.Connection, worker: _Worker) -> None:
+        """A checkpoint pass with the loop's writes held (they go to this thread), so it copies all it may."""
         # Raised before the loop's flag is looked at: a write that checks ``free`` after
         # this sees it, and one that checked before has raised its flag and ends first.
         worker.hold = True
@@ -1163,7 +1164,7 @@ class SQLiteStore(AsyncResource):
             deadline = time.monotonic() + 1.0
             while self._loop_writing and time.monotonic() < deadline:
                 time.sleep(0.0001)
-            return _checkpoint(conn)
+            _checkpoint(conn)
         finally:
             worker.hold = False
 
