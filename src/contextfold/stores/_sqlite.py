@@ -612,18 +612,11 @@ _ENCODE_ON_LOOP = 16
 """Messages a call encodes on the event loop; a larger batch is encoded in a worker thread."""
 
 
-def _large(messages: object) -> bool:
-    """Whether ``messages`` is a batch large enough to stall the loop while it is encoded."""
-    if type(messages) is list or type(messages) is tuple:  # the common case, without the ABC check
-        return len(messages) > _ENCODE_ON_LOOP
-    return isinstance(messages, Sequence) and len(messages) > _ENCODE_ON_LOOP
-
-
-async def _off_loop_if_large(messages: object, fn: Callable[[], _T]) -> _T:
-    """``fn()``, in a worker thread when ``messages`` is a batch large enough to stall the loop."""
-    if _large(messages):
-        return await to_thread.run_sync(fn)
-    return fn()
+async def _off_loop_if_large(messages: object, fn: Callable[..., _T], *args: object) -> _T:
+    """``fn(*args)``, in a worker thread when ``messages`` is a batch large enough to stall the loop."""
+    if isinstance(messages, Sequence) and len(messages) > _ENCODE_ON_LOOP:
+        return await to_thread.run_sync(fn, *args)
+    return fn(*args)
 
 
 async def _encode(
@@ -635,7 +628,7 @@ async def _encode(
 
 async def _encode_rows(messages: Sequence[Message], tokens: Sequence[int]) -> list[tuple[str, int, Message]]:
     """``encode_rows``: each message's JSON, its count and its copy, off the loop for a large batch."""
-    return await _off_loop_if_large(messages, partial(encode_rows, messages, tokens))
+    return await _off_loop_if_large(messages, encode_rows, messages, tokens)
 
 
 async def _encode_recording(
@@ -645,9 +638,7 @@ async def _encode_recording(
     message_episodes: Sequence[int] | None,
 ) -> tuple[list[str], list[tuple[str, int, Message]], list[int | None]]:
     """``encode_recording``, off the event loop for a large batch."""
-    if not _large(messages):
-        return encode_recording(episodes, messages, tokens, message_episodes)
-    return await to_thread.run_sync(partial(encode_recording, episodes, messages, tokens, message_episodes))
+    return await _off_loop_if_large(messages, encode_recording, episodes, messages, tokens, message_episodes)
 
 
 def _stored(
