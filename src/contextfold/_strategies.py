@@ -18,6 +18,7 @@ and summarizing only when masking is not enough.
 
 from __future__ import annotations
 
+import itertools
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Sequence
@@ -114,6 +115,25 @@ def group_units(body: Sequence[Message]) -> tuple[list[Unit], list[Orphan]]:
     can never fall between a call and its result. A unit with an unanswered
     call is pending, wherever it is.
     """
+    bounds = _bounds(body)
+    units = [
+        Unit(_UNIT_KINDS[body[start].role], start, stop, pending)
+        for start, stop, pending in zip(bounds.starts, bounds.stops, bounds.pending, strict=True)
+    ]
+    return units, bounds.orphans
+
+
+@dataclass(slots=True)
+class _Bounds:
+    """``group_units`` as parallel lists, which is all a plan reads (a ``Unit`` each costs more)."""
+
+    starts: list[int]
+    stops: list[int]
+    pending: list[bool]
+    orphans: list[Orphan]
+
+
+def _bounds(body: Sequence[Message]) -> _Bounds:
     owner: dict[str, int] = {}
     last_result: dict[int, int] = {}
     answered: dict[int, set[str]] = {}
@@ -134,29 +154,40 @@ def group_units(body: Sequence[Message]) -> tuple[list[Unit], list[Orphan]]:
                 answered.setdefault(caller, set()).add(call_id)
 
     def waiting(index: int) -> bool:
+        calls = body[index].tool_calls
         got = answered.get(index, ())
-        return any(call.id not in got for call in body[index].tool_calls)
+        # Results only answer their caller's own ids, which a message holds once each: as
+        # many answered ids as calls means none is waiting.
+        return len(got) < len(calls) and any(call.id not in got for call in calls)
 
-    units: list[Unit] = []
+    starts: list[int] = []
+    stops: list[int] = []
+    pending: list[bool] = []
     index = 0
-    while index < len(body):
-        role = roles[index]
-        if role is assistant:
-            stop = last_result.get(index, index) + 1
-            pending = waiting(index)
-            scan = index + 1
-            while scan < stop:  # a spanned assistant's results may reach further still
-                if roles[scan] is assistant:
-                    stop = max(stop, last_result.get(scan, scan) + 1)
-                    pending = pending or waiting(scan)
-                scan += 1
-            units.append(Unit("assistant", index, stop, pending))
-            index = stop
+    end = len(body)
+    while index < end:
+        starts.append(index)
+        if roles[index] is not assistant:
+            index += 1
+            stops.append(index)
+            pending.append(False)
             continue
-        kind: UnitKind = role.value
-        units.append(Unit(kind, index, index + 1))
-        index += 1
-    return units, orphans
+        stop = last_result.get(index, index) + 1
+        waits = waiting(index)
+        scan = index + 1
+        while scan < stop:  # a spanned assistant's results may reach further still
+            if roles[scan] is assistant:
+                stop = max(stop, last_result.get(scan, scan) + 1)
+                waits = waits or waiting(scan)
+            scan += 1
+        stops.append(stop)
+        pending.append(waits)
+        index = stop
+    return _Bounds(starts, stops, pending, orphans)
+
+
+_UNIT_KINDS: dict[Role, UnitKind] = {role: role.value for role in Role}  # type: ignore[misc]
+"""Each role's unit kind (an enum's ``value`` is a descriptor call; a lookup is not)."""
 
 
 def unanswered_calls(messages: Sequence[Message]) -> list[tuple[int, ToolCall]]:
@@ -491,7 +522,9 @@ class CompactionConfig:
         pinned_len, previous = split_head(messages, self.keep_first)
         body_start = pinned_len + (previous is not None)
         body = messages[body_start:]
-        units, orphans = group_units(body)
+        bounds = _bounds(body)
+        starts, orphans = bounds.starts, bounds.orphans
+        units = len(starts)
         pinned = tuple(messages[:pinned_len])
         counts = (
             [counter(m) for m in messages] if message_tokens is None else [int(n) for n in message_tokens]
@@ -507,7 +540,7 @@ class CompactionConfig:
                 tuple(body),
                 reason,
                 0,
-                len(units),
+                units,
                 0,
                 tuple(orphans),
                 pinned_tokens,
@@ -516,7 +549,7 @@ class CompactionConfig:
 
         reason = force_reason or self.trigger.reason(
             Pressure(
-                len(units),
+                units,
                 tokens,
                 messages=len(messages),
                 episodic=episodic,
@@ -527,14 +560,14 @@ class CompactionConfig:
 
         if by_tokens is None:
             by_tokens = reason in TOKEN_REASONS
-        floor = min(self.min_recent_turns, len(units))
+        floor = min(self.min_recent_turns, units)
         if self.min_recent_messages:
             covered = 0
-            while covered < len(units) and len(body) - units[-1 - covered].start < self.min_recent_messages:
+            while covered < units and len(body) - starts[-1 - covered] < self.min_recent_messages:
                 covered += 1
-            floor = max(floor, min(covered + 1, len(units)))
-        first_pending = next((i for i, u in enumerate(units) if u.pending), len(units))
-        floor = max(floor, len(units) - first_pending)
+            floor = max(floor, min(covered + 1, units))
+        first_pending = bounds.pending.index(True) if True in bounds.pending else units
+        floor = max(floor, units - first_pending)
 
         target = self.target
         kept_body = list(body)
@@ -545,21 +578,22 @@ class CompactionConfig:
             current = pinned_tokens + overhead + previous_tokens + sum(kept_counts)
             if target is not None and by_tokens and current <= target and masked:
                 break  # an earlier strategy already brought the request under the target
-            unit_tokens = [sum(kept_counts[u.start : u.stop]) for u in units]
+            upto = [0, *itertools.accumulate(kept_counts)]
+            unit_tokens = [upto[stop] - upto[start] for start, stop in zip(starts, bounds.stops, strict=True)]
             if isinstance(strategy, ObservationMasking):
-                keep = min(max(strategy.keep(unit_tokens, floor), floor), len(units))
-                cut = units[len(units) - keep].start if keep else len(body)
+                keep = min(max(strategy.keep(unit_tokens, floor), floor), units)
+                cut = starts[units - keep] if keep else len(body)
                 masked += _mask(strategy, kept_body, kept_counts, cut, counter)
                 continue
             reserve = self.summary_tokens if self.summary_tokens else previous_tokens
             keep = strategy.keep(
                 unit_tokens, floor, reserved=pinned_tokens + overhead + reserve, by_tokens=by_tokens
             )
-            keep = min(max(keep, floor), len(units))
-            cut_unit = len(units) - keep
+            keep = min(max(keep, floor), units)
+            cut_unit = units - keep
             if cut_unit == 0:
                 continue
-            cut = units[cut_unit].start if cut_unit < len(units) else len(body)
+            cut = starts[cut_unit] if cut_unit < units else len(body)
             return CompactionPlan(
                 pinned,
                 previous,
@@ -582,7 +616,7 @@ class CompactionConfig:
             tuple(kept_body),
             reason,
             0,
-            len(units),
+            units,
             masked,
             tuple(orphans),
             pinned_tokens,
