@@ -186,7 +186,7 @@ def _bounds(body: Sequence[Message]) -> _Bounds:
     return _Bounds(starts, stops, pending, orphans)
 
 
-_UNIT_KINDS: dict[Role, UnitKind] = {role: role.value for role in Role}  # type: ignore[misc]
+_UNIT_KINDS: dict[Role, UnitKind] = {role: role.value for role in Role}
 """Each role's unit kind (an enum's ``value`` is a descriptor call; a lookup is not)."""
 
 
