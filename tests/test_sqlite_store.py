@@ -22,7 +22,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from contextfold import ConfigError, Message, StoreError
 from contextfold._errors import StoreClosedError
 from contextfold.episodes import SummaryCheckpoint, UserMessageEpisode, episode_for
-from contextfold.stores import SQLiteStore
+from contextfold.stores import SQLiteStore, ThreadStats
 from contextfold.stores._sqlite import _BODY, _MIGRATIONS, _WITH_EPISODES, SCHEMA_VERSION, _Worker
 
 
@@ -160,9 +160,10 @@ def test_good_options_are_accepted_as_given(tmp_path: Path) -> None:
 
 
 def _old_database(path: Path, version: int) -> None:
-    """A database as schema ``version`` (1 or 2) wrote it: a thread in both memories, "from v<version>".
+    """A database as schema ``version`` (1 to 3) wrote it: a thread in both memories, "from v<version>".
 
-    Schema 2 links the message row to its episode; both keep the message's text.
+    Schema 2 links the message row to its episode; both keep the message's text
+    (in schema 3 too, which shares it only for rows it wrote itself).
     """
     conn = sqlite3.connect(path, isolation_level=None)
     try:
@@ -172,7 +173,7 @@ def _old_database(path: Path, version: int) -> None:
         conn.execute(f"PRAGMA user_version = {version}")
         message = Message.user(f"from v{version}")
         conn.execute("INSERT INTO threads VALUES ('t', 1, 5, 0, 1)")
-        link = ", 1" if version == 2 else ""
+        link = {1: "", 2: ", 1", 3: ", 1, NULL"}[version]
         conn.execute(f"INSERT INTO messages VALUES ('t', 1, 5, ?{link})", (message.model_dump_json(),))
         episode = UserMessageEpisode(message=message).model_dump_json()
         conn.execute(
@@ -202,7 +203,7 @@ async def test_a_version_1_database_is_migrated_and_keeps_its_data(tmp_path: Pat
             query(path, "DELETE FROM episodes WHERE thread = 't'")
         tombstone = await store.forget("t")
         assert (tombstone.messages, tombstone.episodes) == (2, 2)
-    assert query(path, "PRAGMA user_version") == [(SCHEMA_VERSION,)] == [(3,)]
+    assert query(path, "PRAGMA user_version") == [(SCHEMA_VERSION,)] == [(4,)]
     assert query(path, "SELECT count(*) FROM episodes") == [(0,)]
 
 
@@ -217,12 +218,50 @@ async def test_a_version_2_database_is_migrated_and_keeps_its_rows(tmp_path: Pat
         assert window.plain == [Message.user("from v2"), Message.user("from v3")]
         assert [m.episode_seq for m in window.messages] == [1, 2]
         assert (await store.tail("t", after_seq=1)).plain == [Message.user("from v3")]
-    assert query(path, "PRAGMA user_version") == [(3,)]
+    assert query(path, "PRAGMA user_version") == [(4,)]
     assert query(path, "SELECT seq, body IS NULL, body_chars FROM messages ORDER BY seq") == [
         (1, 0, None),
         (2, 1, len(Message.user("from v3").model_dump_json())),
     ]
     assert query(path, "SELECT name FROM sqlite_master WHERE name LIKE 'messages%'") == [("messages",)]
+
+
+async def test_a_version_3_database_keeps_each_thread_s_stats_and_counters_in_one_row(tmp_path: Path) -> None:
+    """Schema 3 kept a thread's stats and its log's counters in two tables: they merge into one row each.
+
+    A thread with rows only, one with episodes only and one with both read back
+    as before, and a step then updates the merged row in place.
+    """
+    path = tmp_path / "v3.db"
+    _old_database(path, 3)
+    query(path, "INSERT INTO threads VALUES ('rows only', 2, 9, 3, 7)")
+    counters = "('log only', 4, 2, 1, 1, 0, 3, '2026-01-02T00:00:00+00:00')"
+    query(path, f"INSERT INTO episode_threads VALUES {counters}")
+    async with SQLiteStore(path) as store:
+        assert await store.stats("rows only") == ThreadStats(
+            message_count=2, total_tokens=9, version=3, last_seq=7
+        )
+        assert await store.stats("log only") == ThreadStats()
+        log_only = await store.pressure("log only")
+        assert (log_only.total_user_messages, log_only.user_messages_since_boundary) == (2, 1)
+        assert log_only.run_completed_since_boundary == 1
+        listed = {(info.thread, info.message_count, info.episodes) for info in await store.threads()}
+        assert listed == {("t", 1, 1), ("rows only", 2, 0), ("log only", 0, 4)}
+        step = UserMessageEpisode(message=Message.user("from v4"))
+        stored = await store.record_and_append("t", [step], [step.message], [1], message_episodes=[0])
+        assert (stored[0].seq, stored[0].episode_seq) == (2, 2)
+        state = await store.state("t")
+        assert (state.stats.message_count, state.stats.total_tokens, state.stats.last_seq) == (2, 6, 2)
+        assert state.pressure.total_user_messages == 2
+        assert (await store.load("t")).plain == [Message.user("from v3"), Message.user("from v4")]
+    tables = {name for (name,) in query(path, "SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert "episode_threads" not in tables and "threads_v4" not in tables
+    merged = "SELECT thread, message_count, last_seq, last_episode_seq FROM threads ORDER BY 1"
+    assert query(path, merged) == [
+        ("log only", 0, 0, 4),
+        ("rows only", 2, 7, 0),
+        ("t", 2, 2, 2),
+    ]
 
 
 async def test_a_recorded_message_is_stored_once_in_its_episode(tmp_path: Path) -> None:
@@ -287,8 +326,9 @@ async def test_state_is_one_statement(tmp_path: Path) -> None:
 async def test_a_recorded_step_writes_each_row_once_and_reads_none(tmp_path: Path) -> None:
     """A step on a thread with rows: each counter row is updated in place, its new seq returned with it.
 
-    Six statements (BEGIN, the log's counters, the episodes, the context's
-    stats, the messages, COMMIT) and no SELECT of the rows it then rewrites.
+    Five statements (BEGIN, the thread's stats and its log's counters in one
+    row, the episodes, the messages, COMMIT) and no SELECT of the rows it then
+    rewrites.
     """
     async with SQLiteStore(tmp_path / "step.db", synchronous="NORMAL") as store:
         await fill(store, "t", 10)
@@ -311,9 +351,8 @@ async def test_a_recorded_step_writes_each_row_once_and_reads_none(tmp_path: Pat
         done = [" ".join(statement.split()[:3]) for statement in statements]
         assert list(dict.fromkeys(done)) == [
             "BEGIN IMMEDIATE",
-            "UPDATE episode_threads SET",
-            "INSERT INTO episodes",
             "UPDATE threads SET",
+            "INSERT INTO episodes",
             "INSERT INTO messages",
             "COMMIT",
         ]
@@ -533,7 +572,7 @@ async def test_stats_read_the_committed_state_while_another_writer_holds_the_loc
         try:
             blocker.execute("BEGIN IMMEDIATE")
             blocker.execute("UPDATE threads SET total_tokens = 99")
-            blocker.execute("UPDATE episode_threads SET total_user_messages = 99")
+            blocker.execute("UPDATE threads SET total_user_messages = 99")
             with anyio.fail_after(5):
                 assert (await store.stats("t")).total_tokens == 4
                 assert (await store.pressure("t")).total_user_messages == 1
@@ -547,8 +586,8 @@ async def test_stats_read_the_committed_state_while_another_writer_holds_the_loc
     [
         ("UPDATE threads SET total_tokens = 'lots'", "stats", "the threads row"),
         ("UPDATE messages SET tokens = 'few' WHERE seq = 2", "load", "seq 2"),
-        ("UPDATE episode_threads SET total_user_messages = 1.5", "pressure", "the episode_threads row"),
-        ("UPDATE episode_threads SET first_at = 'yesterday'", "pressure", "first episode"),
+        ("UPDATE threads SET total_user_messages = 1.5", "pressure", "episode counters"),
+        ("UPDATE threads SET first_at = 'yesterday'", "pressure", "first episode"),
     ],
     ids=["threads", "message-tokens", "counters", "first-at"],
 )
@@ -570,8 +609,8 @@ async def test_a_row_of_the_wrong_type_is_a_store_error_naming_the_thread(
     [
         ("UPDATE threads SET total_tokens = 'lots'", "the threads row"),
         ("UPDATE threads SET last_seq = 2.5", "the threads row"),
-        ("UPDATE episode_threads SET total_user_messages = 1.5", "the episode_threads row"),
-        ("UPDATE episode_threads SET boundary_seq = 'x'", "the episode_threads row"),
+        ("UPDATE threads SET total_user_messages = 1.5", "the threads row's episode counters"),
+        ("UPDATE threads SET boundary_seq = 'x'", "the threads row's episode counters"),
     ],
     ids=["threads-tokens", "threads-seq", "counters", "boundary"],
 )

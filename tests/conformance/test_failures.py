@@ -159,8 +159,9 @@ INJECT = {
         "BEGIN SELECT RAISE(ABORT, 'injected failure'); END",
         "CREATE TRIGGER fail_threads BEFORE UPDATE ON threads WHEN NEW.total_tokens = 777 "
         "BEGIN SELECT RAISE(ABORT, 'injected failure'); END",
-        # SQLite writes the episode first, then its counters.
-        "CREATE TRIGGER fail_counters BEFORE INSERT ON episode_threads WHEN NEW.last_seq = 3 "
+        # The log's counters are columns of the threads row, updated before the episode is written.
+        "CREATE TRIGGER fail_counters BEFORE UPDATE OF last_episode_seq ON threads "
+        "WHEN NEW.last_episode_seq = 3 "
         "BEGIN SELECT RAISE(ABORT, 'injected failure'); END",
     ],
     "postgres": [

@@ -157,7 +157,7 @@ except ModuleNotFoundError:  # pragma: no cover - trio requires sniffio: without
 
 __all__ = ["SCHEMA_VERSION", "SQLiteStore"]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """The schema this code writes; ``PRAGMA user_version`` of every file it opened."""
 
 _T = TypeVar("_T")
@@ -249,6 +249,35 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "DROP TABLE messages",
         "ALTER TABLE messages_v3 RENAME TO messages",
     ),
+    # A thread's context stats and its log's counters share one row, so a recorded step
+    # updates one row (in one statement) and dirties one page for both, not two.
+    4: (
+        """CREATE TABLE threads_v4 (
+            thread TEXT PRIMARY KEY,
+            message_count INTEGER NOT NULL DEFAULT 0,
+            total_tokens INTEGER NOT NULL DEFAULT 0,
+            version INTEGER NOT NULL DEFAULT 0,
+            last_seq INTEGER NOT NULL DEFAULT 0,
+            last_episode_seq INTEGER NOT NULL DEFAULT 0,
+            total_user_messages INTEGER NOT NULL DEFAULT 0,
+            user_messages_since_boundary INTEGER NOT NULL DEFAULT 0,
+            run_completed_since_boundary INTEGER NOT NULL DEFAULT 0,
+            user_messages_after_latest_run_completed INTEGER NOT NULL DEFAULT 0,
+            boundary_seq INTEGER,
+            first_at TEXT
+        ) WITHOUT ROWID""",
+        """INSERT INTO threads_v4 SELECT k.thread, coalesce(t.message_count, 0),
+            coalesce(t.total_tokens, 0), coalesce(t.version, 0), coalesce(t.last_seq, 0),
+            coalesce(c.last_seq, 0), coalesce(c.total_user_messages, 0),
+            coalesce(c.user_messages_since_boundary, 0), coalesce(c.run_completed_since_boundary, 0),
+            coalesce(c.user_messages_after_latest_run_completed, 0), c.boundary_seq, c.first_at
+        FROM (SELECT thread FROM threads UNION SELECT thread FROM episode_threads) AS k
+        LEFT JOIN threads AS t ON t.thread = k.thread
+        LEFT JOIN episode_threads AS c ON c.thread = k.thread""",
+        "DROP TABLE threads",
+        "DROP TABLE episode_threads",
+        "ALTER TABLE threads_v4 RENAME TO threads",
+    ),
 }
 
 _MAX_BUSY_TIMEOUT = 2_000_000.0
@@ -275,7 +304,7 @@ _NOW = "((julianday('now') - 2440587.5) * 86400.0)"
 """The database's clock in Unix seconds (millisecond precision): every handle measures leases by it."""
 
 _COUNTERS = (
-    "last_seq, total_user_messages, user_messages_since_boundary, run_completed_since_boundary, "
+    "last_episode_seq, total_user_messages, user_messages_since_boundary, run_completed_since_boundary, "
     "user_messages_after_latest_run_completed, boundary_seq, first_at"
 )
 
@@ -405,8 +434,12 @@ def _parse_time(thread: str, what: str, text: str) -> datetime:
 
 
 def _read_counters(conn: sqlite3.Connection, thread: str) -> PressureCounters:
-    row = _one(conn, f"SELECT {_COUNTERS} FROM episode_threads WHERE thread = ?", (thread,))
+    row = _one(conn, f"SELECT {_COUNTERS} FROM threads WHERE thread = ?", (thread,))
     return _counters(thread, row)
+
+
+_COUNTERS_ROW = "the threads row's episode counters"
+"""How an error names the log's counters: the columns of the threads row from ``last_episode_seq`` on."""
 
 
 def _counters(thread: str, row: tuple[Any, ...] | None) -> PressureCounters:
@@ -414,7 +447,7 @@ def _counters(thread: str, row: tuple[Any, ...] | None) -> PressureCounters:
         return PressureCounters()
     first_at = None if row[6] is None else _parse_time(thread, "the first episode", row[6])
     last_seq, total, since, runs, after, boundary_seq = row[:6]
-    _whole_numbers(thread, "the episode_threads row", row[:5] if boundary_seq is None else row[:6])
+    _whole_numbers(thread, _COUNTERS_ROW, row[:5] if boundary_seq is None else row[:6])
     return PressureCounters(
         last_seq=last_seq,
         total_user_messages=total,
@@ -428,7 +461,8 @@ def _counters(thread: str, row: tuple[Any, ...] | None) -> PressureCounters:
 
 def _write_counters(conn: sqlite3.Connection, thread: str, counters: PressureCounters) -> None:
     conn.execute(
-        f"""INSERT OR REPLACE INTO episode_threads (thread, {_COUNTERS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)""",
+        f"""INSERT INTO threads (thread, {_COUNTERS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+        ON CONFLICT (thread) DO UPDATE SET {_SET_COUNTERS}""",
         (
             thread,
             counters.last_seq,
@@ -442,14 +476,16 @@ def _write_counters(conn: sqlite3.Connection, thread: str, counters: PressureCou
     )
 
 
+_SET_COUNTERS = ", ".join(f"{name} = excluded.{name}" for name in _COUNTERS.split(", "))
+
+
 def _record_rows(
     conn: sqlite3.Connection, thread: str, episodes: Sequence[Episode], bodies: list[str], when: datetime
 ) -> list[int]:
     """Insert episodes after the thread's newest and update its counters; return their seqs."""
     last_seq = _count_messages_recorded(conn, thread, episodes)
     if last_seq is not None:
-        first = last_seq - len(episodes) + 1
-        seqs = list(range(first, last_seq + 1))
+        seqs = list(range(last_seq - len(episodes) + 1, last_seq + 1))
     else:
         counters = _read_counters(conn, thread)
         seqs = []
@@ -458,6 +494,18 @@ def _record_rows(
             seqs.append(counters.last_seq)
         if seqs:
             _write_counters(conn, thread, counters)
+    _insert_episodes(conn, thread, seqs, episodes, bodies, when)
+    return seqs
+
+
+def _insert_episodes(
+    conn: sqlite3.Connection,
+    thread: str,
+    seqs: Sequence[int],
+    episodes: Sequence[Episode],
+    bodies: list[str],
+    when: datetime,
+) -> None:
     at = when.isoformat()
     conn.executemany(
         "INSERT INTO episodes (thread, seq, at, kind, body) VALUES (?, ?, ?, ?, ?)",
@@ -466,23 +514,85 @@ def _record_rows(
             for seq, episode, body in zip(seqs, episodes, bodies, strict=True)
         ],
     )
-    return seqs
 
 
-_COUNT_MESSAGES = """UPDATE episode_threads SET last_seq = last_seq + ?,
-    total_user_messages = total_user_messages + ?,
-    user_messages_since_boundary = user_messages_since_boundary + ?,
-    user_messages_after_latest_run_completed = user_messages_after_latest_run_completed + ?
-WHERE thread = ? AND typeof(last_seq) = 'integer' AND typeof(total_user_messages) = 'integer'
+def _record_step(
+    conn: sqlite3.Connection,
+    thread: str,
+    episodes: Sequence[Episode],
+    bodies: list[str],
+    when: datetime,
+    rows: list[tuple[str, int]],
+    links: Sequence[int | None],
+    shared: Sequence[bool],
+) -> tuple[int, list[int | None]]:
+    """Record the episodes and append the rows linked to them: the first row's seq and each row's link.
+
+    A step of message episodes on a sound threads row updates its counters and
+    its stats in one statement; anything else goes the long way, by the parts.
+    """
+    counted = _count_step(conn, thread, episodes, rows)
+    if counted is None:
+        seqs = _record_rows(conn, thread, episodes, bodies, when)
+        linked = [None if link is None else seqs[link] for link in links]
+        return _append_rows(conn, thread, rows, linked, shared), linked
+    last_episode, last_row = counted
+    seqs = list(range(last_episode - len(episodes) + 1, last_episode + 1))
+    _insert_episodes(conn, thread, seqs, episodes, bodies, when)
+    linked = [None if link is None else seqs[link] for link in links]
+    first = last_row - len(rows) + 1
+    _insert_messages(conn, thread, first, rows, linked, shared)
+    return first, linked
+
+
+_COUNTERS_SOUND = """typeof(last_episode_seq) = 'integer' AND typeof(total_user_messages) = 'integer'
     AND typeof(user_messages_since_boundary) = 'integer' AND typeof(run_completed_since_boundary) = 'integer'
     AND typeof(user_messages_after_latest_run_completed) = 'integer'
-    AND (boundary_seq IS NULL OR typeof(boundary_seq) = 'integer') AND typeof(first_at) = 'text'
-    AND last_seq <= ? AND total_user_messages <= ? AND user_messages_since_boundary <= ?
-    AND user_messages_after_latest_run_completed <= ?
-RETURNING last_seq"""
+    AND (boundary_seq IS NULL OR typeof(boundary_seq) = 'integer') AND typeof(first_at) = 'text'"""
+"""The log's counters hold numbers (and the first episode's time: some episode was recorded)."""
+
+_ADD_MESSAGE_EPISODES = """last_episode_seq = last_episode_seq + ?,
+    total_user_messages = total_user_messages + ?,
+    user_messages_since_boundary = user_messages_since_boundary + ?,
+    user_messages_after_latest_run_completed = user_messages_after_latest_run_completed + ?"""
+
+_EPISODES_IN_RANGE = """last_episode_seq <= ? AND total_user_messages <= ?
+    AND user_messages_since_boundary <= ? AND user_messages_after_latest_run_completed <= ?"""
+
+_STATS_SOUND = """typeof(message_count) = 'integer' AND typeof(total_tokens) = 'integer'
+    AND typeof(version) = 'integer' AND typeof(last_seq) = 'integer'"""
+
+_ADD_ROWS = "message_count = message_count + ?, total_tokens = total_tokens + ?, last_seq = last_seq + ?"
+
+_ROWS_IN_RANGE = "message_count <= ? AND total_tokens <= ? AND last_seq <= ?"
+
+_COUNT_MESSAGES = f"""UPDATE threads SET {_ADD_MESSAGE_EPISODES}
+WHERE thread = ? AND {_COUNTERS_SOUND} AND {_EPISODES_IN_RANGE}
+RETURNING last_episode_seq"""
 """The counters' update for message episodes in one statement, when the row is sound and stays in range."""
 
+_COUNT_ROWS = f"""UPDATE threads SET {_ADD_ROWS}
+WHERE thread = ? AND {_STATS_SOUND} AND {_ROWS_IN_RANGE}
+RETURNING last_seq"""
+"""The stats' update for appended rows in one statement, when the row is sound and stays in range."""
+
+_COUNT_STEP = f"""UPDATE threads SET {_ADD_MESSAGE_EPISODES}, {_ADD_ROWS}
+WHERE thread = ? AND {_COUNTERS_SOUND} AND {_STATS_SOUND} AND {_EPISODES_IN_RANGE} AND {_ROWS_IN_RANGE}
+RETURNING last_episode_seq, last_seq"""
+"""Both updates of a recorded step in one statement: ``_COUNT_MESSAGES`` and ``_COUNT_ROWS`` at once."""
+
 _MESSAGE_EPISODES = (UserMessageEpisode, SystemMessageEpisode, ToolResultEpisode, LlmCallEpisode)
+
+
+def _message_episodes(episodes: Sequence[Episode]) -> tuple[int, int] | None:
+    """How many episodes and user messages a batch of message episodes adds; ``None`` for any other batch.
+
+    Message episodes only add: to the seq, and a user message to the three
+    user-message counts; the boundary, the runs and the first time stay.
+    """
+    if not episodes or not all(type(episode) in _MESSAGE_EPISODES for episode in episodes):
+        return None
+    return len(episodes), sum(1 for episode in episodes if type(episode) is UserMessageEpisode)
 
 
 def _count_messages_recorded(
@@ -491,22 +601,37 @@ def _count_messages_recorded(
     """The counters' update for a batch of message episodes, in one statement: the new ``last_seq``.
 
     ``None`` (nothing written) unless every episode records a message and the
-    thread's counters row holds sound numbers that stay under the limit: the
-    caller then reads the row, reports what is wrong with it, or creates it.
-    Message episodes only add: to the seq, and a user message to the three
-    user-message counts; the boundary, the runs and the first time stay.
+    thread's counters hold sound numbers that stay under the limit: the caller
+    then reads the row, reports what is wrong with it, or creates it.
     """
-    if not episodes or not all(type(episode) in _MESSAGE_EPISODES for episode in episodes):
+    adds = _message_episodes(episodes)
+    if adds is None:
         return None
-    n = len(episodes)
-    users = sum(1 for episode in episodes if type(episode) is UserMessageEpisode)
-    seq_limit, user_limit = INT64_MAX - n, INT64_MAX - users
-    row = _one(
-        conn,
-        _COUNT_MESSAGES,
-        (n, users, users, users, thread, seq_limit, user_limit, user_limit, user_limit),
-    )
+    n, users = adds
+    row = _one(conn, _COUNT_MESSAGES, (n, users, users, users, thread, *_episode_limits(n, users)))
     return None if row is None else int(row[0])
+
+
+def _episode_limits(n: int, users: int) -> tuple[int, int, int, int]:
+    return INT64_MAX - n, INT64_MAX - users, INT64_MAX - users, INT64_MAX - users
+
+
+def _row_limits(n: int, tokens: int) -> tuple[int, int, int]:
+    return INT64_MAX - n, INT64_MAX - tokens, INT64_MAX - n
+
+
+def _count_step(
+    conn: sqlite3.Connection, thread: str, episodes: Sequence[Episode], rows: list[tuple[str, int]]
+) -> tuple[int, int] | None:
+    """``_COUNT_STEP``: the new ``last_episode_seq`` and ``last_seq``, or ``None`` with nothing written."""
+    adds = _message_episodes(episodes)
+    tokens = sum(count for _, count in rows)
+    if adds is None or not rows or tokens > INT64_MAX:
+        return None
+    (n, users), m = adds, len(rows)
+    limits = (*_episode_limits(n, users), *_row_limits(m, tokens))
+    row = _one(conn, _COUNT_STEP, (n, users, users, users, m, tokens, m, thread, *limits))
+    return None if row is None else (int(row[0]), int(row[1]))
 
 
 def _append_rows(
@@ -520,7 +645,7 @@ def _append_rows(
     tokens = sum(count for _, count in rows)
     n = len(rows)
     counted = (
-        _one(conn, _COUNT_ROWS, (n, tokens, n, thread, INT64_MAX - n, INT64_MAX - tokens, INT64_MAX - n))
+        _one(conn, _COUNT_ROWS, (n, tokens, n, thread, *_row_limits(n, tokens)))
         if tokens <= INT64_MAX  # else no SQLite integer holds the sum: the check below says so
         else None
     )
@@ -543,15 +668,6 @@ def _append_rows(
         )
     _insert_messages(conn, thread, first, rows, links, shared)
     return first
-
-
-_COUNT_ROWS = """UPDATE threads SET message_count = message_count + ?, total_tokens = total_tokens + ?,
-    last_seq = last_seq + ?
-WHERE thread = ? AND typeof(message_count) = 'integer' AND typeof(total_tokens) = 'integer'
-    AND typeof(version) = 'integer' AND typeof(last_seq) = 'integer'
-    AND message_count <= ? AND total_tokens <= ? AND last_seq <= ?
-RETURNING last_seq"""
-"""The stats' update for appended rows in one statement, when the row is sound and stays in range."""
 
 
 class _TooLargeForTheLoop(Exception):
@@ -669,16 +785,15 @@ def _episode_record(thread: str, seq: int, at: str, body: str) -> EpisodeRecord:
     )
 
 
-_STATE_QUERY = f"""SELECT t.message_count, t.total_tokens, t.version, t.last_seq,
-    {", ".join(f"c.{name.strip()}" for name in _COUNTERS.split(","))}
-FROM (SELECT ? AS thread) AS k
-LEFT JOIN threads AS t ON t.thread = k.thread
-LEFT JOIN episode_threads AS c ON c.thread = k.thread"""
+_STATE_QUERY = (
+    f"SELECT message_count, total_tokens, version, last_seq, {_COUNTERS} FROM threads WHERE thread = ?"
+)
 
 
 def _read_state(conn: sqlite3.Connection, thread: str) -> tuple[ThreadStats, PressureCounters]:
     row = _one(conn, _STATE_QUERY, (thread,))
-    assert row is not None
+    if row is None:
+        return ThreadStats(), PressureCounters()
     return _stats(thread, row[:4]), _counters(thread, row[4:])
 
 
@@ -1470,7 +1585,7 @@ class SQLiteStore(AsyncResource):
         def run(conn: sqlite3.Connection) -> EpisodeRecord | None:
             row = _one(
                 conn,
-                """SELECT e.seq, e.at, e.body FROM episode_threads AS t
+                """SELECT e.seq, e.at, e.body FROM threads AS t
                 JOIN episodes AS e ON e.thread = t.thread AND e.seq = t.boundary_seq
                 WHERE t.thread = ?""",
                 (thread,),
@@ -1499,9 +1614,7 @@ class SQLiteStore(AsyncResource):
 
         def run(conn: sqlite3.Connection) -> tuple[int, list[int | None]]:
             with _transaction(conn, "IMMEDIATE"):
-                seqs = _record_rows(conn, thread, episodes, bodies, when)
-                linked = [None if link is None else seqs[link] for link in links]
-                return _append_rows(conn, thread, rows, linked, shared), linked
+                return _record_step(conn, thread, episodes, bodies, when, rows, links, shared)
 
         unshared = (len(body) for (body, _), share in zip(rows, shared, strict=True) if not share)
         size = sum(map(len, bodies)) + sum(unshared)
@@ -1553,12 +1666,15 @@ class SQLiteStore(AsyncResource):
                 conn.execute("INSERT INTO forgetting (thread) VALUES (?)", (thread,))
                 conn.execute("DELETE FROM episodes WHERE thread = ?", (thread,))
                 conn.execute("DELETE FROM forgetting WHERE thread = ?", (thread,))
-                conn.execute("DELETE FROM episode_threads WHERE thread = ?", (thread,))
                 conn.execute("DELETE FROM messages WHERE thread = ?", (thread,))
-                # The version and seq counter go on, so a cache of the forgotten context never matches.
+                # The version and seq counter go on, so a cache of the forgotten context never
+                # matches; the log starts over.
                 conn.execute(
-                    "UPDATE threads SET message_count = 0, total_tokens = 0, version = version + 1 "
-                    "WHERE thread = ?",
+                    """UPDATE threads SET message_count = 0, total_tokens = 0, version = version + 1,
+                        last_episode_seq = 0, total_user_messages = 0, user_messages_since_boundary = 0,
+                        run_completed_since_boundary = 0, user_messages_after_latest_run_completed = 0,
+                        boundary_seq = NULL, first_at = NULL
+                    WHERE thread = ?""",
                     (thread,),
                 )
                 conn.execute(
@@ -1584,13 +1700,10 @@ class SQLiteStore(AsyncResource):
     async def threads(self) -> list[ThreadInfo]:
         def run(conn: sqlite3.Connection) -> list[ThreadInfo]:
             rows = conn.execute(
-                """SELECT k.thread, coalesce(t.message_count, 0), coalesce(t.total_tokens, 0),
-                    coalesce(c.last_seq, 0), e.at
-                FROM (SELECT thread FROM threads WHERE message_count > 0
-                      UNION SELECT thread FROM episode_threads) AS k
-                LEFT JOIN threads AS t ON t.thread = k.thread
-                LEFT JOIN episode_threads AS c ON c.thread = k.thread
-                LEFT JOIN episodes AS e ON e.thread = k.thread AND e.seq = c.last_seq"""
+                """SELECT t.thread, t.message_count, t.total_tokens, t.last_episode_seq, e.at
+                FROM threads AS t
+                LEFT JOIN episodes AS e ON e.thread = t.thread AND e.seq = t.last_episode_seq
+                WHERE t.message_count > 0 OR t.last_episode_seq > 0"""
             ).fetchall()
             return [
                 ThreadInfo(
