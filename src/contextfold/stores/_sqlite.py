@@ -459,6 +459,9 @@ def _counters(thread: str, row: tuple[Any, ...] | None) -> PressureCounters:
     )
 
 
+_SET_COUNTERS = ", ".join(f"{name} = excluded.{name}" for name in _COUNTERS.split(", "))
+
+
 def _write_counters(conn: sqlite3.Connection, thread: str, counters: PressureCounters) -> None:
     conn.execute(
         f"""INSERT INTO threads (thread, {_COUNTERS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)
@@ -476,16 +479,13 @@ def _write_counters(conn: sqlite3.Connection, thread: str, counters: PressureCou
     )
 
 
-_SET_COUNTERS = ", ".join(f"{name} = excluded.{name}" for name in _COUNTERS.split(", "))
-
-
 def _record_rows(
     conn: sqlite3.Connection, thread: str, episodes: Sequence[Episode], bodies: list[str], when: datetime
 ) -> list[int]:
     """Insert episodes after the thread's newest and update its counters; return their seqs."""
     last_seq = _count_messages_recorded(conn, thread, episodes)
     if last_seq is not None:
-        seqs = list(range(last_seq - len(episodes) + 1, last_seq + 1))
+        seqs = _seqs_through(last_seq, len(episodes))
     else:
         counters = _read_counters(conn, thread)
         seqs = []
@@ -496,6 +496,11 @@ def _record_rows(
             _write_counters(conn, thread, counters)
     _insert_episodes(conn, thread, seqs, episodes, bodies, when)
     return seqs
+
+
+def _seqs_through(last_seq: int, n: int) -> list[int]:
+    """The seqs of the ``n`` episodes that end at ``last_seq``."""
+    return list(range(last_seq - n + 1, last_seq + 1))
 
 
 def _insert_episodes(
@@ -537,7 +542,7 @@ def _record_step(
         linked = [None if link is None else seqs[link] for link in links]
         return _append_rows(conn, thread, rows, linked, shared), linked
     last_episode, last_row = counted
-    seqs = list(range(last_episode - len(episodes) + 1, last_episode + 1))
+    seqs = _seqs_through(last_episode, len(episodes))
     _insert_episodes(conn, thread, seqs, episodes, bodies, when)
     linked = [None if link is None else seqs[link] for link in links]
     first = last_row - len(rows) + 1
