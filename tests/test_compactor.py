@@ -16,6 +16,7 @@ from contextfold import (
     Compactor,
     ConfigError,
     EpisodicCompactionConfig,
+    InvalidMessageError,
     Message,
     Role,
     RunOptions,
@@ -736,3 +737,46 @@ async def test_a_cached_context_is_few_objects_for_the_garbage_collector(store: 
     per_message = (len(gc.get_objects()) - before) / 400
     # SQLite: the message and its __dict__; MemoryStore also keeps its own row and that row's __dict__.
     assert per_message <= (5.0 if isinstance(store, MemoryStore) else 2.5), per_message
+
+
+async def test_append_refuses_an_unchecked_message_and_writes_nothing(store: Any) -> None:
+    """Episodes are built around a Message without validating it again: the store still checks it."""
+    compactor = Compactor(store, options=options(), counter=ApproximateCounter())
+    await compactor.append(THREAD, [Message.user("first")])
+    before = [record.episode async for record in store.replay(THREAD)]
+    # model_construct skips the message's own checks: a user message answering a tool call.
+    unchecked = Message.model_construct(
+        role=Role.USER, content="x", tool_calls=(), tool_call_id="c1", name=None, metadata={}
+    )
+    with pytest.raises(InvalidMessageError, match="tool_call_id"):
+        await compactor.append(THREAD, [Message.user("second"), unchecked])
+    assert [record.episode async for record in store.replay(THREAD)] == before
+    assert [m.text for m in await compactor.context(THREAD)] == ["first"]
+    assert (await store.stats(THREAD)).message_count == 1
+
+
+def test_episode_for_a_message_equals_the_validated_episode() -> None:
+    """The unvalidated episode of a Message is the episode validation builds, field for field."""
+    from contextfold._episodes import _validated_episode_for
+    from contextfold.episodes import Usage, episode_for
+
+    call = ToolCall(id="c1", name="read_file", arguments='{"path": "a.py"}')
+    messages = [
+        Message.user("u", metadata={"k": 1}),
+        Message.system("s"),
+        Message.tool("c1", "result"),
+        Message.assistant("a", tool_calls=[call]),
+        Message.assistant(None, tool_calls=[call]),
+    ]
+    for message in messages:
+        fast = episode_for(message)
+        slow = _validated_episode_for(message, None, None, 0, 0)
+        assert type(fast) is type(slow)
+        assert fast == slow
+        assert fast.model_dump_json() == slow.model_dump_json()
+        assert fast.model_dump() == slow.model_dump()
+    # An LLM call's own fields are still validated.
+    with pytest.raises(ValueError, match="request_tokens"):
+        episode_for(messages[3], request_tokens=-1)
+    usage = Usage(input_tokens=5, output_tokens=2)
+    assert episode_for(messages[3], model="m", usage=usage).usage == usage  # type: ignore[union-attr]

@@ -369,7 +369,9 @@ class Compactor:
         it came, and reaches the context as a plain note instead of an
         orphaned tool message.
         """
-        if isinstance(messages, Message) or not isinstance(messages, Sequence):
+        if type(messages) is not list and (
+            isinstance(messages, Message) or not isinstance(messages, Sequence)
+        ):
             raise ConfigError("messages", "must be a sequence of Message objects", value=messages)
         messages = list(messages)
         episodes: list[Episode] = list(extra_episodes)

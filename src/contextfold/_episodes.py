@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ._messages import Message, Role, ToolCall
+from ._trusted import trusted
 
 __all__ = [
     "Episode",
@@ -195,6 +196,34 @@ def episode_for(
     The keyword arguments describe the request behind an assistant reply and
     are ignored for other roles.
     """
+    if type(message) is not Message:
+        return _validated_episode_for(message, model, usage, request_messages, request_tokens)
+    # A Message is checked when it is built (and again by the store that records it); validating
+    # the episode around it would run the message's own checks once more, on every step.
+    role = message.role
+    if role is Role.USER:
+        return trusted(UserMessageEpisode, kind="user_message", message=message)
+    if role is Role.SYSTEM:
+        return trusted(SystemMessageEpisode, kind="system_message", message=message)
+    if role is Role.TOOL:
+        return trusted(ToolResultEpisode, kind="tool_result", message=message)
+    if model is None and usage is None and request_messages == 0 and request_tokens == 0:
+        return trusted(
+            LlmCallEpisode,
+            kind="llm_call",
+            reply=message,
+            request_messages=0,
+            request_tokens=0,
+            model=None,
+            usage=None,
+        )
+    return _validated_episode_for(message, model, usage, request_messages, request_tokens)
+
+
+def _validated_episode_for(
+    message: Message, model: str | None, usage: Usage | None, request_messages: int, request_tokens: int
+) -> Episode:
+    """``episode_for`` through the episodes' own validation: for anything but a Message and default fields."""
     if message.role is Role.USER:
         return UserMessageEpisode(message=message)
     if message.role is Role.SYSTEM:

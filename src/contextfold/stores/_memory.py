@@ -8,11 +8,14 @@ back never aliases what it appended. The episodic log keeps each episode as its
 JSON text and decodes it when replayed: a long log is a list of strings, not
 objects the garbage collector walks on every full pass.
 
-Every call is a cancellation point. The per-step point reads (``state``,
-``stats``, ``pressure``: a dictionary lookup) do not also yield to other
-tasks, as ``SQLiteStore``'s on-loop reads do not: a no-op check that yielded
-would wait one round of every other ready task, which with many busy agents
-on one loop is most of its latency.
+Every call but the per-step point reads is a cancellation point. Those reads
+(``state``, ``stats``, ``pressure``: a dictionary lookup) neither yield to
+other tasks nor look for a cancellation, as ``SQLiteStore``'s on-loop reads do
+not: a no-op check that yielded would wait one round of every other ready
+task, which with many busy agents on one loop is most of its latency, and
+asking anyio whether the caller was cancelled costs more than the lookup.
+Writes do yield: a loop that only records and checks still lets a background
+summary (or any other task) run.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Self
 
-from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
+from anyio.lowlevel import checkpoint
 
 from .._episodes import Episode, EpisodeRecord, SummaryCheckpoint
 from .._errors import StoreClosedError
@@ -111,11 +114,6 @@ class MemoryStore(AsyncResource):
         await checkpoint()
         self._check_open()
 
-    async def _peek(self) -> None:
-        """``_enter`` for a point read: a cancellation point that does not yield to other tasks."""
-        await checkpoint_if_cancelled()
-        self._check_open()
-
     def _append_rows(
         self, thread: str, rows: list[_Row], episode_seqs: list[int | None]
     ) -> list[StoredMessage]:
@@ -194,12 +192,12 @@ class MemoryStore(AsyncResource):
         return self._window(thread, context, start, complete=after == 0)
 
     async def stats(self, thread: str) -> ThreadStats:
-        await self._peek()
+        self._check_open()
         check_thread(thread)
         return self._contexts.get(thread, _NO_CONTEXT).stats
 
     async def state(self, thread: str, *, now: datetime | None = None) -> ThreadState:
-        await self._peek()
+        self._check_open()
         check_thread(thread)
         when = utc(now, "now")
         stats = self._contexts.get(thread, _NO_CONTEXT).stats
@@ -307,7 +305,7 @@ class MemoryStore(AsyncResource):
         now: datetime | None = None,
         estimated_context_tokens: int | None = None,
     ) -> EpisodicCompactionPressure:
-        await self._peek()
+        self._check_open()
         check_thread(thread)
         log = self._logs.get(thread)
         counters = log.counters if log is not None else _NO_COUNTERS

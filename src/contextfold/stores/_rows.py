@@ -15,9 +15,9 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, TypeVar, get_args
+from typing import Any, get_args
 
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError
 
 from .._episodes import (
@@ -33,6 +33,7 @@ from .._episodes import (
 from .._errors import ConfigError, ConflictError, InvalidMessageError, StoreError
 from .._messages import Message, Role, ToolCall, _check_finite, check_arguments, check_role_fields
 from .._policy import EpisodicCompactionPressure
+from .._trusted import trusted
 from ._base import StoredMessage, ThreadInfo
 
 __all__ = [
@@ -69,35 +70,6 @@ __all__ = [
 
 _EPISODE_ADAPTER: TypeAdapter[Episode] = TypeAdapter(Episode)
 _EPISODE_TYPES: tuple[type, ...] = get_args(get_args(Episode)[0])
-
-
-_Model = TypeVar("_Model", bound=BaseModel)
-
-
-_ALL_FIELDS: dict[type[BaseModel], set[str]] = {}
-"""Per class, the one set of its field names every ``trusted`` instance shares."""
-
-
-def trusted(cls: type[_Model], **fields: Any) -> _Model:
-    """A ``cls`` holding values that were checked already, built without validating them again.
-
-    For what a store builds on every step from its own checked rows (about a
-    microsecond against several for a validating constructor). ``fields`` names
-    every field of ``cls``, in the order the class declares them, so every such
-    instance has set every field, and they share one fields-set (pydantic only
-    adds a name it already holds to it, and copies it for ``model_copy``): a
-    cached message is one object fewer for the garbage collector to walk.
-    """
-    model = cls.__new__(cls)
-    shared = _ALL_FIELDS.get(cls)
-    if shared is None:
-        shared = _ALL_FIELDS[cls] = set(cls.model_fields)
-    assert len(fields) == len(shared), f"trusted({cls.__name__}) needs every field"
-    object.__setattr__(model, "__dict__", fields)
-    object.__setattr__(model, "__pydantic_fields_set__", shared)
-    object.__setattr__(model, "__pydantic_extra__", None)
-    object.__setattr__(model, "__pydantic_private__", None)
-    return model
 
 
 INT64_MAX = 2**63 - 1
@@ -153,9 +125,11 @@ def encode_rows(
     messages: Sequence[Message], tokens: Sequence[int], *, field: str = "messages"
 ) -> list[tuple[str, int, Message]]:
     """``encode_messages`` with the copy each JSON reads back as, for a backend that keeps objects."""
-    if isinstance(messages, Message | str) or not isinstance(messages, Sequence):
+    if type(messages) is not list and (
+        isinstance(messages, Message | str) or not isinstance(messages, Sequence)
+    ):
         raise ConfigError(field, "must be a sequence of Message objects", value=messages)
-    if not isinstance(tokens, Sequence) or isinstance(tokens, str):
+    if type(tokens) is not list and (not isinstance(tokens, Sequence) or isinstance(tokens, str)):
         raise ConfigError("tokens", f"must be a sequence of token counts, one per item of {field}")
     if len(tokens) != len(messages):
         raise ConfigError(
@@ -362,7 +336,7 @@ def encode_episode(episode: Episode) -> str:
 
 def encode_episodes(episodes: Sequence[Episode]) -> list[str]:
     """Each episode's JSON, all checked before anything is written."""
-    if not isinstance(episodes, Sequence) or isinstance(episodes, str):
+    if type(episodes) is not list and (not isinstance(episodes, Sequence) or isinstance(episodes, str)):
         raise ConfigError("episodes", "must be a sequence of episodes", value=episodes)
     bodies: list[str] = []
     for index, episode in enumerate(episodes):
@@ -416,7 +390,7 @@ def encode_recording(
     JSON, already checked to read back, is written into the episode's. The
     episode's other fields were validated when it was built.
     """
-    if not isinstance(episodes, Sequence) or isinstance(episodes, str):
+    if type(episodes) is not list and (not isinstance(episodes, Sequence) or isinstance(episodes, str)):
         raise ConfigError("episodes", "must be a sequence of episodes", value=episodes)
     rows = encode_rows(messages, tokens)
     links = check_message_episodes(message_episodes, len(rows), len(episodes))
@@ -446,7 +420,9 @@ def check_message_episodes(
     """For each message, the index of the episode that records it (``None`` when not given)."""
     if message_episodes is None:
         return [None] * messages
-    if not isinstance(message_episodes, Sequence) or isinstance(message_episodes, str):
+    if type(message_episodes) is not list and (
+        not isinstance(message_episodes, Sequence) or isinstance(message_episodes, str)
+    ):
         raise ConfigError(
             "message_episodes",
             "must be a sequence of episode indexes, one per message",

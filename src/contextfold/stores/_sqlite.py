@@ -364,8 +364,8 @@ def _read_stats(conn: sqlite3.Connection, thread: str) -> ThreadStats:
 def _stats(thread: str, row: tuple[Any, ...] | None) -> ThreadStats:
     if row is None or row[0] is None:
         return ThreadStats()
-    _whole_numbers(thread, "the threads row", row)
-    return ThreadStats(message_count=row[0], total_tokens=row[1], version=row[2], last_seq=row[3])
+    _whole_numbers(thread, "the threads row", row)  # what ThreadStats holds, so it is built unvalidated
+    return trusted(ThreadStats, message_count=row[0], total_tokens=row[1], version=row[2], last_seq=row[3])
 
 
 def _write_stats(conn: sqlite3.Connection, thread: str, stats: ThreadStats) -> None:
