@@ -62,8 +62,9 @@ from ._policy import TOKEN_REASONS, EpisodicCompactionPressure, Pressure, Reason
 from ._strategies import CompactionPlan, SlidingWindow, Strategy, unanswered_calls
 from ._telemetry import FoldSpan, Telemetry, error_type
 from ._tokens import TiktokenCounter, TokenCounter
+from ._trusted import trusted
 from .stores._base import ContextWindow, EpisodicStore, ShortTermStore, Store, StoredMessage, ThreadStats
-from .stores._rows import trusted, utc
+from .stores._rows import not_a_sequence, utc
 from .summarizers._base import Summarizer, Summary
 
 __all__ = [
@@ -369,9 +370,7 @@ class Compactor:
         it came, and reaches the context as a plain note instead of an
         orphaned tool message.
         """
-        if type(messages) is not list and (
-            isinstance(messages, Message) or not isinstance(messages, Sequence)
-        ):
+        if not_a_sequence(messages, Message):
             raise ConfigError("messages", "must be a sequence of Message objects", value=messages)
         messages = list(messages)
         episodes: list[Episode] = list(extra_episodes)

@@ -183,6 +183,14 @@ class EpisodeRecord(_Frozen):
     episode: Episode
 
 
+_EPISODE_OF_ROLE: dict[Role, type[UserMessageEpisode | SystemMessageEpisode | ToolResultEpisode]] = {
+    Role.USER: UserMessageEpisode,
+    Role.SYSTEM: SystemMessageEpisode,
+    Role.TOOL: ToolResultEpisode,
+}
+"""The episode that records a message of each role but the assistant's (an LLM call)."""
+
+
 def episode_for(
     message: Message,
     *,
@@ -200,13 +208,9 @@ def episode_for(
         return _validated_episode_for(message, model, usage, request_messages, request_tokens)
     # A Message is checked when it is built (and again by the store that records it); validating
     # the episode around it would run the message's own checks once more, on every step.
-    role = message.role
-    if role is Role.USER:
-        return trusted(UserMessageEpisode, kind="user_message", message=message)
-    if role is Role.SYSTEM:
-        return trusted(SystemMessageEpisode, kind="system_message", message=message)
-    if role is Role.TOOL:
-        return trusted(ToolResultEpisode, kind="tool_result", message=message)
+    kind = _EPISODE_OF_ROLE.get(message.role)
+    if kind is not None:
+        return trusted(kind, kind=kind.model_fields["kind"].default, message=message)
     if model is None and usage is None and request_messages == 0 and request_tokens == 0:
         return trusted(
             LlmCallEpisode,
@@ -224,12 +228,9 @@ def _validated_episode_for(
     message: Message, model: str | None, usage: Usage | None, request_messages: int, request_tokens: int
 ) -> Episode:
     """``episode_for`` through the episodes' own validation: for anything but a Message and default fields."""
-    if message.role is Role.USER:
-        return UserMessageEpisode(message=message)
-    if message.role is Role.SYSTEM:
-        return SystemMessageEpisode(message=message)
-    if message.role is Role.TOOL:
-        return ToolResultEpisode(message=message)
+    kind = _EPISODE_OF_ROLE.get(message.role)
+    if kind is not None:
+        return kind(message=message)
     return LlmCallEpisode(
         reply=message,
         model=model,

@@ -15,6 +15,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from types import UnionType
 from typing import Any, get_args
 
 from pydantic import TypeAdapter, ValidationError
@@ -61,6 +62,7 @@ __all__ = [
     "encode_recording",
     "encode_rows",
     "missing_seq_conflict",
+    "not_a_sequence",
     "stored_message",
     "trusted",
     "utc",
@@ -70,6 +72,15 @@ __all__ = [
 
 _EPISODE_ADAPTER: TypeAdapter[Episode] = TypeAdapter(Episode)
 _EPISODE_TYPES: tuple[type, ...] = get_args(get_args(Episode)[0])
+
+
+def not_a_sequence(value: object, excluded: type | UnionType = str) -> bool:
+    """Whether ``value`` is not a sequence of items, or is an ``excluded`` one (a str, by default).
+
+    A list, what every caller passes on every step, is answered without the
+    abstract ``Sequence`` check.
+    """
+    return type(value) is not list and (isinstance(value, excluded) or not isinstance(value, Sequence))
 
 
 INT64_MAX = 2**63 - 1
@@ -125,11 +136,9 @@ def encode_rows(
     messages: Sequence[Message], tokens: Sequence[int], *, field: str = "messages"
 ) -> list[tuple[str, int, Message]]:
     """``encode_messages`` with the copy each JSON reads back as, for a backend that keeps objects."""
-    if type(messages) is not list and (
-        isinstance(messages, Message | str) or not isinstance(messages, Sequence)
-    ):
+    if not_a_sequence(messages, Message | str):
         raise ConfigError(field, "must be a sequence of Message objects", value=messages)
-    if type(tokens) is not list and (not isinstance(tokens, Sequence) or isinstance(tokens, str)):
+    if not_a_sequence(tokens):
         raise ConfigError("tokens", f"must be a sequence of token counts, one per item of {field}")
     if len(tokens) != len(messages):
         raise ConfigError(
@@ -336,7 +345,7 @@ def encode_episode(episode: Episode) -> str:
 
 def encode_episodes(episodes: Sequence[Episode]) -> list[str]:
     """Each episode's JSON, all checked before anything is written."""
-    if type(episodes) is not list and (not isinstance(episodes, Sequence) or isinstance(episodes, str)):
+    if not_a_sequence(episodes):
         raise ConfigError("episodes", "must be a sequence of episodes", value=episodes)
     bodies: list[str] = []
     for index, episode in enumerate(episodes):
@@ -390,7 +399,7 @@ def encode_recording(
     JSON, already checked to read back, is written into the episode's. The
     episode's other fields were validated when it was built.
     """
-    if type(episodes) is not list and (not isinstance(episodes, Sequence) or isinstance(episodes, str)):
+    if not_a_sequence(episodes):
         raise ConfigError("episodes", "must be a sequence of episodes", value=episodes)
     rows = encode_rows(messages, tokens)
     links = check_message_episodes(message_episodes, len(rows), len(episodes))
@@ -420,9 +429,7 @@ def check_message_episodes(
     """For each message, the index of the episode that records it (``None`` when not given)."""
     if message_episodes is None:
         return [None] * messages
-    if type(message_episodes) is not list and (
-        not isinstance(message_episodes, Sequence) or isinstance(message_episodes, str)
-    ):
+    if not_a_sequence(message_episodes):
         raise ConfigError(
             "message_episodes",
             "must be a sequence of episode indexes, one per message",
