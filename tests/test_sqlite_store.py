@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,6 +22,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from contextfold import ConfigError, Message, StoreError
 from contextfold._errors import StoreClosedError
+from contextfold._pacing import PACE_SECONDS
 from contextfold.episodes import SummaryCheckpoint, UserMessageEpisode, episode_for
 from contextfold.stores import SQLiteStore, ThreadStats
 from contextfold.stores._sqlite import _BODY, _MIGRATIONS, _WITH_EPISODES, SCHEMA_VERSION, _Worker
@@ -867,9 +869,11 @@ async def test_a_caller_cancelled_before_its_write_submits_nothing(
         assert (await store.stats("t")).message_count == 0
 
 
-async def test_a_write_on_the_loop_yields_once_before_it_writes(tmp_path: Path) -> None:
-    """At NORMAL a step's write on the loop lets other tasks run first; a cancellation then stops it whole.
+async def test_a_paced_write_on_the_loop_yields_before_it_writes(tmp_path: Path) -> None:
+    """At NORMAL a write due to yield lets other tasks run first; a cancellation then stops it whole.
 
+    Writes are paced (see ``contextfold._pacing``): one made a millisecond or
+    more after the store last yielded gives the loop away before it writes.
     On asyncio, which runs woken tasks in order (trio shuffles each batch, so
     which of two woken tasks goes first is not fixed there).
     """
@@ -878,14 +882,41 @@ async def test_a_write_on_the_loop_yields_once_before_it_writes(tmp_path: Path) 
         ran: list[int] = []
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: _note(ran))
+            await _past_the_pace()
+            assert ran == [1]
             await store.append("t", [Message.user("a")], [1])
-            assert ran == [1], "the write gave the loop to the task waiting for it"
+            tg.start_soon(lambda: _note(ran))
+            await _past_the_pace(yielding=False)
+            await store.append("t", [Message.user("a2")], [1])
+            assert ran == [1, 1], "the write gave the loop to the task waiting for it"
         with anyio.CancelScope() as scope:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_cancel, scope)  # runs at the write's yield, before the write
+                await _past_the_pace(yielding=False)
                 await store.append("t", [Message.user("b")], [1])
         assert scope.cancelled_caught
+        assert (await store.load("t")).plain == [Message.user("a"), Message.user("a2")]
+
+
+async def test_a_write_on_the_loop_stops_for_a_cancellation_requested_before_it(tmp_path: Path) -> None:
+    """A write that is not due to yield still looks for a cancellation first, and then writes nothing."""
+    async with SQLiteStore(tmp_path / "cancelled.db", synchronous="NORMAL") as store:
+        await store.append("t", [Message.user("a")], [1])  # yielded just now: the next is not due
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await store.append("t", [Message.user("b")], [1])
+        assert scope.cancelled_caught
         assert (await store.load("t")).plain == [Message.user("a")]
+
+
+async def _past_the_pace(*, yielding: bool = True) -> None:
+    """Let more than one pacing interval pass, with (or without) giving the loop away meanwhile."""
+    if yielding:
+        await anyio.sleep(2 * PACE_SECONDS)
+        return
+    deadline = time.monotonic() + 2 * PACE_SECONDS
+    while time.monotonic() < deadline:  # busy, as a step's own work would be
+        pass
 
 
 async def _note(ran: list[int]) -> None:

@@ -26,10 +26,10 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any, Self
+from typing import Any, NamedTuple, Self
 
 import anyio
 from anyio.abc import TaskGroup
@@ -64,7 +64,7 @@ from ._telemetry import FoldSpan, Telemetry, error_type
 from ._tokens import TiktokenCounter, TokenCounter
 from ._trusted import trusted
 from .stores._base import ContextWindow, EpisodicStore, ShortTermStore, Store, StoredMessage, ThreadStats
-from .stores._rows import not_a_sequence, utc
+from .stores._rows import Recording, not_a_sequence, record_messages, utc
 from .summarizers._base import Summarizer, Summary
 
 __all__ = [
@@ -92,6 +92,8 @@ LATE_RESULT_METADATA_KEY = "contextfold.late_result"
 _MAX_BACKOFF_SKIPS = 32
 _MIN_SUMMARY_TOKENS = 64
 _CACHED_THREADS = 1024
+_PREPARE_ON_LOOP = 16
+"""The most messages one ``append`` counts and encodes on the event loop; more go to a worker thread."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +126,15 @@ class CompactionResult:
     @property
     def compacted(self) -> bool:
         return not self.stalled
+
+
+class _LlmCall(NamedTuple):
+    """The request behind the assistant replies ``append`` records (see ``episode_for``)."""
+
+    model: str | None
+    usage: Usage | None
+    request_messages: int
+    request_tokens: int
 
 
 @dataclass(slots=True)
@@ -314,6 +325,12 @@ class Compactor:
         self._pending_since: dict[tuple[str, str], float] = {}
         self._background: dict[str, _Background] = {}
         self._task_group: TaskGroup | None = None
+        self._counter_ready: TokenCounter | None = None
+        """The counter whose ``aload`` has been awaited (``counter`` may be swapped)."""
+        self._writer: Callable[[str, Recording], Awaitable[list[StoredMessage]]] | None = getattr(
+            self._store, "_write_recording", None
+        )
+        """The bundled stores' write of a recording encoded here (see ``append``)."""
         self._closed = False
         self._warned_background = False
 
@@ -373,41 +390,34 @@ class Compactor:
         if not_a_sequence(messages, Message):
             raise ConfigError("messages", "must be a sequence of Message objects", value=messages)
         messages = list(messages)
-        episodes: list[Episode] = list(extra_episodes)
-        sent: list[Message] = []
-        owners: list[int] = []
-        open_calls = await self._open_calls(thread, messages)
         for message in messages:
             if not isinstance(message, Message):
                 raise ConfigError("messages", "must hold Message objects only", value=message)
-            episodes.append(
-                episode_for(
-                    message,
-                    model=model,
-                    usage=usage,
-                    request_messages=request_messages,
-                    request_tokens=request_tokens,
-                )
-            )
-            owners.append(len(episodes) - 1)
-            for call in message.tool_calls:
-                open_calls.add(call.id)
-            if message.role is Role.TOOL and message.tool_call_id not in open_calls:
-                sent.append(_late_note(message))
+        sent = await self._sent(thread, messages)
+        if self._counter_ready is not self.counter:
+            await self._ready_counter()
+        call = _LlmCall(model, usage, request_messages, request_tokens)
+        writer = self._writer
+        if writer is not None and sent is messages and not extra_episodes:
+            # The common step: each message checked, counted and encoded once, here, and the
+            # store writes what this encoded (a large batch is prepared in a worker thread).
+            if len(messages) > _PREPARE_ON_LOOP:
+                recording = await anyio.to_thread.run_sync(self._recording, messages, call)
             else:
-                if message.role is Role.TOOL:
-                    open_calls.discard(message.tool_call_id or "")
-                sent.append(message)
-        await self._ready_counter()
-        tokens = [self.counter.count(message) for message in sent]
-        if self._store is not None:
-            stored = await self._store.record_and_append(
-                thread, episodes, sent, tokens, message_episodes=owners
-            )
+                recording = self._recording(messages, call)
+            stored = await writer(thread, recording)
         else:
-            for episode in episodes:
-                await self.episodic.record(thread, episode)
-            stored = await self.short_term.append(thread, sent, tokens)
+            episodes: list[Episode] = [*extra_episodes, *(episode_for(m, **call._asdict()) for m in messages)]
+            owners = list(range(len(extra_episodes), len(episodes)))
+            tokens = [self.counter.count(message) for message in sent]
+            if self._store is not None:
+                stored = await self._store.record_and_append(
+                    thread, episodes, sent, tokens, message_episodes=owners
+                )
+            else:
+                for episode in episodes:
+                    await self.episodic.record(thread, episode)
+                stored = await self.short_term.append(thread, sent, tokens)
         cache = self._cache.get(thread)
         if cache is not None and stored and stored[0].seq == cache.last_seq + 1:
             cache.extend(stored)
@@ -585,6 +595,39 @@ class Compactor:
             self._cache.popitem(last=False)
         return cache
 
+    def _recording(self, messages: list[Message], call: _LlmCall) -> Recording:
+        """The step's recording: every message counted, checked and encoded once."""
+        count = self.counter.count
+        return record_messages(
+            messages,
+            [count(message) for message in messages],
+            model=call.model,
+            usage=call.usage,
+            request_messages=call.request_messages,
+            request_tokens=call.request_tokens,
+        )
+
+    async def _sent(self, thread: str, messages: list[Message]) -> list[Message]:
+        """What reaches the context for each message: ``messages`` itself, unless a tool result is late.
+
+        A tool result whose call is no longer open in the context (it was closed
+        as abandoned) reaches it as a plain note instead of an orphaned tool message.
+        """
+        if all(message.role is not Role.TOOL for message in messages):
+            return messages
+        open_calls = await self._open_calls(thread, messages)
+        sent: list[Message] = []
+        for message in messages:
+            for call in message.tool_calls:
+                open_calls.add(call.id)
+            if message.role is Role.TOOL and message.tool_call_id not in open_calls:
+                sent.append(_late_note(message))
+            else:
+                if message.role is Role.TOOL:
+                    open_calls.discard(message.tool_call_id or "")
+                sent.append(message)
+        return sent if any(a is not b for a, b in zip(sent, messages, strict=True)) else messages
+
     async def _open_calls(self, thread: str, messages: Sequence[Message]) -> set[str]:
         """Ids of the tool calls open in the context that ``messages`` answer (empty when none do)."""
         wanted: set[str | None] = set()
@@ -610,9 +653,11 @@ class Compactor:
         self._cache.pop(thread, None)
 
     async def _ready_counter(self) -> None:
-        load = getattr(self.counter, "aload", None)
+        counter = self.counter
+        load = getattr(counter, "aload", None)
         if load is not None:
             await load()
+        self._counter_ready = counter
 
     # The fold itself ---------------------------------------------------------------
 

@@ -14,8 +14,11 @@ other tasks nor look for a cancellation, as ``SQLiteStore``'s on-loop reads do
 not: a no-op check that yielded would wait one round of every other ready
 task, which with many busy agents on one loop is most of its latency, and
 asking anyio whether the caller was cancelled costs more than the lookup.
-Writes do yield: a loop that only records and checks still lets a background
-summary (or any other task) run.
+The other calls are paced (see :class:`~contextfold._pacing.Pacer`): each
+looks for a cancellation, and they yield to other tasks at least once a
+millisecond, so a loop that only records and checks still lets a background
+summary (or any other task) run, without paying a round of the event loop on
+every write.
 """
 
 from __future__ import annotations
@@ -27,16 +30,16 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Self
 
-from anyio.lowlevel import checkpoint
-
 from .._episodes import Episode, EpisodeRecord, SummaryCheckpoint
 from .._errors import StoreClosedError
 from .._messages import Message
+from .._pacing import Pacer
 from .._policy import EpisodicCompactionPressure
 from .._resource import AsyncResource
 from ._base import ContextWindow, StoredMessage, ThreadInfo, ThreadState, ThreadStats, Tombstone
 from ._rows import (
     PressureCounters,
+    Recording,
     by_activity,
     check_after_seq,
     check_checkpoint,
@@ -97,6 +100,7 @@ class MemoryStore(AsyncResource):
         self._logs: dict[str, _Log] = {}
         self._tombstones: dict[str, list[Tombstone]] = {}
         self._compacting: set[str] = set()
+        self._pace = Pacer()
         self._closed = False
 
     async def aclose(self) -> None:
@@ -111,17 +115,19 @@ class MemoryStore(AsyncResource):
             raise StoreClosedError("this MemoryStore was closed with aclose(); create a new MemoryStore")
 
     async def _enter(self) -> None:
-        await checkpoint()
+        await self._pace()
         self._check_open()
 
     def _append_rows(
-        self, thread: str, rows: list[_Row], episode_seqs: list[int | None]
+        self, thread: str, rows: list[_Row], episode_seqs: list[int | None], total: int | None = None
     ) -> list[StoredMessage]:
+        """Append ``rows``; ``total`` is the thread's token total after them, when checked already."""
         context = self._contexts.get(thread)
         if context is None:
             context = self._contexts[thread] = _Context()
         stats = context.stats
-        total = check_total(thread, stats.total_tokens + sum(count for _, count, _ in rows))
+        if total is None:
+            total = check_total(thread, stats.total_tokens + sum(count for _, count, _ in rows))
         first = stats.last_seq + 1
         stored = [
             trusted(StoredMessage, seq=first + n, message=copy, tokens=count, episode_seq=link)
@@ -330,15 +336,23 @@ class MemoryStore(AsyncResource):
         *,
         message_episodes: Sequence[int] | None = None,
     ) -> list[StoredMessage]:
+        check_thread(thread)
+        return await self._write_recording(
+            thread, encode_recording(episodes, messages, tokens, message_episodes)
+        )
+
+    async def _write_recording(self, thread: str, recording: Recording) -> list[StoredMessage]:
+        """``record_and_append`` of a step checked and encoded already: nothing is written unless all is."""
         await self._enter()
         check_thread(thread)
-        bodies, rows, links = encode_recording(episodes, messages, tokens, message_episodes)
+        rows = recording.rows
         context = self._contexts.get(thread, _NO_CONTEXT)
-        check_total(thread, context.stats.total_tokens + sum(count for _, count, _ in rows))
+        total = check_total(thread, context.stats.total_tokens + sum(count for _, count, _ in rows))
         when = datetime.now(UTC)
-        pairs = zip(episodes, bodies, strict=True)
+        pairs = zip(recording.episodes, recording.bodies, strict=True)
         seqs = [self._record_body(thread, episode, body, when) for episode, body in pairs]
-        return self._append_rows(thread, rows, [None if link is None else seqs[link] for link in links])
+        links = [None if link is None else seqs[link] for link in recording.links]
+        return self._append_rows(thread, rows, links, total)
 
     async def fold(
         self,

@@ -55,6 +55,7 @@ from .._resource import AsyncResource
 from ._base import ContextWindow, StoredMessage, ThreadInfo, ThreadState, ThreadStats, Tombstone
 from ._rows import (
     PressureCounters,
+    Recording,
     Window,
     check_after_seq,
     check_checkpoint,
@@ -682,7 +683,14 @@ class PostgresStore(AsyncResource):
     ) -> list[StoredMessage]:
         """Record ``episodes`` and append ``messages`` in one statement, so one transaction."""
         check_thread(thread)
-        bodies, rows, links = encode_recording(episodes, messages, tokens, message_episodes)
+        return await self._write_recording(
+            thread, encode_recording(episodes, messages, tokens, message_episodes)
+        )
+
+    async def _write_recording(self, thread: str, recording: Recording) -> list[StoredMessage]:
+        """``record_and_append`` of a step checked and encoded already, in one statement."""
+        check_thread(thread)
+        episodes, bodies, rows, links = recording.episodes, recording.bodies, recording.rows, recording.links
         params: dict[str, Any] = {
             "thread": thread,
             "at": None,

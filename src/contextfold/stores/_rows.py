@@ -13,10 +13,9 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import UnionType
-from typing import Any, get_args
+from typing import Any, NamedTuple, get_args
 
 from pydantic import TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError
@@ -29,7 +28,9 @@ from .._episodes import (
     SummaryCheckpoint,
     SystemMessageEpisode,
     ToolResultEpisode,
+    Usage,
     UserMessageEpisode,
+    episode_for,
 )
 from .._errors import ConfigError, ConflictError, InvalidMessageError, StoreError
 from .._messages import Message, Role, ToolCall, _check_finite, check_arguments, check_role_fields
@@ -40,6 +41,7 @@ from ._base import StoredMessage, ThreadInfo
 __all__ = [
     "INT64_MAX",
     "PressureCounters",
+    "Recording",
     "Window",
     "by_activity",
     "check_after_seq",
@@ -63,6 +65,7 @@ __all__ = [
     "encode_rows",
     "missing_seq_conflict",
     "not_a_sequence",
+    "record_messages",
     "stored_message",
     "trusted",
     "utc",
@@ -145,26 +148,31 @@ def encode_rows(
             "tokens",
             f"needs one count per message: got {len(tokens)} counts for {len(messages)} {field}",
         )
-    rows: list[tuple[str, int, Message]] = []
-    for index, (message, count) in enumerate(zip(messages, tokens, strict=True)):
-        if not isinstance(message, Message):
-            raise InvalidMessageError(
-                f"{field}[{index}]",
-                f"must be a Message, got {type(message).__name__}; build one with Message.user(...)",
-            )
-        if type(count) is not int or not 0 <= count <= INT64_MAX:  # the key is built for the error only
-            _whole_number(f"tokens[{index}]", count, minimum=0)
-        # The common message is copied without parsing its JSON (its metadata checked meanwhile).
-        copy = _plain_copy(message)
-        try:
-            if copy is None:
-                body, copy = _encode_and_read_back(message, f"{field}[{index}]")
-            else:
-                body = message.model_dump_json(warnings="error")
-        except PydanticSerializationError as exc:  # a lone surrogate, say
-            raise InvalidMessageError(f"{field}[{index}]", _first_error(exc)) from None
-        rows.append((body, count, copy))
-    return rows
+    return [
+        _row(message, count, field, index)
+        for index, (message, count) in enumerate(zip(messages, tokens, strict=True))
+    ]
+
+
+def _row(message: Message, count: int, field: str, index: int) -> tuple[str, int, Message]:
+    """One message's JSON, its count and the copy its JSON reads back as, each checked."""
+    if not isinstance(message, Message):
+        raise InvalidMessageError(
+            f"{field}[{index}]",
+            f"must be a Message, got {type(message).__name__}; build one with Message.user(...)",
+        )
+    if type(count) is not int or not 0 <= count <= INT64_MAX:  # the key is built for the error only
+        _whole_number(f"tokens[{index}]", count, minimum=0)
+    # The common message is copied without parsing its JSON (its metadata checked meanwhile).
+    copy = _plain_copy(message)
+    try:
+        if copy is None:
+            body, copy = _encode_and_read_back(message, f"{field}[{index}]")
+        else:
+            body = message.model_dump_json(warnings="error")
+    except PydanticSerializationError as exc:  # a lone surrogate, say
+        raise InvalidMessageError(f"{field}[{index}]", _first_error(exc)) from None
+    return body, count, copy
 
 
 def _encode_and_read_back(message: Message, where: str) -> tuple[str, Message]:
@@ -386,12 +394,30 @@ def _spliced(episode: Episode, field: str, message_body: str) -> str:
     return f'{rest[:-1]},"{field}":{message_body}}}'
 
 
+class Recording(NamedTuple):
+    """A step to record, checked and encoded once: what a store writes for ``record_and_append``.
+
+    Only :func:`encode_recording` and :func:`record_messages` build one, so a
+    store writes it as it is, without checking it again.
+    """
+
+    episodes: list[Episode]
+    bodies: list[str]
+    """Each episode's JSON."""
+    rows: list[tuple[str, int, Message]]
+    """Each message's JSON, its tokens and the copy that JSON reads back as."""
+    links: list[int | None]
+    """For each row, the index of the episode that records it."""
+    shared: list[bool]
+    """For each row, whether its JSON is its episode's body but the last character (stored once)."""
+
+
 def encode_recording(
     episodes: Sequence[Episode],
     messages: Sequence[Message],
     tokens: Sequence[int],
     message_episodes: Sequence[int] | None,
-) -> tuple[list[str], list[tuple[str, int, Message]], list[int | None]]:
+) -> Recording:
     """A step's episode bodies, message rows and links, each message encoded and read back once.
 
     A message recorded by its own episode (what ``Compactor.append`` does for
@@ -420,7 +446,79 @@ def encode_recording(
             raise InvalidMessageError(f"episodes[{index}]", _first_error(exc)) from None
         except InvalidMessageError as exc:
             raise InvalidMessageError(f"episodes[{index}]", exc.reason) from None
-    return bodies, rows, links
+    return Recording(list(episodes), bodies, rows, links, _shared(bodies, rows, links))
+
+
+def _shared(
+    bodies: Sequence[str], rows: Sequence[tuple[str, int, Message]], links: Sequence[int | None]
+) -> list[bool]:
+    """For each row, whether its JSON is its episode's body but the last character (so stored once)."""
+    flags = []
+    for (body, _, _), link in zip(rows, links, strict=True):
+        episode = None if link is None else bodies[link]
+        flags.append(episode is not None and len(episode) > len(body) and episode.endswith(body, 0, -1))
+    return flags
+
+
+def record_messages(
+    messages: list[Message],
+    tokens: list[int],
+    *,
+    model: str | None = None,
+    usage: Usage | None = None,
+    request_messages: int = 0,
+    request_tokens: int = 0,
+) -> Recording:
+    """The step ``Compactor.append`` records: each message by an episode of its own, encoded once.
+
+    What ``encode_recording`` makes of ``episode_for`` each message, with one
+    check and one encode per message and nothing to look up between them.
+    The LLM-call fields go to each assistant reply's episode.
+    """
+    episodes: list[Episode] = []
+    bodies: list[str] = []
+    rows: list[tuple[str, int, Message]] = []
+    reply_head: str | None = None
+    for index, (message, count) in enumerate(zip(messages, tokens, strict=True)):
+        row = _row(message, count, "messages", index)
+        episode = episode_for(
+            message,
+            model=model,
+            usage=usage,
+            request_messages=request_messages,
+            request_tokens=request_tokens,
+        )
+        kind = _MESSAGE_ONLY.get(type(episode))
+        if kind is not None:
+            bodies.append(f'{{"kind":"{kind}","message":{row[0]}}}')
+        else:
+            if reply_head is None:  # every reply of the step shares the call's fields
+                reply_head = _reply_head(episode)
+            bodies.append(f'{reply_head},"reply":{row[0]}}}')
+        episodes.append(episode)
+        rows.append(row)
+    n = len(rows)
+    return Recording(episodes, bodies, rows, list(range(n)), [True] * n)
+
+
+_DEFAULT_REPLY_HEAD = '{"kind":"llm_call","request_messages":0,"request_tokens":0,"model":null,"usage":null'
+"""An LLM call's JSON without its reply and closing brace, when the call's fields are the defaults."""
+
+
+def _reply_head(episode: Episode) -> str:
+    """The LLM call's JSON up to where its reply goes (what ``_spliced`` writes around it)."""
+    assert isinstance(episode, LlmCallEpisode)
+    if (
+        episode.model is None
+        and episode.usage is None
+        and episode.request_messages == 0
+        and episode.request_tokens == 0
+    ):
+        return _DEFAULT_REPLY_HEAD
+    try:
+        return episode.model_dump_json(exclude={"reply"}, warnings="error")[:-1]
+    except PydanticSerializationError as exc:
+        raise InvalidMessageError("model", _first_error(exc)) from None
 
 
 def check_message_episodes(
@@ -508,9 +606,11 @@ def whole_days(first: datetime | None, now: datetime) -> int:
     return max(0, math.floor((now - first).total_seconds() / 86_400))
 
 
-@dataclass(frozen=True, slots=True)
-class PressureCounters:
-    """A thread's episodic counters, maintained per episode so ``pressure`` never scans the log."""
+class PressureCounters(NamedTuple):
+    """A thread's episodic counters, maintained per episode so ``pressure`` never scans the log.
+
+    A named tuple: a new one is made for every recorded episode.
+    """
 
     last_seq: int = 0
     total_user_messages: int = 0

@@ -117,12 +117,14 @@ from .._episodes import (
 )
 from .._errors import ConfigError, StoreClosedError, StoreError
 from .._messages import Message
+from .._pacing import Pacer
 from .._policy import EpisodicCompactionPressure
 from .._resource import AsyncResource
 from ._base import ContextWindow, StoredMessage, ThreadInfo, ThreadState, ThreadStats, Tombstone
 from ._rows import (
     INT64_MAX,
     PressureCounters,
+    Recording,
     Window,
     by_activity,
     check_after_seq,
@@ -413,17 +415,6 @@ _WITH_EPISODES = (
     "ON m.body IS NULL AND e.thread = m.thread AND e.seq = m.episode_seq"
 )
 """The message rows, each beside the episode that holds its JSON when the row holds none."""
-
-
-def _shared(
-    bodies: Sequence[str], rows: Sequence[tuple[str, int]], links: Sequence[int | None]
-) -> list[bool]:
-    """For each row, whether its JSON is its episode's body but the last character (so stored once)."""
-    flags = []
-    for (body, _), link in zip(rows, links, strict=True):
-        episode = None if link is None else bodies[link]
-        flags.append(episode is not None and len(episode) > len(body) and episode.endswith(body, 0, -1))
-    return flags
 
 
 def _parse_time(thread: str, what: str, text: str) -> datetime:
@@ -757,7 +748,7 @@ async def _encode_recording(
     messages: Sequence[Message],
     tokens: Sequence[int],
     message_episodes: Sequence[int] | None,
-) -> tuple[list[str], list[tuple[str, int, Message]], list[int | None]]:
+) -> Recording:
     """``encode_recording``, off the event loop for a large batch."""
     return await _off_loop_if_large(messages, encode_recording, episodes, messages, tokens, message_episodes)
 
@@ -1070,6 +1061,7 @@ class SQLiteStore(AsyncResource):
         self._loop_reader: sqlite3.Connection | None = None
         self._loop_thread: dict[int, int] = {}
         self._read_lock = anyio.Lock()
+        self._pace = Pacer()
         self._closed = False
         self._leases: set[tuple[str, str]] = set()
         self._calls_since_checkpoint = 0
@@ -1327,9 +1319,9 @@ class SQLiteStore(AsyncResource):
         ``in_thread`` is the transaction the worker thread makes instead, when it differs.
         """
         if size <= _WRITE_ON_LOOP_BYTES and self._loop_writer is not None:
-            # The call's one yield comes before the write, so a cancellation cannot fall
-            # between the commit and the caller: it stops the write before it begins.
-            await anyio.lowlevel.checkpoint()
+            # Paced before the write, so a cancellation cannot fall between the commit and
+            # the caller: it stops the write before it begins.
+            await self._pace()
             done, result = self._write_on_loop(fn)
             if done:
                 return cast(_T, result)
@@ -1611,11 +1603,20 @@ class SQLiteStore(AsyncResource):
         message_episodes: Sequence[int] | None = None,
     ) -> list[StoredMessage]:
         check_thread(thread)
-        bodies, encoded, links = await _encode_recording(episodes, messages, tokens, message_episodes)
-        rows = [(body, count) for body, count, _ in encoded]
-        when = datetime.now(UTC)
+        recording = await _encode_recording(episodes, messages, tokens, message_episodes)
+        return await self._write_recording(thread, recording)
 
-        shared = _shared(bodies, rows, links)
+    async def _write_recording(self, thread: str, recording: Recording) -> list[StoredMessage]:
+        """``record_and_append`` of a step checked and encoded already, in one transaction."""
+        check_thread(thread)
+        episodes, bodies, links, shared = (
+            recording.episodes,
+            recording.bodies,
+            recording.links,
+            recording.shared,
+        )
+        rows = [(body, count) for body, count, _ in recording.rows]
+        when = datetime.now(UTC)
 
         def run(conn: sqlite3.Connection) -> tuple[int, list[int | None]]:
             with _transaction(conn, "IMMEDIATE"):
@@ -1624,7 +1625,7 @@ class SQLiteStore(AsyncResource):
         unshared = (len(body) for (body, _), share in zip(rows, shared, strict=True) if not share)
         size = sum(map(len, bodies)) + sum(unshared)
         first, linked = await self._write(run, size)
-        return _stored(first, encoded, linked)
+        return _stored(first, recording.rows, linked)
 
     async def fold(
         self,

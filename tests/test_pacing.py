@@ -1,0 +1,86 @@
+"""How the stores' cheap calls share the loop: always a cancellation point, a yield once per interval."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import anyio
+import pytest
+
+from contextfold import Message, _pacing
+from contextfold._pacing import PACE_SECONDS, Pacer
+from contextfold.stores import MemoryStore
+
+
+class Clock:
+    """A ``time.monotonic`` the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(_pacing.time, "monotonic", clock)
+    return clock
+
+
+async def test_a_pacer_yields_once_per_interval(clock: Clock) -> None:
+    """The first call yields to a waiting task; calls within the interval do not; the first after it does."""
+    pace = Pacer()
+    ran: list[int] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_note, ran, 1)
+        await pace()
+        assert ran == [1]
+        tg.start_soon(_note, ran, 2)
+        clock.now += PACE_SECONDS / 2
+        await pace()
+        assert ran == [1], "a call within the interval kept the loop"
+        clock.now += PACE_SECONDS
+        await pace()
+        assert ran == [1, 2]
+
+
+async def _note(ran: list[int], n: int) -> None:
+    ran.append(n)
+
+
+async def test_a_pacer_call_that_does_not_yield_still_raises_a_cancellation(clock: Clock) -> None:
+    """Within the interval a paced call is still a cancellation point."""
+    pace = Pacer()
+    await pace()
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await pace()
+        pytest.fail("the paced call did not see the cancellation")
+    assert scope.cancelled_caught
+
+
+async def test_a_loop_of_memory_writes_lets_other_tasks_run() -> None:
+    """A task that only appends to a MemoryStore still gives the loop to others, many times a second."""
+    ticks: list[float] = []
+
+    async def tick() -> None:
+        while True:
+            ticks.append(time.monotonic())
+            await anyio.sleep(0)
+
+    async with MemoryStore() as store, anyio.create_task_group() as tg:
+        tg.start_soon(tick)
+        await anyio.sleep(0)
+        started = time.monotonic()
+        n = 0
+        while time.monotonic() - started < 0.1:
+            await store.append("t", [Message.user(f"m{n}")], [1])
+            n += 1
+        tg.cancel_scope.cancel()
+    assert n > 100
+    assert len(ticks) >= 10, f"{len(ticks)} turns for the other task in 0.1 s of writes"
+    longest = max(b - a for a, b in itertools.pairwise(ticks))
+    assert longest < 0.05, f"the other task waited {longest * 1e3:.1f} ms"
