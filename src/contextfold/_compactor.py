@@ -22,11 +22,10 @@ and is applied at a later step if its prefix is unchanged.
 from __future__ import annotations
 
 import bisect
-import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Self
@@ -193,13 +192,43 @@ class _Cache:
         self.links.append(link)
         self.total_tokens += tokens
         self.last_seq = max(self.last_seq, seq)
-        for call in message.tool_calls:
-            self.open_calls[call.id] = call
-        if message.role is Role.TOOL:
-            if message.tool_call_id is not None:
-                self.open_calls.pop(message.tool_call_id, None)
-        else:
-            self.turns += 1
+        self._track((message,))
+
+    def _track(self, messages: Iterable[Message]) -> None:
+        """Count the messages' turns and note the calls they make or answer, in order."""
+        open_calls = self.open_calls
+        tool = Role.TOOL  # a member looked up on its enum class costs more than the rest of the loop
+        turns = 0
+        for message in messages:
+            for call in message.tool_calls:
+                open_calls[call.id] = call
+            if message.role is not tool:
+                turns += 1
+            elif message.tool_call_id is not None:
+                open_calls.pop(message.tool_call_id, None)
+        self.turns += turns
+
+    def folded(self, version: int, through_seq: int, replacement: list[Message], tokens: list[int]) -> _Cache:
+        """This cache once a fold replaced its rows through ``through_seq``: what ``add`` would build.
+
+        The rows after the cut are the same rows, so their lists are slices of
+        these; only their turns and calls are gone over again, since the calls
+        the folded rows made are gone.
+        """
+        start = bisect.bisect_right(self.seqs, through_seq)
+        unlinked: list[int | None] = [None] * len(replacement)
+        folded = _Cache(
+            version,
+            # through_seq is one of these rows' seqs, so neither it nor any kept seq is newer.
+            last_seq=self.last_seq,
+            plain=replacement + self.plain[start:],
+            seqs=[*range(through_seq - len(replacement) + 1, through_seq + 1), *self.seqs[start:]],
+            tokens=tokens + self.tokens[start:],
+            links=unlinked + self.links[start:],
+        )
+        folded.total_tokens = sum(folded.tokens)
+        folded._track(folded.plain)
+        return folded
 
     def snapshot(self) -> _Rows:
         """The rows as they are now, in lists of their own (a step may extend the cache meanwhile)."""
@@ -939,15 +968,9 @@ class Compactor:
         """Bring the cache to the folded state and set when the next token fold may fire."""
         cache = self._cache.get(thread)
         if cache is not None and cache.version == prepared.version:
-            first = prepared.through_seq - len(prepared.replacement) + 1
-            rebuilt = _Cache(prepared.version + 1)
-            for n, (message, count) in enumerate(zip(prepared.replacement, prepared.tokens, strict=True)):
-                rebuilt.add(first + n, message, count, None)
-            start = bisect.bisect_right(cache.seqs, prepared.through_seq)
-            kept = zip(cache.seqs, cache.plain, cache.tokens, cache.links, strict=True)
-            for seq, message, count, link in itertools.islice(kept, start, None):
-                rebuilt.add(seq, message, count, link)
-            rebuilt.last_seq = max(rebuilt.last_seq, cache.last_seq)
+            rebuilt = cache.folded(
+                prepared.version + 1, prepared.through_seq, prepared.replacement, prepared.tokens
+            )
             self._cache[thread] = rebuilt
             if not background:
                 # The step's state is its check's plus this fold: its context() needs no read.
