@@ -141,6 +141,8 @@ class _Rows:
     tokens: list[int]
     seqs: list[int]
     links: list[int | None]
+    open_calls: tuple[ToolCall, ...] | None = None
+    """The calls no result answers, in the order they were made, when known without reading the rows."""
 
     @classmethod
     def of(cls, rows: Sequence[StoredMessage]) -> _Rows:
@@ -150,6 +152,26 @@ class _Rows:
             [row.seq for row in rows],
             [row.episode_seq for row in rows],
         )
+
+    def unanswered(self) -> list[tuple[int, ToolCall]]:
+        """``unanswered_calls(self.messages)``, found from ``open_calls`` when there is at most one.
+
+        Several open calls made by one message are ordered as ``unanswered_calls``
+        orders them only by reading every row, so they are read.
+        """
+        calls = self.open_calls
+        if calls is None or len(calls) > 1:
+            return unanswered_calls(self.messages)
+        if not calls:
+            return []
+        (call,) = calls
+        # No call after it reuses its id (open_calls would be None), so it is the newest made.
+        index = next(
+            index
+            for index in range(len(self.messages) - 1, -1, -1)
+            if any(made is call for made in self.messages[index].tool_calls)
+        )
+        return [(index, call)]
 
 
 @dataclass(slots=True)
@@ -174,6 +196,8 @@ class _Cache:
     """Messages other than tool results, which belong to their call's turn: kept as rows arrive."""
     open_calls: dict[str, ToolCall] = field(default_factory=dict)
     """Tool calls in the context that no result answers yet, by id."""
+    reused_open_id: bool = False
+    """Some call was made while another with its id was open: ``open_calls`` kept only the newer one."""
 
     @classmethod
     def of(cls, window: ContextWindow) -> _Cache:
@@ -201,6 +225,8 @@ class _Cache:
         turns = 0
         for message in messages:
             for call in message.tool_calls:
+                if call.id in open_calls:
+                    self.reused_open_id = True
                 open_calls[call.id] = call
             if message.role is not tool:
                 turns += 1
@@ -232,7 +258,8 @@ class _Cache:
 
     def snapshot(self) -> _Rows:
         """The rows as they are now, in lists of their own (a step may extend the cache meanwhile)."""
-        return _Rows(self.plain.copy(), self.tokens.copy(), self.seqs.copy(), self.links.copy())
+        open_calls = None if self.reused_open_id else tuple(self.open_calls.values())
+        return _Rows(self.plain.copy(), self.tokens.copy(), self.seqs.copy(), self.links.copy(), open_calls)
 
     @property
     def messages(self) -> list[Message]:
@@ -684,20 +711,22 @@ class Compactor:
         window = await self.short_term.load(thread)
         return _Rows.of(window.messages), window.version, window.total_tokens
 
-    async def _close_abandoned(self, thread: str, messages: list[Message], settings: Settings) -> bool:
+    async def _close_abandoned(self, thread: str, rows: _Rows, settings: Settings) -> bool:
         """Give every abandoned tool call an error result; return whether any was closed."""
         turns_after = settings.abandon_after_turns
         seconds = settings.abandon_after_seconds
         if turns_after is None and seconds is None:
             return False
-        unanswered = unanswered_calls(messages)
+        unanswered = rows.unanswered()
+        messages = rows.messages
         if not unanswered:
             return False
         now = time.monotonic()
         closing: list[Message] = []
+        tool = Role.TOOL
         for index, call in unanswered:
             since = self._pending_since.setdefault((thread, call.id), now)
-            later_turns = sum(1 for m in messages[index + 1 :] if m.role is not Role.TOOL)
+            later_turns = sum(1 for m in messages[index + 1 :] if m.role is not tool)
             by_turns = turns_after is not None and later_turns >= turns_after
             by_time = seconds is not None and now - since >= seconds
             if not (by_turns or by_time):
@@ -734,7 +763,7 @@ class Compactor:
     ) -> _Prepared | CompactionResult | None:
         started = time.perf_counter()
         rows, version, total = await self._window(thread, settings)
-        if not recovery and await self._close_abandoned(thread, rows.messages, settings):
+        if not recovery and await self._close_abandoned(thread, rows, settings):
             rows, version, total = await self._window(thread, settings)
         messages, tokens, seqs = rows.messages, rows.tokens, rows.seqs
         overhead = self._overhead.get(thread, 0)
