@@ -841,8 +841,7 @@ class Compactor:
                     settings,
                     f"the summarizer failed ({skipped.cause}); nothing folded",
                 )
-            message = self._summary_message(summary, settings, room)
-            summary_tokens = self.counter.count(message)
+            message, summary_tokens = self._summary_message(summary, settings, room)
             new_head.append(message)
         elif plan.previous_summary is not None:
             new_head.append(plan.previous_summary)
@@ -1151,7 +1150,8 @@ class Compactor:
         )
         return summary.model_copy(update={"degraded": True})
 
-    def _summary_message(self, summary: Summary, settings: Settings, room: int) -> Message:
+    def _summary_message(self, summary: Summary, settings: Settings, room: int) -> tuple[Message, int]:
+        """The summary as the message that opens the context, and its tokens."""
         metadata: dict[str, Any] = {
             SUMMARY_METADATA_KEY: True,
             "contextfold.summary_model": summary.model,
@@ -1163,13 +1163,14 @@ class Compactor:
         )
         tokens = self.counter.count(message)
         if tokens <= room + 8:
-            return message
+            return message, tokens
         # A summarizer that overshoots is cut to the room left, keeping its start and its end.
         text = summary.text
         keep = max(1, int(len(text) * room / tokens * 0.9))
         marker = "\n[... summary cut to fit the target ...]\n"
         cut = text[: keep * 2 // 3] + marker + text[len(text) - keep // 3 :]
-        return message.model_copy(update={"content": SUMMARY_PREFIX + cut})
+        message = message.model_copy(update={"content": SUMMARY_PREFIX + cut})
+        return message, self.counter.count(message)
 
     # Background folding -------------------------------------------------------------
 
