@@ -22,11 +22,10 @@ and is applied at a later step if its prefix is unchanged.
 from __future__ import annotations
 
 import bisect
-import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, NamedTuple, Self
@@ -153,6 +152,8 @@ class _Rows:
     tokens: list[int]
     seqs: list[int]
     links: list[int | None]
+    open_calls: tuple[ToolCall, ...] | None = None
+    """The calls no result answers, in the order they were made, when known without reading the rows."""
 
     @classmethod
     def of(cls, rows: Sequence[StoredMessage]) -> _Rows:
@@ -162,6 +163,26 @@ class _Rows:
             [row.seq for row in rows],
             [row.episode_seq for row in rows],
         )
+
+    def unanswered(self) -> list[tuple[int, ToolCall]]:
+        """``unanswered_calls(self.messages)``, found from ``open_calls`` when there is at most one.
+
+        Several open calls made by one message are ordered as ``unanswered_calls``
+        orders them only by reading every row, so they are read.
+        """
+        calls = self.open_calls
+        if calls is None or len(calls) > 1:
+            return unanswered_calls(self.messages)
+        if not calls:
+            return []
+        (call,) = calls
+        # No call after it reuses its id (open_calls would be None), so it is the newest made.
+        index = next(
+            index
+            for index in range(len(self.messages) - 1, -1, -1)
+            if any(made is call for made in self.messages[index].tool_calls)
+        )
+        return [(index, call)]
 
 
 @dataclass(slots=True)
@@ -186,6 +207,8 @@ class _Cache:
     """Messages other than tool results, which belong to their call's turn: kept as rows arrive."""
     open_calls: dict[str, ToolCall] = field(default_factory=dict)
     """Tool calls in the context that no result answers yet, by id."""
+    reused_open_id: bool = False
+    """Some call was made while another with its id was open: ``open_calls`` kept only the newer one."""
 
     @classmethod
     def of(cls, window: ContextWindow) -> _Cache:
@@ -204,17 +227,50 @@ class _Cache:
         self.links.append(link)
         self.total_tokens += tokens
         self.last_seq = max(self.last_seq, seq)
-        for call in message.tool_calls:
-            self.open_calls[call.id] = call
-        if message.role is Role.TOOL:
-            if message.tool_call_id is not None:
-                self.open_calls.pop(message.tool_call_id, None)
-        else:
-            self.turns += 1
+        self._track((message,))
+
+    def _track(self, messages: Iterable[Message]) -> None:
+        """Count the messages' turns and note the calls they make or answer, in order."""
+        open_calls = self.open_calls
+        tool = Role.TOOL  # a member looked up on its enum class costs more than the rest of the loop
+        turns = 0
+        for message in messages:
+            for call in message.tool_calls:
+                if call.id in open_calls:
+                    self.reused_open_id = True
+                open_calls[call.id] = call
+            if message.role is not tool:
+                turns += 1
+            elif message.tool_call_id is not None:
+                open_calls.pop(message.tool_call_id, None)
+        self.turns += turns
+
+    def folded(self, version: int, through_seq: int, replacement: list[Message], tokens: list[int]) -> _Cache:
+        """This cache once a fold replaced its rows through ``through_seq``: what ``add`` would build.
+
+        The rows after the cut are the same rows, so their lists are slices of
+        these; only their turns and calls are gone over again, since the calls
+        the folded rows made are gone.
+        """
+        start = bisect.bisect_right(self.seqs, through_seq)
+        unlinked: list[int | None] = [None] * len(replacement)
+        folded = _Cache(
+            version,
+            # through_seq is one of these rows' seqs, so neither it nor any kept seq is newer.
+            last_seq=self.last_seq,
+            plain=replacement + self.plain[start:],
+            seqs=[*range(through_seq - len(replacement) + 1, through_seq + 1), *self.seqs[start:]],
+            tokens=tokens + self.tokens[start:],
+            links=unlinked + self.links[start:],
+        )
+        folded.total_tokens = sum(folded.tokens)
+        folded._track(folded.plain)
+        return folded
 
     def snapshot(self) -> _Rows:
         """The rows as they are now, in lists of their own (a step may extend the cache meanwhile)."""
-        return _Rows(self.plain.copy(), self.tokens.copy(), self.seqs.copy(), self.links.copy())
+        open_calls = None if self.reused_open_id else tuple(self.open_calls.values())
+        return _Rows(self.plain.copy(), self.tokens.copy(), self.seqs.copy(), self.links.copy(), open_calls)
 
     @property
     def messages(self) -> list[Message]:
@@ -700,20 +756,22 @@ class Compactor:
         window = await self.short_term.load(thread)
         return _Rows.of(window.messages), window.version, window.total_tokens
 
-    async def _close_abandoned(self, thread: str, messages: list[Message], settings: Settings) -> bool:
+    async def _close_abandoned(self, thread: str, rows: _Rows, settings: Settings) -> bool:
         """Give every abandoned tool call an error result; return whether any was closed."""
         turns_after = settings.abandon_after_turns
         seconds = settings.abandon_after_seconds
         if turns_after is None and seconds is None:
             return False
-        unanswered = unanswered_calls(messages)
+        unanswered = rows.unanswered()
+        messages = rows.messages
         if not unanswered:
             return False
         now = time.monotonic()
         closing: list[Message] = []
+        tool = Role.TOOL
         for index, call in unanswered:
             since = self._pending_since.setdefault((thread, call.id), now)
-            later_turns = sum(1 for m in messages[index + 1 :] if m.role is not Role.TOOL)
+            later_turns = sum(1 for m in messages[index + 1 :] if m.role is not tool)
             by_turns = turns_after is not None and later_turns >= turns_after
             by_time = seconds is not None and now - since >= seconds
             if not (by_turns or by_time):
@@ -750,7 +808,7 @@ class Compactor:
     ) -> _Prepared | CompactionResult | None:
         started = time.perf_counter()
         rows, version, total = await self._window(thread, settings)
-        if not recovery and await self._close_abandoned(thread, rows.messages, settings):
+        if not recovery and await self._close_abandoned(thread, rows, settings):
             rows, version, total = await self._window(thread, settings)
         messages, tokens, seqs = rows.messages, rows.tokens, rows.seqs
         overhead = self._overhead.get(thread, 0)
@@ -828,8 +886,7 @@ class Compactor:
                     settings,
                     f"the summarizer failed ({skipped.cause}); nothing folded",
                 )
-            message = self._summary_message(summary, settings, room)
-            summary_tokens = self.counter.count(message)
+            message, summary_tokens = self._summary_message(summary, settings, room)
             new_head.append(message)
         elif plan.previous_summary is not None:
             new_head.append(plan.previous_summary)
@@ -984,15 +1041,9 @@ class Compactor:
         """Bring the cache to the folded state and set when the next token fold may fire."""
         cache = self._cache.get(thread)
         if cache is not None and cache.version == prepared.version:
-            first = prepared.through_seq - len(prepared.replacement) + 1
-            rebuilt = _Cache(prepared.version + 1)
-            for n, (message, count) in enumerate(zip(prepared.replacement, prepared.tokens, strict=True)):
-                rebuilt.add(first + n, message, count, None)
-            start = bisect.bisect_right(cache.seqs, prepared.through_seq)
-            kept = zip(cache.seqs, cache.plain, cache.tokens, cache.links, strict=True)
-            for seq, message, count, link in itertools.islice(kept, start, None):
-                rebuilt.add(seq, message, count, link)
-            rebuilt.last_seq = max(rebuilt.last_seq, cache.last_seq)
+            rebuilt = cache.folded(
+                prepared.version + 1, prepared.through_seq, prepared.replacement, prepared.tokens
+            )
             self._cache[thread] = rebuilt
             if not background:
                 # The step's state is its check's plus this fold: its context() needs no read.
@@ -1144,7 +1195,8 @@ class Compactor:
         )
         return summary.model_copy(update={"degraded": True})
 
-    def _summary_message(self, summary: Summary, settings: Settings, room: int) -> Message:
+    def _summary_message(self, summary: Summary, settings: Settings, room: int) -> tuple[Message, int]:
+        """The summary as the message that opens the context, and its tokens."""
         metadata: dict[str, Any] = {
             SUMMARY_METADATA_KEY: True,
             "contextfold.summary_model": summary.model,
@@ -1156,13 +1208,14 @@ class Compactor:
         )
         tokens = self.counter.count(message)
         if tokens <= room + 8:
-            return message
+            return message, tokens
         # A summarizer that overshoots is cut to the room left, keeping its start and its end.
         text = summary.text
         keep = max(1, int(len(text) * room / tokens * 0.9))
         marker = "\n[... summary cut to fit the target ...]\n"
         cut = text[: keep * 2 // 3] + marker + text[len(text) - keep // 3 :]
-        return message.model_copy(update={"content": SUMMARY_PREFIX + cut})
+        message = message.model_copy(update={"content": SUMMARY_PREFIX + cut})
+        return message, self.counter.count(message)
 
     # Background folding -------------------------------------------------------------
 

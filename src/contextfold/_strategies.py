@@ -197,10 +197,11 @@ def unanswered_calls(messages: Sequence[Message]) -> list[tuple[int, ToolCall]]:
     providers reuse across replies ("call_0") pair up by position.
     """
     open_calls: dict[str, list[tuple[int, ToolCall]]] = {}
+    tool = Role.TOOL  # a member looked up on its enum class costs more than the rest of the loop
     for index, message in enumerate(messages):
         for call in message.tool_calls:
             open_calls.setdefault(call.id, []).append((index, call))
-        if message.role is Role.TOOL:
+        if message.role is tool:
             waiting = open_calls.get(message.tool_call_id or "")
             if waiting:
                 waiting.pop()

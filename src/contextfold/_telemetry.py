@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Final
 
 from ._episodes import Usage
@@ -302,12 +302,33 @@ class Telemetry:
         """OpenTelemetry is installed; whether anything is exported is up to its providers."""
         return self._tracer is not None
 
+    def _recording_tracer(self) -> Tracer | None:
+        """The tracer, or ``None`` while it is OpenTelemetry's API with no SDK behind it.
+
+        Such a tracer's spans record nothing and only pass the caller's span on,
+        yet opening two of them costs more than the rest of a fold's bookkeeping.
+        Asked at every fold, since an SDK may be set up after the compactor.
+        """
+        tracer = self._tracer
+        if tracer is None:
+            return None
+        from opentelemetry import trace
+
+        if isinstance(tracer, trace.NoOpTracer):
+            return None
+        if isinstance(tracer, trace.ProxyTracer) and isinstance(
+            trace.get_tracer_provider(), trace.ProxyTracerProvider
+        ):
+            return None
+        return tracer
+
     @contextmanager
     def fold_span(
         self, thread: str, reason: str | None = None, *, background: bool = False
     ) -> Iterator[FoldSpan]:
         """Open the ``contextfold.fold`` span for one fold attempt; it becomes the current span."""
-        if self._tracer is None:
+        tracer = self._recording_tracer()
+        if tracer is None:
             yield FoldSpan(None)
             return
         from opentelemetry.trace import SpanKind
@@ -316,7 +337,7 @@ class Telemetry:
         if reason is not None:
             attributes[ATTR_REASON] = reason
         with (
-            self._tracer.start_as_current_span(
+            tracer.start_as_current_span(
                 FOLD_SPAN_NAME, kind=SpanKind.INTERNAL, attributes=attributes
             ) as span,
             _marked(span),
@@ -338,29 +359,40 @@ class Telemetry:
             attributes[GEN_AI_REQUEST_MODEL] = model
         if provider is not None:
             attributes[GEN_AI_PROVIDER] = provider
-        if self._tracer is None or self._metrics is None:
+        metrics = self._metrics
+        if metrics is None:
             yield SummarizerCall(None, None, attributes)
             return
+        tracer = self._recording_tracer()
+        # Timed with or without a span: the metrics may have an SDK that the traces lack.
+        scope = nullcontext() if tracer is None else self._client_span(tracer, model, max_tokens, attributes)
+        started = time.perf_counter()
+        with scope as span:
+            try:
+                yield SummarizerCall(span, metrics, attributes)
+            except Exception as exc:
+                duration = time.perf_counter() - started
+                metrics.summarizer_duration.record(duration, {**attributes, ERROR_TYPE: error_type(exc)})
+                raise
+            metrics.summarizer_duration.record(time.perf_counter() - started, attributes)
+
+    @staticmethod
+    @contextmanager
+    def _client_span(
+        tracer: Tracer, model: str | None, max_tokens: int | None, attributes: dict[str, Any]
+    ) -> Iterator[Span]:
+        """The current ``summarize {model}`` span, marked with how the call ended."""
         from opentelemetry.trace import SpanKind
 
         name = f"{SUMMARIZE_OPERATION} {model}" if model else SUMMARIZE_OPERATION
         span_attributes = dict(attributes)
         if max_tokens is not None:
             span_attributes[GEN_AI_REQUEST_MAX_TOKENS] = max_tokens
-        duration = self._metrics.summarizer_duration
-        started = time.perf_counter()
         with (
-            self._tracer.start_as_current_span(
-                name, kind=SpanKind.CLIENT, attributes=span_attributes
-            ) as span,
+            tracer.start_as_current_span(name, kind=SpanKind.CLIENT, attributes=span_attributes) as span,
             _marked(span),
         ):
-            try:
-                yield SummarizerCall(span, self._metrics, attributes)
-            except Exception as exc:
-                duration.record(time.perf_counter() - started, {**attributes, ERROR_TYPE: error_type(exc)})
-                raise
-            duration.record(time.perf_counter() - started, attributes)
+            yield span
 
     def record_event(self, event: CompactionEvent) -> None:
         """A subscriber: count the event in the fold metrics."""

@@ -224,14 +224,14 @@ class MemoryStore(AsyncResource):
         if cut == 0 or messages[cut - 1].seq != through_seq:
             raise missing_seq_conflict(thread, through_seq)
         removed = sum(stored.tokens for stored in messages[:cut])
-        new = stats.model_copy(
-            update={
-                "message_count": stats.message_count - cut + len(rows),
-                "total_tokens": check_total(
-                    thread, stats.total_tokens - removed + sum(count for _, count, _ in rows)
-                ),
-                "version": stats.version + 1,
-            }
+        new = trusted(
+            ThreadStats,
+            message_count=stats.message_count - cut + len(rows),
+            total_tokens=check_total(
+                thread, stats.total_tokens - removed + sum(count for _, count, _ in rows)
+            ),
+            version=stats.version + 1,
+            last_seq=stats.last_seq,
         )
         return context, cut, new
 
@@ -246,8 +246,12 @@ class MemoryStore(AsyncResource):
     ) -> None:
         first = through_seq - len(rows) + 1
         new = [
-            StoredMessage(
-                seq=first + n, tokens=count, message=copy, episode_seq=summary_episode_seq if n == 0 else None
+            trusted(
+                StoredMessage,
+                seq=first + n,
+                message=copy,
+                tokens=count,
+                episode_seq=summary_episode_seq if n == 0 else None,
             )
             for n, (_, count, copy) in enumerate(rows)
         ]
@@ -372,7 +376,7 @@ class MemoryStore(AsyncResource):
         context, cut, stats = self._swap(thread, through_seq, expected_version, rows)
         when = datetime.now(UTC)
         seq = self._record_body(thread, checkpoint, body, when)
-        record = EpisodeRecord(thread=thread, seq=seq, at=when, episode=checkpoint)
+        record = trusted(EpisodeRecord, thread=thread, seq=seq, at=when, episode=checkpoint)
         self._contexts[thread] = context
         self._apply(context, cut, stats, through_seq, rows, record.seq)
         return record

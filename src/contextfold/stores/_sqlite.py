@@ -687,30 +687,31 @@ def _swap(
     stats = _read_stats(conn, thread)
     if stats.version != expected_version:
         raise version_conflict(thread, stats.version, expected_version)
-    if _one(conn, "SELECT 1 FROM messages WHERE thread = ? AND seq = ?", (thread, through_seq)) is None:
-        raise missing_seq_conflict(thread, through_seq)
     if most is not None:  # counted no further than the bound, so a long thread costs the loop nothing
         (found,) = conn.execute(
             "SELECT count(*) FROM (SELECT 1 FROM messages WHERE thread = ? AND seq <= ? LIMIT ?)",
             (thread, through_seq, most + 1),
         ).fetchone()
         if found > most:
-            raise _TooLargeForTheLoop
-    count, removed = conn.execute(
-        "SELECT count(*), coalesce(sum(tokens), 0) FROM messages WHERE thread = ? AND seq <= ?",
+            raise _TooLargeForTheLoop  # the swap in the thread looks for the missing seq too
+    # The newest row removed is through_seq's if that row exists: no lookup of its own.
+    count, removed, newest = conn.execute(
+        "SELECT count(*), coalesce(sum(tokens), 0), max(seq) FROM messages WHERE thread = ? AND seq <= ?",
         (thread, through_seq),
     ).fetchone()
+    if newest != through_seq:
+        raise missing_seq_conflict(thread, through_seq)
     total = check_total(thread, stats.total_tokens - removed + sum(n for _, n in rows))
     link = summary_episode_seq()
     conn.execute("DELETE FROM messages WHERE thread = ? AND seq <= ?", (thread, through_seq))
     links = [link if n == 0 else None for n in range(len(rows))]
     _insert_messages(conn, thread, through_seq - len(rows) + 1, rows, links)
-    new = stats.model_copy(
-        update={
-            "message_count": stats.message_count - count + len(rows),
-            "total_tokens": total,
-            "version": stats.version + 1,
-        }
+    new = trusted(
+        ThreadStats,
+        message_count=stats.message_count - count + len(rows),
+        total_tokens=total,
+        version=stats.version + 1,
+        last_seq=stats.last_seq,
     )
     _write_stats(conn, thread, new)
     return new
@@ -1655,7 +1656,7 @@ class SQLiteStore(AsyncResource):
             return seqs[0]
 
         seq = await self._swap_write(run, len(body) + sum(len(row) for row, _ in rows))
-        return EpisodeRecord(thread=thread, seq=seq, at=when, episode=checkpoint)
+        return trusted(EpisodeRecord, thread=thread, seq=seq, at=when, episode=checkpoint)
 
     async def forget(self, thread: str) -> Tombstone:
         check_thread(thread)

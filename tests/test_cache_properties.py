@@ -1,0 +1,61 @@
+"""The compactor's cached context agrees with reading its rows, over random conversations.
+
+Ids come from a small set, so calls reuse the ids of answered calls, and of
+calls still open, as some providers' ids ("call_0") do.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from contextfold import Message, ToolCall
+from contextfold._compactor import _Cache
+from contextfold._strategies import unanswered_calls
+
+PROPERTY_SETTINGS = settings(max_examples=300, deadline=None)
+
+IDS = ("call_0", "call_1", "call_2")
+
+messages_ = st.one_of(
+    st.builds(Message.user, st.just("task")),
+    st.builds(Message.assistant, st.just("done")),
+    st.lists(st.sampled_from(IDS), min_size=1, max_size=3, unique=True).map(
+        lambda ids: Message.assistant(None, tool_calls=[ToolCall(id=i, name="read") for i in ids])
+    ),
+    st.sampled_from(IDS).map(lambda i: Message.tool(i, "output")),
+)
+
+
+def cache_of(messages: list[Message], tokens: list[int]) -> _Cache:
+    cache = _Cache(1)
+    for n, (message, count) in enumerate(zip(messages, tokens, strict=True)):
+        cache.add(n + 1, message, count, n)
+    return cache
+
+
+@PROPERTY_SETTINGS
+@given(st.lists(messages_, max_size=16))
+def test_the_cached_open_calls_give_what_reading_the_rows_gives(messages: list[Message]) -> None:
+    rows = cache_of(messages, [1] * len(messages)).snapshot()
+    assert rows.unanswered() == unanswered_calls(messages)
+
+
+@PROPERTY_SETTINGS
+@given(st.data(), st.lists(messages_, min_size=1, max_size=16))
+def test_the_cache_after_a_fold_is_the_cache_of_the_folded_rows(
+    data: st.DataObject, messages: list[Message]
+) -> None:
+    tokens = data.draw(st.lists(st.integers(0, 50), min_size=len(messages), max_size=len(messages)))
+    through = data.draw(st.integers(1, len(messages)))
+    replacement = data.draw(st.lists(messages_, max_size=through))
+    counts = data.draw(st.lists(st.integers(0, 50), min_size=len(replacement), max_size=len(replacement)))
+    folded = cache_of(messages, tokens).folded(2, through, replacement, counts)
+    expected = _Cache(2)
+    for n, (message, count) in enumerate(zip(replacement, counts, strict=True)):
+        expected.add(through - len(replacement) + 1 + n, message, count, None)
+    for n in range(through, len(messages)):
+        expected.add(n + 1, messages[n], tokens[n], n)
+    expected.last_seq = len(messages)
+    assert folded == expected
+    assert list(folded.open_calls.items()) == list(expected.open_calls.items())
