@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contextfold import InvalidMessageError, Message, Role, ToolCall
-from contextfold.stores._rows import encode_rows
+from contextfold.episodes import Usage, episode_for
+from contextfold.stores._rows import _EPISODE_ADAPTER, encode_recording, encode_rows, record_messages
 
 scalars = st.one_of(
     st.none(),
@@ -100,3 +101,61 @@ def test_a_tool_call_built_without_validation_is_still_refused() -> None:
     with pytest.raises(InvalidMessageError) as info:
         encode_rows([message], [1])
     assert info.value.field == "messages[0]" and "arguments" in info.value.reason
+
+
+calls = st.one_of(
+    st.just({}),
+    st.fixed_dictionaries(
+        {
+            "model": st.one_of(st.none(), st.text(max_size=10)),
+            "usage": st.one_of(
+                st.none(),
+                st.builds(Usage, input_tokens=st.integers(0, 10**6), output_tokens=st.integers(0, 10**6)),
+            ),
+            "request_messages": st.integers(0, 1000),
+            "request_tokens": st.integers(0, 10**6),
+        }
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(messages(), max_size=4), calls)
+def test_a_step_recorded_by_append_encodes_as_the_general_recording(
+    batch: list[Message], call: dict[str, Any]
+) -> None:
+    """record_messages gives what encode_recording gives for each message's own episode, byte for byte."""
+    tokens = list(range(len(batch)))
+    fast = record_messages(batch, tokens, **call)
+    episodes = [episode_for(message, **call) for message in batch]
+    general = encode_recording(episodes, batch, tokens, list(range(len(batch))))
+    assert fast.bodies == general.bodies
+    assert fast.episodes == general.episodes
+    assert fast.links == general.links
+    assert fast.shared == general.shared == [True] * len(batch)
+    assert [row[:2] for row in fast.rows] == [row[:2] for row in general.rows]
+    for (_, _, copy), (_, _, expected), message in zip(fast.rows, general.rows, batch, strict=True):
+        same(copy, expected)
+        assert copy is not message
+    for body in fast.bodies:
+        assert _EPISODE_ADAPTER.validate_json(body)  # each reads back as an episode
+
+
+@pytest.mark.parametrize("field", ["role", "arguments"])
+def test_a_step_recorded_by_append_refuses_what_encode_rows_refuses(field: str) -> None:
+    """A message built without validation fails record_messages with the same field and reason."""
+    if field == "role":
+        bad = Message.model_construct(
+            role=Role.TOOL, content="result", tool_calls=(), tool_call_id=None, name=None, metadata={}
+        )
+    else:
+        call = ToolCall.model_construct(id="c1", name="f", arguments="{not json")
+        bad = Message.model_construct(
+            role=Role.ASSISTANT, content=None, tool_calls=(call,), tool_call_id=None, name=None, metadata={}
+        )
+    with pytest.raises(InvalidMessageError) as general:
+        encode_rows([Message.user("fine"), bad], [1, 1])
+    with pytest.raises(InvalidMessageError) as fast:
+        record_messages([Message.user("fine"), bad], [1, 1])
+    assert (fast.value.field, fast.value.reason) == (general.value.field, general.value.reason)
+    assert fast.value.field == "messages[1]"
