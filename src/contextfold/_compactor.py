@@ -555,6 +555,9 @@ class Compactor:
                 and tokens > settings.background_at * settings.budget
             ):
                 self._start_background(thread, settings)
+                # The summary starts now, not at the stores' next paced yield: a loop that only
+                # records and checks would otherwise reach the hard trigger before it began.
+                await anyio.lowlevel.checkpoint()
             return None
         if reason in TOKEN_REASONS and tokens <= self._next_fold_at.get(thread, 0):
             return None
