@@ -672,7 +672,10 @@ class Compactor:
         A tool result whose call is no longer open in the context (it was closed
         as abandoned) reaches it as a plain note instead of an orphaned tool message.
         """
-        if all(message.role is not Role.TOOL for message in messages):
+        for message in messages:
+            if message.role is Role.TOOL:
+                break
+        else:
             return messages
         open_calls = await self._open_calls(thread, messages)
         sent: list[Message] = []

@@ -366,7 +366,8 @@ def _read_stats(conn: sqlite3.Connection, thread: str) -> ThreadStats:
 def _stats(thread: str, row: tuple[Any, ...] | None) -> ThreadStats:
     if row is None or row[0] is None:
         return ThreadStats()
-    _whole_numbers(thread, "the threads row", row)  # what ThreadStats holds, so it is built unvalidated
+    if not (type(row[0]) is type(row[1]) is type(row[2]) is type(row[3]) is int):
+        _whole_numbers(thread, "the threads row", row)  # what ThreadStats holds: built unvalidated
     return trusted(ThreadStats, message_count=row[0], total_tokens=row[1], version=row[2], last_seq=row[3])
 
 
@@ -396,7 +397,8 @@ def _insert_messages(
     """
     links = list(episode_seqs) or [None] * len(rows)
     flags = list(shared) or [False] * len(rows)
-    conn.executemany(
+    _insert(
+        conn,
         "INSERT INTO messages (thread, seq, tokens, body, episode_seq, body_chars) VALUES (?, ?, ?, ?, ?, ?)",
         [
             (thread, first_seq + n, count, None, link, len(body))
@@ -405,6 +407,14 @@ def _insert_messages(
             for n, ((body, count), link, share) in enumerate(zip(rows, links, flags, strict=True))
         ],
     )
+
+
+def _insert(conn: sqlite3.Connection, statement: str, rows: list[tuple[object, ...]]) -> None:
+    """``executemany``, or ``execute`` for the one row a step usually inserts (a little cheaper)."""
+    if len(rows) == 1:
+        conn.execute(statement, rows[0])
+    else:
+        conn.executemany(statement, rows)
 
 
 _BODY = "coalesce(m.body, substr(e.body, -1 - m.body_chars, m.body_chars))"
@@ -503,7 +513,8 @@ def _insert_episodes(
     when: datetime,
 ) -> None:
     at = when.isoformat()
-    conn.executemany(
+    _insert(
+        conn,
         "INSERT INTO episodes (thread, seq, at, kind, body) VALUES (?, ?, ?, ?, ?)",
         [
             (thread, seq, at, episode.kind, body)
@@ -577,7 +588,7 @@ WHERE thread = ? AND {_COUNTERS_SOUND} AND {_STATS_SOUND} AND {_EPISODES_IN_RANG
 RETURNING last_episode_seq, last_seq"""
 """Both updates of a recorded step in one statement: ``_COUNT_MESSAGES`` and ``_COUNT_ROWS`` at once."""
 
-_MESSAGE_EPISODES = (UserMessageEpisode, SystemMessageEpisode, ToolResultEpisode, LlmCallEpisode)
+_MESSAGE_EPISODES = frozenset({UserMessageEpisode, SystemMessageEpisode, ToolResultEpisode, LlmCallEpisode})
 
 
 def _message_episodes(episodes: Sequence[Episode]) -> tuple[int, int] | None:
@@ -586,9 +597,13 @@ def _message_episodes(episodes: Sequence[Episode]) -> tuple[int, int] | None:
     Message episodes only add: to the seq, and a user message to the three
     user-message counts; the boundary, the runs and the first time stay.
     """
-    if not episodes or not all(type(episode) in _MESSAGE_EPISODES for episode in episodes):
-        return None
-    return len(episodes), sum(1 for episode in episodes if type(episode) is UserMessageEpisode)
+    users = 0
+    for episode in episodes:
+        kind = type(episode)
+        if kind not in _MESSAGE_EPISODES:
+            return None
+        users += kind is UserMessageEpisode
+    return (len(episodes), users) if episodes else None
 
 
 def _count_messages_recorded(
@@ -621,7 +636,7 @@ def _count_step(
 ) -> tuple[int, int] | None:
     """``_COUNT_STEP``: the new ``last_episode_seq`` and ``last_seq``, or ``None`` with nothing written."""
     adds = _message_episodes(episodes)
-    tokens = sum(count for _, count in rows)
+    tokens = sum([count for _, count in rows])
     if adds is None or not rows or tokens > INT64_MAX:
         return None
     (n, users), m = adds, len(rows)
