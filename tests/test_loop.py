@@ -28,8 +28,7 @@ from contextfold import (
 from contextfold.episodes import LlmCallEpisode, RunCompletedEpisode, ToolCallEpisode
 from contextfold.loop import Compacted, RunFinished, TextDelta, ToolFinished
 from contextfold.messages import TOOL_ERROR_METADATA_KEY
-from contextfold.stores import MemoryStore, SQLiteStore
-from contextfold.stores import _rows
+from contextfold.stores import MemoryStore, SQLiteStore, _rows
 from contextfold.testing import ScriptedModel, tool_step
 from contextfold.tokens import ApproximateCounter
 
