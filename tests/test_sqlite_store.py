@@ -872,7 +872,7 @@ async def test_a_caller_cancelled_before_its_write_submits_nothing(
 async def test_a_paced_write_on_the_loop_yields_before_it_writes(tmp_path: Path) -> None:
     """At NORMAL a write due to yield lets other tasks run first; a cancellation then stops it whole.
 
-    Writes are paced (see ``contextfold._pacing``): one made a millisecond or
+    Writes are paced (see ``contextfold._pacing``): one made 0.2 ms or
     more after the store last yielded gives the loop away before it writes.
     On asyncio, which runs woken tasks in order (trio shuffles each batch, so
     which of two woken tasks goes first is not fixed there).

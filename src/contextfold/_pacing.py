@@ -8,8 +8,14 @@ from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
 
 __all__ = ["PACE_SECONDS", "Pacer"]
 
-PACE_SECONDS = 0.001
-"""The longest run of paced calls before they hand the event loop to other tasks."""
+PACE_SECONDS = 0.0002
+"""The longest run of paced calls before they hand the event loop to other tasks.
+
+About two steps of an agent's work: a loop of steps pays for a round of the
+event loop once in a few steps, while with 50 agents that never wait the
+event loop's lag stays tens of milliseconds (a one-millisecond slice let it
+reach 160 ms in ``benchmarks/bench_agents.py``).
+"""
 
 
 class Pacer:
@@ -19,7 +25,7 @@ class Pacer:
     (several microseconds, more than a memory write itself); one that only
     looks for a cancellation costs about one. So a loop that only records and
     checks stops at once when cancelled, and lets other tasks (a background
-    summary, a heartbeat) run at least every millisecond, without paying a
+    summary, a heartbeat) run at least every 0.2 ms, without paying a
     loop round on every call.
     """
 

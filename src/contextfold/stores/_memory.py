@@ -15,8 +15,8 @@ not: a no-op check that yielded would wait one round of every other ready
 task, which with many busy agents on one loop is most of its latency, and
 asking anyio whether the caller was cancelled costs more than the lookup.
 The other calls are paced (see :class:`~contextfold._pacing.Pacer`): each
-looks for a cancellation, and they yield to other tasks at least once a
-millisecond, so a loop that only records and checks still lets a background
+looks for a cancellation, and they yield to other tasks at least every
+0.2 ms, so a loop that only records and checks still lets a background
 summary (or any other task) run, without paying a round of the event loop on
 every write.
 """
