@@ -28,7 +28,7 @@ from contextfold import (
 )
 from contextfold.episodes import ManualRecoveryBoundary, SummaryCheckpoint
 from contextfold.messages import SUMMARY_METADATA_KEY, SUMMARY_PREFIX, TRUNCATED_METADATA_KEY
-from contextfold.stores import MemoryStore, SQLiteStore
+from contextfold.stores import MemoryStore, SQLiteStore, StoredMessage
 from contextfold.summarizers import FunctionSummarizer, Summary
 from contextfold.tokens import ApproximateCounter, TiktokenCounter
 
@@ -780,3 +780,40 @@ def test_episode_for_a_message_equals_the_validated_episode() -> None:
         episode_for(messages[3], request_tokens=-1)
     usage = Usage(input_tokens=5, output_tokens=2)
     assert episode_for(messages[3], model="m", usage=usage).usage == usage  # type: ignore[union-attr]
+
+
+class _SpiedStore(MemoryStore):
+    """A store whose record_and_append a user wrapped, as a subclass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[list[str]] = []
+
+    async def record_and_append(
+        self, thread: str, episodes: Any, messages: Any, tokens: Any, **kw: Any
+    ) -> list[StoredMessage]:
+        self.seen.append([m.text for m in messages])
+        return await super().record_and_append(thread, episodes, messages, tokens, **kw)
+
+
+async def test_a_store_whose_record_and_append_is_replaced_gets_every_step_through_it() -> None:
+    """A subclass or an instance that replaces record_and_append sees every append, in order."""
+    async with _SpiedStore() as store:
+        compactor = Compactor(store, options=options(), counter=ApproximateCounter())
+        await compactor.append(THREAD, [Message.user("a")])
+        await compactor.append(THREAD, [Message.user("b"), Message.assistant("c")])
+        assert store.seen == [["a"], ["b", "c"]]
+        assert [m.text for m in await compactor.context(THREAD)] == ["a", "b", "c"]
+    calls: list[int] = []
+    async with MemoryStore() as plain:
+        original = plain.record_and_append
+
+        async def spy(*args: Any, **kw: Any) -> list[StoredMessage]:
+            calls.append(1)
+            return await original(*args, **kw)
+
+        plain.record_and_append = spy  # type: ignore[method-assign]
+        await Compactor(plain, options=options(), counter=ApproximateCounter()).append(
+            THREAD, [Message.user("d")]
+        )
+    assert calls == [1]

@@ -383,9 +383,7 @@ class Compactor:
         self._task_group: TaskGroup | None = None
         self._counter_ready: TokenCounter | None = None
         """The counter whose ``aload`` has been awaited (``counter`` may be swapped)."""
-        self._writer: Callable[[str, Recording], Awaitable[list[StoredMessage]]] | None = getattr(
-            self._store, "_write_recording", None
-        )
+        self._writer = _recording_writer(self._store)
         """The bundled stores' write of a recording encoded here (see ``append``)."""
         self._closed = False
         self._warned_background = False
@@ -1301,6 +1299,24 @@ class Compactor:
         if job.error is not None:
             raise job.error
         return job.result
+
+
+def _recording_writer(
+    store: Store | None,
+) -> Callable[[str, Recording], Awaitable[list[StoredMessage]]] | None:
+    """The store's write of a step ``append`` encoded, if its ``record_and_append`` is the one beside it.
+
+    A bundled store writes such a recording as its own ``record_and_append``
+    would have; a subclass or an instance that replaces ``record_and_append``
+    (a wrapper, a spy) gets every step through it instead.
+    """
+    write = getattr(store, "_write_recording", None)
+    if write is None or "record_and_append" in vars(store):
+        return None
+    mro = type(store).__mro__
+    writes = next(cls for cls in mro if "_write_recording" in vars(cls))
+    records = next(cls for cls in mro if "record_and_append" in vars(cls))
+    return write if writes is records else None
 
 
 def _late_note(message: Message) -> Message:
