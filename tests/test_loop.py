@@ -28,7 +28,7 @@ from contextfold import (
 from contextfold.episodes import LlmCallEpisode, RunCompletedEpisode, ToolCallEpisode
 from contextfold.loop import Compacted, RunFinished, TextDelta, ToolFinished
 from contextfold.messages import TOOL_ERROR_METADATA_KEY
-from contextfold.stores import MemoryStore, SQLiteStore, _rows
+from contextfold.stores import MemoryStore, SQLiteStore
 from contextfold.testing import ScriptedModel, tool_step
 from contextfold.tokens import ApproximateCounter
 
@@ -173,22 +173,16 @@ async def test_each_message_is_recorded_with_its_episode_in_one_store_call() -> 
     """Every message of a step reaches the working context in the same store call that records its episode."""
     calls: list[tuple[list[str], list[str]]] = []
     async with MemoryStore() as store:
-        record_and_append, write_recording = store.record_and_append, store._write_recording
+        record_and_append, _append = store.record_and_append, store.append
 
         async def spy(thread: str, episodes: Any, messages: Any, tokens: Any, **kw: Any) -> Any:
             calls.append(([e.kind for e in episodes], [m.role.value for m in messages]))
             return await record_and_append(thread, episodes, messages, tokens, **kw)
 
-        async def spy_recording(thread: str, recording: _rows.Recording) -> Any:
-            """The store call ``Compactor.append`` makes with the step it encoded itself."""
-            calls.append(([e.kind for e in recording.episodes], [r[2].role.value for r in recording.rows]))
-            return await write_recording(thread, recording)
-
         async def no_bare_append(*args: Any, **kw: Any) -> Any:
             raise AssertionError("a message reached the context without its episode")
 
         store.record_and_append, store.append = spy, no_bare_append  # type: ignore[method-assign]
-        store._write_recording = spy_recording  # type: ignore[method-assign]
         loop = make_loop(store)
         await loop.run("t", "hi", llm=ScriptedModel(agent), tools={"fetch": fetch})
         del store.append
