@@ -118,16 +118,19 @@ class MemoryStore(AsyncResource):
         await self._pace()
         self._check_open()
 
+    def _total_after(self, thread: str, rows: list[_Row]) -> int:
+        """The thread's token total once ``rows`` are appended, checked to fit every backend."""
+        stats = self._contexts.get(thread, _NO_CONTEXT).stats
+        return check_total(thread, stats.total_tokens + sum(count for _, count, _ in rows))
+
     def _append_rows(
-        self, thread: str, rows: list[_Row], episode_seqs: list[int | None], total: int | None = None
+        self, thread: str, rows: list[_Row], episode_seqs: list[int | None], total: int
     ) -> list[StoredMessage]:
-        """Append ``rows``; ``total`` is the thread's token total after them, when checked already."""
+        """Append ``rows``; ``total`` is the thread's token total after them (``_total_after``)."""
         context = self._contexts.get(thread)
         if context is None:
             context = self._contexts[thread] = _Context()
         stats = context.stats
-        if total is None:
-            total = check_total(thread, stats.total_tokens + sum(count for _, count, _ in rows))
         first = stats.last_seq + 1
         stored = [
             trusted(StoredMessage, seq=first + n, message=copy, tokens=count, episode_seq=link)
@@ -171,7 +174,7 @@ class MemoryStore(AsyncResource):
         await self._enter()
         check_thread(thread)
         rows = encode_rows(messages, tokens)
-        return self._append_rows(thread, rows, [None] * len(rows))
+        return self._append_rows(thread, rows, [None] * len(rows), self._total_after(thread, rows))
 
     async def load(self, thread: str, *, max_tokens: int | None = None) -> ContextWindow:
         await self._enter()
@@ -350,8 +353,7 @@ class MemoryStore(AsyncResource):
         await self._enter()
         check_thread(thread)
         rows = recording.rows
-        context = self._contexts.get(thread, _NO_CONTEXT)
-        total = check_total(thread, context.stats.total_tokens + sum(count for _, count, _ in rows))
+        total = self._total_after(thread, rows)  # before anything is written
         when = datetime.now(UTC)
         pairs = zip(recording.episodes, recording.bodies, strict=True)
         seqs = [self._record_body(thread, episode, body, when) for episode, body in pairs]

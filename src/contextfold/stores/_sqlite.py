@@ -1625,12 +1625,7 @@ class SQLiteStore(AsyncResource):
     async def _write_recording(self, thread: str, recording: Recording) -> list[StoredMessage]:
         """``record_and_append`` of a step checked and encoded already, in one transaction."""
         check_thread(thread)
-        episodes, bodies, links, shared = (
-            recording.episodes,
-            recording.bodies,
-            recording.links,
-            recording.shared,
-        )
+        episodes, bodies, _, links, shared = recording
         rows = [(body, count) for body, count, _ in recording.rows]
         when = datetime.now(UTC)
 
