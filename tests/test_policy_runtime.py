@@ -28,6 +28,7 @@ from contextfold import (
     Usage,
     conversation,
 )
+from contextfold import _tokens as tokens_module
 from contextfold._compactor import ABANDONED_METADATA_KEY, LATE_RESULT_METADATA_KEY
 from contextfold._policy import MessageCount, Reason
 from contextfold._strategies import MASKED_METADATA_KEY, group_units
@@ -387,3 +388,54 @@ def test_units_are_pending_wherever_a_call_waits() -> None:
     units, orphans = group_units(body)
     assert [u.pending for u in units] == [True, False, False]
     assert orphans == []
+
+
+async def test_a_result_for_a_reused_open_call_id_reaches_the_context_as_a_tool_result_with_one_store_or_two(
+    tmp_path: Path,
+) -> None:
+    """An id reused while its first call is open pairs each result with a call, with or without the cache.
+
+    Some providers number calls per reply ("call_0"): a reply can reuse the id of
+    a call still open. A result answers the newest open call with its id, so the
+    second result answers the first call. A compactor on one ``Store`` (which
+    keeps the thread's context cached) must send it as a tool result, as one on
+    two stores does, not turn it into a late-result note.
+    """
+    first = ToolCall(id="call_0", name="read_file", arguments='{"path": "a.py"}')
+    second = ToolCall(id="call_0", name="read_file", arguments='{"path": "b.py"}')
+    steps = [
+        [Message.user("read a.py")],
+        [Message.assistant(None, tool_calls=[first])],
+        [Message.user("and b.py too")],
+        [Message.assistant(None, tool_calls=[second])],
+        [Message.tool("call_0", "contents of b.py")],
+        [Message.tool("call_0", "contents of a.py")],
+    ]
+    contexts = []
+    async with MemoryStore() as one, MemoryStore() as short_term, SQLiteStore(tmp_path / "log.db") as log:
+        for compactor in (Compactor(one), Compactor(short_term=short_term, episodic=log)):
+            for step in steps:
+                await compactor.append(THREAD, step)
+            contexts.append(await compactor.context(THREAD))
+    cached, uncached = contexts
+    assert uncached[-1] == Message.tool("call_0", "contents of a.py")
+    assert cached == uncached
+    assert not any(LATE_RESULT_METADATA_KEY in m.metadata for m in cached)
+
+
+async def test_a_fold_before_any_append_loads_the_tokenizer_in_a_worker_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A compactor whose first call is a fold (rows written by another process) counts its summary off-loop.
+
+    The blocking detector fails the test if the encoding's ranks are read on the event loop.
+    """
+    monkeypatch.setattr(tokens_module, "_LOADED", {})  # as in a new process: no encoding loaded yet
+    async with MemoryStore() as store:
+        await store.append(THREAD, [Message.user(f"question {n}") for n in range(6)], [3] * 6)
+        compactor = Compactor(store, trigger=MessageCount(4), strategy=SlidingWindow(1))
+        result = await compactor.maybe_compact(THREAD)
+        assert result is not None and result.compacted
+        context = await compactor.context(THREAD)
+        assert context[0].is_summary and [m.text for m in context[1:]] == ["question 4", "question 5"]
+        assert list(tokens_module._LOADED) == [("o200k_base", False)]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -448,8 +448,7 @@ class Compactor:
             if not isinstance(message, Message):
                 raise ConfigError("messages", "must hold Message objects only", value=message)
         sent = await self._sent(thread, messages)
-        if self._counter_ready is not self.counter:
-            await self._ready_counter()
+        await self._ready_counter()
         call = _LlmCall(model, usage, request_messages, request_tokens)
         writer = self._writer
         if writer is not None and sent is messages and not extra_episodes:
@@ -679,17 +678,22 @@ class Compactor:
         sent: list[Message] = []
         for message in messages:
             for call in message.tool_calls:
-                open_calls.add(call.id)
-            if message.role is Role.TOOL and message.tool_call_id not in open_calls:
-                sent.append(_late_note(message))
-            else:
-                if message.role is Role.TOOL:
-                    open_calls.discard(message.tool_call_id or "")
+                open_calls[call.id] += 1
+            if message.role is not Role.TOOL:
                 sent.append(message)
+            elif open_calls[message.tool_call_id or ""] > 0:
+                open_calls[message.tool_call_id or ""] -= 1
+                sent.append(message)
+            else:
+                sent.append(_late_note(message))
         return sent if any(a is not b for a, b in zip(sent, messages, strict=True)) else messages
 
-    async def _open_calls(self, thread: str, messages: Sequence[Message]) -> set[str]:
-        """Ids of the tool calls open in the context that ``messages`` answer (empty when none do)."""
+    async def _open_calls(self, thread: str, messages: Sequence[Message]) -> Counter[str]:
+        """How many calls with each id are open in the context, when ``messages`` answer any (else none).
+
+        Counted, not a set: a reply may reuse the id of a call still open, and
+        then two results with that id each answer one of them.
+        """
         wanted: set[str | None] = set()
         made: set[str] = set()  # calls the batch itself makes answer their own results
         for m in messages:
@@ -699,21 +703,27 @@ class Compactor:
             if m.role is Role.TOOL and m.tool_call_id not in made:
                 wanted.add(m.tool_call_id)
         if not wanted:
-            return set()
+            return Counter()
         cache = self._cache.get(thread)
         if cache is None or not wanted <= cache.open_calls.keys():
             # Another writer may have appended the call: read what this process has not seen.
             cache = await self._fresh_cache(thread)
-        if cache is not None:
-            return set(cache.open_calls)
-        window = await self.short_term.load(thread)
-        return {call.id for _, call in unanswered_calls(window.plain)}
+        if cache is None:
+            context = (await self.short_term.load(thread)).plain
+        elif cache.reused_open_id:  # its open_calls kept one call per id: pair them up again
+            context = cache.plain
+        else:
+            return Counter(cache.open_calls.keys())
+        return Counter(call.id for _, call in unanswered_calls(context))
 
     def _forget_cache(self, thread: str) -> None:
         self._cache.pop(thread, None)
 
     async def _ready_counter(self) -> None:
+        """Load what the counter needs (a tokenizer) in a worker thread, once per counter."""
         counter = self.counter
+        if self._counter_ready is counter:
+            return
         load = getattr(counter, "aload", None)
         if load is not None:
             await load()
@@ -811,6 +821,7 @@ class Compactor:
         background: bool = False,
     ) -> _Prepared | CompactionResult | None:
         started = time.perf_counter()
+        await self._ready_counter()  # the fold counts its summary: not a tokenizer load on the loop
         rows, version, total = await self._window(thread, settings)
         if not recovery and await self._close_abandoned(thread, rows, settings):
             rows, version, total = await self._window(thread, settings)

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from pytest_httpserver import HTTPServer
 
-from contextfold import Message, ToolCall, conversation
+from contextfold import Compactor, Message, ToolCall, conversation
+from contextfold import _tokens as tokens_module
 from contextfold.stores import MemoryStore, SQLiteStore
 
 from .scenario import (
@@ -101,6 +102,26 @@ async def test_pop_and_clear_are_replayed_from_the_log(httpserver: HTTPServer) -
         replayed = conversation([r async for r in c.episodic.replay("s")])
         assert to_items(replayed) == await session.get_items()
         assert replayed[0].text == question(5)
+
+
+async def test_pop_item_on_a_resumed_session_loads_the_tokenizer_in_a_worker_thread(
+    httpserver: HTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new process's first call may be pop_item: it counts what stays without loading tiktoken on the loop.
+
+    The blocking detector fails the test if the encoding's ranks are read on the event loop.
+    """
+    serve(httpserver)
+    path = tmp_path / "agents.db"
+    async with SQLiteStore(path) as store:
+        await run_turns(CompactingSession("s", compactor(store)), httpserver, range(2))
+    monkeypatch.setattr(tokens_module, "_LOADED", {})  # as in a new process: no encoding loaded yet
+    async with SQLiteStore(path) as store:
+        session = CompactingSession("s", Compactor(store))  # the default counter: tiktoken's o200k_base
+        before = await session.get_items()
+        assert await session.pop_item() == before[-1]
+        assert await session.get_items() == before[:-1]
+        assert list(tokens_module._LOADED) == [("o200k_base", False)]
 
 
 def test_items_convert_both_ways() -> None:

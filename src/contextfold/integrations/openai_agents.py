@@ -193,6 +193,7 @@ class CompactingSession:
 
     async def pop_item(self) -> TResponseInputItem | None:
         """Remove the newest item; the log records the retraction."""
+        await self.compactor._ready_counter()  # it counts what stays: no tokenizer load on the loop
         window = await self.compactor.short_term.load(self.session_id)
         if not window.messages or window.messages[-1].message.is_summary:
             return None
