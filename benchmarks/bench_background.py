@@ -178,15 +178,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.serve is not None:
         return serve(args.serve)
-    logging.getLogger("contextfold").setLevel(logging.ERROR)
-    with summarizer_process(args.summary_seconds) as url:
-        run = [url, args.steps, args.agent_seconds]
-        noop = anyio.run(session, *run, None, None, "no-op check (budget never reached)")
-        runs = [
-            noop,
-            anyio.run(session, *run, args.budget, None, "summary in the step"),
-            anyio.run(session, *run, args.budget, 0.8, "background_at=0.8"),
-        ]
+    library = logging.getLogger("contextfold")
+    level = library.level
+    library.setLevel(logging.ERROR)  # restored below: a test calls main() in its own process
+    try:
+        with summarizer_process(args.summary_seconds) as url:
+            run = [url, args.steps, args.agent_seconds]
+            noop = anyio.run(session, *run, None, None, "no-op check (budget never reached)")
+            runs = [
+                noop,
+                anyio.run(session, *run, args.budget, None, "summary in the step"),
+                anyio.run(session, *run, args.budget, 0.8, "background_at=0.8"),
+            ]
+    finally:
+        library.setLevel(level)
     print(f"{args.steps} steps, summarizer {args.summary_seconds:g} s, agent call {args.agent_seconds:g} s")
     print("step overhead = maybe_compact + context, timed per step")
     print(
