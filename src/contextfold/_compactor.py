@@ -448,7 +448,8 @@ class Compactor:
             if not isinstance(message, Message):
                 raise ConfigError("messages", "must hold Message objects only", value=message)
         sent = await self._sent(thread, messages)
-        await self._ready_counter()
+        if self._counter_ready is not self.counter:  # checked here: a step pays no extra await
+            await self._ready_counter()
         call = _LlmCall(model, usage, request_messages, request_tokens)
         writer = self._writer
         if writer is not None and sent is messages and not extra_episodes:
@@ -679,10 +680,11 @@ class Compactor:
         for message in messages:
             for call in message.tool_calls:
                 open_calls[call.id] += 1
+            answers = message.tool_call_id or ""
             if message.role is not Role.TOOL:
                 sent.append(message)
-            elif open_calls[message.tool_call_id or ""] > 0:
-                open_calls[message.tool_call_id or ""] -= 1
+            elif open_calls[answers] > 0:
+                open_calls[answers] -= 1
                 sent.append(message)
             else:
                 sent.append(_late_note(message))
