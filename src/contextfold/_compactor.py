@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -679,18 +679,18 @@ class Compactor:
         sent: list[Message] = []
         for message in messages:
             for call in message.tool_calls:
-                open_calls[call.id] += 1
+                open_calls[call.id] = open_calls.get(call.id, 0) + 1
             answers = message.tool_call_id or ""
             if message.role is not Role.TOOL:
                 sent.append(message)
-            elif open_calls[answers] > 0:
+            elif open_calls.get(answers, 0) > 0:
                 open_calls[answers] -= 1
                 sent.append(message)
             else:
                 sent.append(_late_note(message))
         return sent if any(a is not b for a, b in zip(sent, messages, strict=True)) else messages
 
-    async def _open_calls(self, thread: str, messages: Sequence[Message]) -> Counter[str]:
+    async def _open_calls(self, thread: str, messages: Sequence[Message]) -> dict[str, int]:
         """How many calls with each id are open in the context, when ``messages`` answer any (else none).
 
         Counted, not a set: a reply may reuse the id of a call still open, and
@@ -705,7 +705,7 @@ class Compactor:
             if m.role is Role.TOOL and m.tool_call_id not in made:
                 wanted.add(m.tool_call_id)
         if not wanted:
-            return Counter()
+            return {}
         cache = self._cache.get(thread)
         if cache is None or not wanted <= cache.open_calls.keys():
             # Another writer may have appended the call: read what this process has not seen.
@@ -715,8 +715,11 @@ class Compactor:
         elif cache.reused_open_id:  # its open_calls kept one call per id: pair them up again
             context = cache.plain
         else:
-            return Counter(cache.open_calls.keys())
-        return Counter(call.id for _, call in unanswered_calls(context))
+            return dict.fromkeys(cache.open_calls, 1)
+        counts: dict[str, int] = {}
+        for _, call in unanswered_calls(context):
+            counts[call.id] = counts.get(call.id, 0) + 1
+        return counts
 
     def _forget_cache(self, thread: str) -> None:
         self._cache.pop(thread, None)
