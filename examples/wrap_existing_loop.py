@@ -50,9 +50,12 @@ async def main(db: Path) -> None:
                 async with loop.step(thread) as step:  # compaction happens here, before the request
                     compactions += step.compaction is not None and step.compaction.compacted
                     reply = await my_model(step.messages)
-                    await step.record(reply)
-                    for call in reply.tool_calls:
-                        await step.record(Message.tool(call.id, await grep(**call.parsed_arguments())))
+                    results = [
+                        Message.tool(call.id, await grep(**call.parsed_arguments()))
+                        for call in reply.tool_calls
+                    ]
+                    # The whole step in one transaction; started= notes each tool's run in the log.
+                    await step.record(reply, *results, started=reply.tool_calls)
                 if not reply.tool_calls:
                     break
             await loop.complete_run(thread)

@@ -7,9 +7,11 @@ import logging
 import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import aclosing, contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from contextfold import (
@@ -169,28 +171,140 @@ async def test_replay_gives_back_the_whole_conversation_after_many_compactions(t
     assert tool_calls == [call for m in expected for call in m.tool_calls]
 
 
-async def test_each_message_is_recorded_with_its_episode_in_one_store_call() -> None:
-    """Every message of a step reaches the working context in the same store call that records its episode."""
-    calls: list[tuple[list[str], list[str]]] = []
-    async with MemoryStore() as store:
-        record_and_append, _append = store.record_and_append, store.append
+def two_tools(messages: list[Message]) -> Message:
+    """Call two tools at once after a user message, then answer."""
+    if messages[-1].role.value == "tool":
+        return Message.assistant("both done")
+    calls = [
+        ToolCall(id="a", name="fetch", arguments='{"url": "https://example.org/a"}'),
+        ToolCall(id="b", name="fetch", arguments='{"url": "https://example.org/b"}'),
+    ]
+    return Message.assistant(None, tool_calls=calls)
 
-        async def spy(thread: str, episodes: Any, messages: Any, tokens: Any, **kw: Any) -> Any:
-            calls.append(([e.kind for e in episodes], [m.role.value for m in messages]))
+
+@contextmanager
+def store_calls(store: Any) -> Iterator[list[tuple[list[str], list[str], list[int]]]]:
+    """Every record_and_append the store gets: its episodes' kinds, its messages' roles and their links."""
+    calls: list[tuple[list[str], list[str], list[int]]] = []
+    record_and_append, append = store.record_and_append, store.append
+
+    async def spy(thread: str, episodes: Any, messages: Any, tokens: Any, **kw: Any) -> Any:
+        links = list(kw.get("message_episodes") or [])
+        calls.append(([e.kind for e in episodes], [m.role.value for m in messages], links))
+        return await record_and_append(thread, episodes, messages, tokens, **kw)
+
+    async def no_bare_append(*args: Any, **kw: Any) -> Any:
+        raise AssertionError("a message reached the context without its episode")
+
+    store.record_and_append, store.append = spy, no_bare_append
+    try:
+        yield calls
+    finally:
+        store.record_and_append, store.append = record_and_append, append
+
+
+async def test_a_steps_reply_tool_starts_and_results_go_in_one_store_call() -> None:
+    """A step that runs two tools records its reply, both starts and both results in one transaction."""
+    async with MemoryStore() as store:
+        with store_calls(store) as calls:
+            loop = make_loop(store)  # built with the spy in place, so every step goes through it
+            await loop.run("t", "hi", llm=ScriptedModel(two_tools), tools={"fetch": fetch})
+        records = [r.episode async for r in store.replay("t")]
+        context = await loop.compactor.context("t")
+    assert calls == [
+        (["user_message"], ["user"], [0]),
+        (
+            ["llm_call", "tool_call", "tool_result", "tool_call", "tool_result"],
+            ["assistant", "tool", "tool"],
+            [0, 2, 4],
+        ),
+        (["llm_call"], ["assistant"], [0]),
+    ]
+    started = [e.call.id for e in records if isinstance(e, ToolCallEpisode)]
+    assert started == ["a", "b"]
+    assert [(m.role.value, m.tool_call_id) for m in context] == [
+        ("user", None),
+        ("assistant", None),
+        ("tool", "a"),
+        ("tool", "b"),
+        ("assistant", None),
+    ]
+
+
+async def test_a_step_whose_record_fails_leaves_nothing_of_it_stored() -> None:
+    """The store refusing a step's record leaves neither its reply nor a tool's start behind."""
+    async with MemoryStore() as store:
+        loop = make_loop(store)
+        record_and_append = store.record_and_append
+
+        async def refuse_results(thread: str, episodes: Any, messages: Any, tokens: Any, **kw: Any) -> Any:
+            if any(m.role.value == "tool" for m in messages):
+                raise OSError("disk full")
             return await record_and_append(thread, episodes, messages, tokens, **kw)
 
-        async def no_bare_append(*args: Any, **kw: Any) -> Any:
-            raise AssertionError("a message reached the context without its episode")
+        store.record_and_append = refuse_results  # type: ignore[method-assign]
+        with pytest.raises(OSError, match="disk full"):
+            await loop.run("t", "hi", llm=ScriptedModel(two_tools), tools={"fetch": fetch})
+        del store.record_and_append
+        records = [r.episode.kind async for r in store.replay("t")]
+        context = await loop.compactor.context("t")
+    assert records == ["user_message"]
+    assert [m.role.value for m in context] == ["user"]
 
-        store.record_and_append, store.append = spy, no_bare_append  # type: ignore[method-assign]
+
+async def test_a_step_cut_short_keeps_its_reply_and_the_results_it_had() -> None:
+    """Stopping after the first tool, or cancelling in the second, records what the step had, in order."""
+    second_started = anyio.Event()
+
+    async def slow(url: str) -> str:
+        if url.endswith("/b"):
+            second_started.set()
+            await anyio.sleep_forever()
+        return f"{url}: ok"
+
+    async with MemoryStore() as store:
         loop = make_loop(store)
-        await loop.run("t", "hi", llm=ScriptedModel(agent), tools={"fetch": fetch})
-        del store.append
-    assert calls[:3] == [
-        (["user_message"], ["user"]),
-        (["llm_call"], ["assistant"]),
-        (["tool_result"], ["tool"]),
+        async with aclosing(
+            loop.stream("stopped", "hi", llm=ScriptedModel(two_tools).stream, tools={"fetch": slow})
+        ) as events:
+            async for event in events:
+                if isinstance(event, ToolFinished):
+                    break
+        async with anyio.create_task_group() as group:
+            group.start_soon(
+                partial(loop.run, "cancelled", "hi", llm=ScriptedModel(two_tools), tools={"fetch": slow})
+            )
+            await second_started.wait()
+            group.cancel_scope.cancel()
+        logs = {t: [r.episode async for r in store.replay(t)] for t in ("stopped", "cancelled")}
+        contexts = {t: await loop.compactor.context(t) for t in ("stopped", "cancelled")}
+    assert [e.kind for e in logs["stopped"]] == ["user_message", "llm_call", "tool_call", "tool_result"]
+    assert [e.kind for e in logs["cancelled"]] == [
+        "user_message",
+        "llm_call",
+        "tool_call",
+        "tool_result",
+        "tool_call",
     ]
+    assert [e.call.id for e in logs["cancelled"] if isinstance(e, ToolCallEpisode)] == ["a", "b"]
+    for thread in ("stopped", "cancelled"):
+        context = contexts[thread]
+        assert [(m.role.value, m.tool_call_id) for m in context] == [
+            ("user", None),
+            ("assistant", None),
+            ("tool", "a"),
+        ]
+        assert context[2].text == "https://example.org/a: ok"
+
+
+async def test_step_record_rejects_started_calls_that_are_not_tool_calls() -> None:
+    """``started`` must name ToolCall objects; the error says so and nothing is recorded."""
+    async with MemoryStore() as store:
+        loop = make_loop(store)
+        async with loop.step("t") as step:
+            with pytest.raises(ConfigError, match="started"):
+                await step.record(Message.assistant("x"), started=["a"])  # type: ignore[list-item]
+        assert await loop.compactor.context("t") == []
 
 
 async def test_llm_call_episodes_say_what_was_sent() -> None:

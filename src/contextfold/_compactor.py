@@ -441,6 +441,18 @@ class Compactor:
         it came, and reaches the context as a plain note instead of an
         orphaned tool message.
         """
+        call = _LlmCall(model, usage, request_messages, request_tokens)
+        return await self._append(thread, messages, call, extra_episodes)
+
+    async def _append(
+        self,
+        thread: str,
+        messages: Sequence[Message],
+        call: _LlmCall,
+        extra_episodes: Sequence[Episode] = (),
+        started: Sequence[ToolCall] = (),
+    ) -> list[StoredMessage]:
+        """``append``; ``started`` are tool calls that ran, each recorded right before its result."""
         if not_a_sequence(messages, Message):
             raise ConfigError("messages", "must be a sequence of Message objects", value=messages)
         messages = list(messages)
@@ -450,9 +462,8 @@ class Compactor:
         sent = await self._sent(thread, messages)
         if self._counter_ready is not self.counter:  # checked here: a step pays no extra await
             await self._ready_counter()
-        call = _LlmCall(model, usage, request_messages, request_tokens)
         writer = self._writer
-        if writer is not None and sent is messages and not extra_episodes:
+        if writer is not None and sent is messages and not extra_episodes and not started:
             # The common step: each message checked, counted and encoded once, here, and the
             # store writes what this encoded (a large batch is prepared in a worker thread).
             if len(messages) > _PREPARE_ON_LOOP:
@@ -461,8 +472,7 @@ class Compactor:
                 recording = self._recording(messages, call)
             stored = await writer(thread, recording)
         else:
-            episodes: list[Episode] = [*extra_episodes, *(episode_for(m, **call._asdict()) for m in messages)]
-            owners = list(range(len(extra_episodes), len(episodes)))
+            episodes, owners = _step_episodes(extra_episodes, messages, call, started)
             tokens = [self.counter.count(message) for message in sent]
             if self._store is not None:
                 stored = await self._store.record_and_append(
@@ -477,8 +487,9 @@ class Compactor:
             cache.extend(stored)
         elif stored:
             self._forget_cache(thread)
-        if usage is not None and usage.input_tokens and request_tokens:
-            self._overhead[thread] = max(0, usage.input_tokens - request_tokens)
+        usage = call.usage
+        if usage is not None and usage.input_tokens and call.request_tokens:
+            self._overhead[thread] = max(0, usage.input_tokens - call.request_tokens)
         return stored
 
     async def sync(
@@ -1333,6 +1344,30 @@ def _recording_writer(
     writes = next(cls for cls in mro if "_write_recording" in vars(cls))
     records = next(cls for cls in mro if "record_and_append" in vars(cls))
     return write if writes is records else None
+
+
+def _step_episodes(
+    extra: Sequence[Episode], messages: Sequence[Message], call: _LlmCall, started: Sequence[ToolCall]
+) -> tuple[list[Episode], list[int]]:
+    """The episodes that record ``messages``, and for each message the index of its own.
+
+    ``extra`` come first. Each call in ``started`` is recorded as having run
+    right before the first result that answers it, and after everything when
+    none does (a step cut short while that tool ran).
+    """
+    episodes: list[Episode] = list(extra)
+    owners: list[int] = []
+    waiting = list(started)
+    for message in messages:
+        if waiting and message.role is Role.TOOL:
+            for index, ran in enumerate(waiting):
+                if ran.id == message.tool_call_id:
+                    episodes.append(ToolCallEpisode(call=waiting.pop(index)))
+                    break
+        owners.append(len(episodes))
+        episodes.append(episode_for(message, **call._asdict()))
+    episodes += [ToolCallEpisode(call=ran) for ran in waiting]
+    return episodes, owners
 
 
 def _late_note(message: Message) -> Message:

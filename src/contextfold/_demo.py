@@ -165,14 +165,13 @@ async def run_session(
                     stats.compactions.append(step.compaction)
                     stats.compaction_steps.append(stats.requests)
                 reply = await agent.model(step.messages)
-                await step.record(reply)
-                history_tokens += counter.count(reply)
-                for call in reply.tool_calls:
-                    await step.record_tool_call(call)
-                    output = await tools[call.name](**call.parsed_arguments())
-                    result = Message.tool(call.id, output)
-                    await step.record(result)
-                    history_tokens += counter.count(result)
+                results = [
+                    Message.tool(call.id, await tools[call.name](**call.parsed_arguments()))
+                    for call in reply.tool_calls
+                ]
+                # The reply, each tool's run and its result: one transaction.
+                await step.record(reply, *results, started=reply.tool_calls)
+                history_tokens += sum(counter.count(m) for m in (reply, *results))
             if on_step is not None:
                 on_step(stats.requests)
             if stop is not None and stop(stats):

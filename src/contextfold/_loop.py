@@ -25,11 +25,14 @@ from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanage
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, TypeVar
 
-from ._compactor import CompactionResult, Compactor
+import anyio
+
+from ._compactor import CompactionResult, Compactor, _LlmCall
 from ._episodes import ToolCallEpisode, Usage
 from ._errors import ConfigError
 from ._events import CompactionEvent
 from ._messages import Message, Role, ToolCall
+from .stores._rows import not_a_sequence
 
 __all__ = [
     "LLM",
@@ -130,15 +133,32 @@ class Step:
     state: dict[str, Any] = field(default_factory=dict)
     """Free space for hooks to share data within the step."""
 
-    async def record(self, *messages: Message, model: str | None = None, usage: Usage | None = None) -> None:
-        """Record the agent's reply, tool results or other new messages of this step."""
-        await self._compactor.append(
+    async def record(
+        self,
+        *messages: Message,
+        model: str | None = None,
+        usage: Usage | None = None,
+        started: Sequence[ToolCall] = (),
+    ) -> None:
+        """Record the agent's reply, tool results or other new messages of this step, in one transaction.
+
+        ``started`` names the tool calls that ran: each is noted in the audit
+        trail right before the result that answers it, in the same transaction
+        (``record(reply, *results, started=reply.tool_calls)`` records a whole
+        step at once).
+        """
+        if not_a_sequence(started, ToolCall):
+            raise ConfigError("started", "must be a sequence of ToolCall objects", value=started)
+        for call in started:
+            if not isinstance(call, ToolCall):
+                raise ConfigError(
+                    "started", "must hold ToolCall objects only, e.g. reply.tool_calls", value=call
+                )
+        await self._compactor._append(
             self.thread,
             messages,
-            model=model,
-            usage=usage,
-            request_messages=len(self.messages),
-            request_tokens=self.request_tokens,
+            _LlmCall(model, usage, len(self.messages), self.request_tokens),
+            started=started,
         )
         self.recorded.extend(messages)
 
@@ -307,13 +327,24 @@ class StepLoop:
                 reply = whole
                 if reply.role is not Role.ASSISTANT:
                     raise ConfigError("llm", "must reply with an assistant message", value=reply.role)
-                await step.record(reply, model=model, usage=usage)
-                for call in reply.tool_calls:
-                    yield ToolStarted(call)
-                    await step.record_tool_call(call)
-                    result = await _run_tool(tools, call)
-                    await step.record(result)
-                    yield ToolFinished(result)
+                # The reply, each tool's start and its result: one transaction once the tools ran.
+                started: list[ToolCall] = []
+                results: list[Message] = []
+                try:
+                    for call in reply.tool_calls:
+                        yield ToolStarted(call)
+                        started.append(call)
+                        results.append(await _run_tool(tools, call))
+                        yield ToolFinished(results[-1])
+                except BaseException:
+                    # Cut short (cancelled, or its consumer stopped): what the step had is kept.
+                    with anyio.CancelScope(shield=True):
+                        try:
+                            await step.record(reply, *results, model=model, usage=usage, started=started)
+                        except Exception:
+                            logger.exception("thread %r: could not record the interrupted step", thread)
+                    raise
+                await step.record(reply, *results, model=model, usage=usage, started=started)
             yield StepFinished(reply, number)
             if not reply.tool_calls:
                 await self.complete_run(thread, clean=True)
