@@ -297,6 +297,31 @@ async def test_a_step_cut_short_keeps_its_reply_and_the_results_it_had() -> None
         assert context[2].text == "https://example.org/a: ok"
 
 
+@pytest.mark.parametrize("stores", ["one store", "two stores"])
+async def test_append_notes_each_started_call_right_before_its_result(stores: str) -> None:
+    """``append(..., started=...)`` logs reply, start, result, start, result; on one store or two."""
+    reply = two_tools([Message.user("go")])
+    results = [Message.tool("b", "b done"), Message.tool("a", "a done")]  # answered out of order
+    async with MemoryStore() as store, MemoryStore() as log:
+        if stores == "one store":
+            compactor = Compactor(store, options=OPTIONS, counter=ApproximateCounter())
+        else:
+            compactor = Compactor(
+                short_term=store, episodic=log, options=OPTIONS, counter=ApproximateCounter()
+            )
+        await compactor.append("t", [reply, *results], started=reply.tool_calls)
+        episodes = [r.episode async for r in compactor.episodic.replay("t")]
+        context = await compactor.context("t")
+    assert [(e.kind, getattr(e, "call", None) and e.call.id) for e in episodes] == [  # type: ignore[attr-defined]
+        ("llm_call", None),
+        ("tool_call", "b"),
+        ("tool_result", None),
+        ("tool_call", "a"),
+        ("tool_result", None),
+    ]
+    assert context == [reply, *results]
+
+
 async def test_step_record_rejects_started_calls_that_are_not_tool_calls() -> None:
     """``started`` must name ToolCall objects; the error says so and nothing is recorded."""
     async with MemoryStore() as store:
@@ -304,6 +329,8 @@ async def test_step_record_rejects_started_calls_that_are_not_tool_calls() -> No
         async with loop.step("t") as step:
             with pytest.raises(ConfigError, match="started"):
                 await step.record(Message.assistant("x"), started=["a"])  # type: ignore[list-item]
+            with pytest.raises(ConfigError, match="started"):
+                await step.record(Message.assistant("x"), started=None)  # type: ignore[arg-type]
         assert await loop.compactor.context("t") == []
 
 

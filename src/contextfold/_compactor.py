@@ -127,6 +127,10 @@ class CompactionResult:
         return not self.stalled
 
 
+_NO_CALLS: tuple[ToolCall, ...] = ()
+"""``append``'s default ``started``: known good, so the common step skips checking it."""
+
+
 class _LlmCall(NamedTuple):
     """The request behind the assistant replies ``append`` records (see ``episode_for``)."""
 
@@ -429,6 +433,7 @@ class Compactor:
         request_messages: int = 0,
         request_tokens: int = 0,
         extra_episodes: Sequence[Episode] = (),
+        started: Sequence[ToolCall] = _NO_CALLS,
     ) -> list[StoredMessage]:
         """Record messages in the episodic log and append them to the working context.
 
@@ -436,32 +441,32 @@ class Compactor:
         is written first, so no message reaches the context unrecorded. The
         LLM-call fields describe the request that produced an assistant reply;
         its ``usage`` teaches the check what the provider counts beyond the
-        messages (tool schemas, instructions). A tool result whose call is no
-        longer open in the context (it was closed as abandoned) is recorded as
-        it came, and reaches the context as a plain note instead of an
-        orphaned tool message.
+        messages (tool schemas, instructions). ``started`` names tool calls
+        that ran: each is recorded as a ``ToolCallEpisode`` right before the
+        result that answers it, in the same transaction (so
+        ``append(thread, [reply, *results], started=reply.tool_calls)`` records
+        a whole step at once). A tool result whose call is no longer open in
+        the context (it was closed as abandoned) is recorded as it came, and
+        reaches the context as a plain note instead of an orphaned tool message.
         """
-        call = _LlmCall(model, usage, request_messages, request_tokens)
-        return await self._append(thread, messages, call, extra_episodes)
-
-    async def _append(
-        self,
-        thread: str,
-        messages: Sequence[Message],
-        call: _LlmCall,
-        extra_episodes: Sequence[Episode] = (),
-        started: Sequence[ToolCall] = (),
-    ) -> list[StoredMessage]:
-        """``append``; ``started`` are tool calls that ran, each recorded right before its result."""
         if not_a_sequence(messages, Message):
             raise ConfigError("messages", "must be a sequence of Message objects", value=messages)
         messages = list(messages)
         for message in messages:
             if not isinstance(message, Message):
                 raise ConfigError("messages", "must hold Message objects only", value=message)
+        if started is not _NO_CALLS:
+            if not_a_sequence(started, ToolCall):
+                raise ConfigError("started", "must be a sequence of ToolCall objects", value=started)
+            for ran in started:
+                if not isinstance(ran, ToolCall):
+                    raise ConfigError(
+                        "started", "must hold ToolCall objects only, e.g. reply.tool_calls", value=ran
+                    )
         sent = await self._sent(thread, messages)
         if self._counter_ready is not self.counter:  # checked here: a step pays no extra await
             await self._ready_counter()
+        call = _LlmCall(model, usage, request_messages, request_tokens)
         writer = self._writer
         if writer is not None and sent is messages and not extra_episodes and not started:
             # The common step: each message checked, counted and encoded once, here, and the
@@ -487,9 +492,8 @@ class Compactor:
             cache.extend(stored)
         elif stored:
             self._forget_cache(thread)
-        usage = call.usage
-        if usage is not None and usage.input_tokens and call.request_tokens:
-            self._overhead[thread] = max(0, usage.input_tokens - call.request_tokens)
+        if usage is not None and usage.input_tokens and request_tokens:
+            self._overhead[thread] = max(0, usage.input_tokens - request_tokens)
         return stored
 
     async def sync(

@@ -27,12 +27,11 @@ from typing import Any, TypeAlias, TypeVar
 
 import anyio
 
-from ._compactor import CompactionResult, Compactor, _LlmCall
+from ._compactor import CompactionResult, Compactor
 from ._episodes import ToolCallEpisode, Usage
 from ._errors import ConfigError
 from ._events import CompactionEvent
 from ._messages import Message, Role, ToolCall
-from .stores._rows import not_a_sequence
 
 __all__ = [
     "LLM",
@@ -147,17 +146,13 @@ class Step:
         (``record(reply, *results, started=reply.tool_calls)`` records a whole
         step at once).
         """
-        if not_a_sequence(started, ToolCall):
-            raise ConfigError("started", "must be a sequence of ToolCall objects", value=started)
-        for call in started:
-            if not isinstance(call, ToolCall):
-                raise ConfigError(
-                    "started", "must hold ToolCall objects only, e.g. reply.tool_calls", value=call
-                )
-        await self._compactor._append(
+        await self._compactor.append(
             self.thread,
             messages,
-            _LlmCall(model, usage, len(self.messages), self.request_tokens),
+            model=model,
+            usage=usage,
+            request_messages=len(self.messages),
+            request_tokens=self.request_tokens,
             started=started,
         )
         self.recorded.extend(messages)
