@@ -9,9 +9,15 @@ from typing import Any
 import anyio
 import pytest
 
-from contextfold import ConfigError, ConflictError, InvalidMessageError, Message, StoreError
+from contextfold import ConfigError, ConflictError, InvalidMessageError, Message, StoreError, ToolCall
 from contextfold._episodes import RunCompletedEpisode
-from contextfold.episodes import SummaryCheckpoint, UserMessageEpisode
+from contextfold.episodes import (
+    LlmCallEpisode,
+    SummaryCheckpoint,
+    ToolCallEpisode,
+    ToolResultEpisode,
+    UserMessageEpisode,
+)
 from contextfold.messages import SUMMARY_METADATA_KEY
 from contextfold.stores import Store, ThreadStats
 
@@ -160,6 +166,32 @@ async def test_record_and_append_writes_the_log_and_the_context(store: Any) -> N
     assert log[1].episode == said("hi") and log[2].episode == RunCompletedEpisode()
     assert (await store.pressure("t")).total_user_messages == 2
     assert await store.stats("t") == ThreadStats(message_count=2, total_tokens=7, last_seq=2)
+
+
+async def test_a_tool_step_with_its_starts_between_the_messages_reads_back_in_order(store: Any) -> None:
+    """A step's reply, two tool starts and two results in one call: links skip the starts, text reads back."""
+    calls = [
+        ToolCall(id="a", name="grep", arguments='{"q": "x"}'),
+        ToolCall(id="b", name="ls", arguments="{}"),
+    ]
+    reply = Message.assistant("looking", tool_calls=calls)
+    results = [Message.tool("a", "x found " * 40), Message.tool("b", "README.md")]
+    episodes = [
+        LlmCallEpisode(reply=reply, model="m"),
+        ToolCallEpisode(call=calls[0]),
+        ToolResultEpisode(message=results[0]),
+        ToolCallEpisode(call=calls[1]),
+        ToolResultEpisode(message=results[1]),
+    ]
+    await say(store, "t", "go")
+    stored = await store.record_and_append(
+        "t", episodes, [reply, *results], [5, 6, 7], message_episodes=[0, 2, 4]
+    )
+    assert [(m.seq, m.episode_seq) for m in stored] == [(2, 2), (3, 4), (4, 6)]
+    assert [m.message for m in (await store.load("t")).messages][1:] == [reply, *results]
+    log = [r async for r in store.replay("t")]
+    assert [r.episode for r in log][1:] == episodes
+    assert [m.message for m in (await store.tail("t", after_seq=1)).messages] == [reply, *results]
 
 
 async def test_record_and_append_without_links_appends_unlinked_messages(store: Any) -> None:
