@@ -139,8 +139,9 @@ class Step:
         usage: Usage | None = None,
         started: Sequence[ToolCall] = (),
     ) -> None:
-        """Record the agent's reply, tool results or other new messages of this step, in one transaction.
+        """Record the agent's reply, tool results or other new messages of this step, in one go.
 
+        On a ``Store`` that is one transaction (see ``Compactor.append``).
         ``started`` names the tool calls that ran: each is noted in the audit
         trail right before the result that answers it, in the same transaction
         (``record(reply, *results, started=reply.tool_calls)`` records a whole
