@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import subprocess
 import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import aclosing, contextmanager
@@ -320,6 +321,48 @@ async def test_append_notes_each_started_call_right_before_its_result(stores: st
         ("tool_result", None),
     ]
     assert context == [reply, *results]
+
+
+_KILLED_MID_TOOL = """
+import sys, time
+from pathlib import Path
+import anyio
+from contextfold import Compactor, Message, StepLoop, ToolCall
+from contextfold.stores import SQLiteStore
+from contextfold.testing import ScriptedModel
+from contextfold.tokens import ApproximateCounter
+
+async def hang(url):
+    Path(sys.argv[2]).write_text("running")
+    time.sleep(60)  # killed here, while the step's tool runs
+
+async def main():
+    reply = Message.assistant(None, tool_calls=[ToolCall(id="a", name="fetch", arguments='{"url": "x"}')])
+    async with SQLiteStore(sys.argv[1]) as store:
+        loop = StepLoop(Compactor(store, counter=ApproximateCounter()))
+        await loop.run("t", "hi", llm=ScriptedModel([reply]), tools={"fetch": hang})
+
+anyio.run(main)
+"""
+
+
+async def test_a_process_killed_while_a_tool_runs_leaves_no_half_of_the_step(tmp_path: Path) -> None:
+    """SIGKILL during a step's tool: the log and the context hold the user message, not a dangling reply."""
+    db, marker = tmp_path / "killed.db", tmp_path / "running"
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_MID_TOOL, str(db), str(marker)])
+    try:
+        with anyio.fail_after(60):
+            while not marker.exists():
+                assert child.poll() is None, "the child ended before its tool ran"
+                await anyio.sleep(0.02)
+    finally:
+        child.kill()
+        child.wait()
+    async with SQLiteStore(db) as store:
+        log = [r.episode.kind async for r in store.replay("t")]
+        context = [m.message.role.value for m in (await store.load("t")).messages]
+    assert log == ["user_message"]
+    assert context == ["user"]
 
 
 async def test_step_record_rejects_started_calls_that_are_not_tool_calls() -> None:
