@@ -187,7 +187,7 @@ def two_tools(messages: list[Message]) -> Message:
 def store_calls(store: Any) -> Iterator[list[tuple[list[str], list[str], list[int]]]]:
     """Every record_and_append the store gets: its episodes' kinds, its messages' roles and their links."""
     calls: list[tuple[list[str], list[str], list[int]]] = []
-    record_and_append, append = store.record_and_append, store.append
+    record_and_append = store.record_and_append
 
     async def spy(thread: str, episodes: Any, messages: Any, tokens: Any, **kw: Any) -> Any:
         links = list(kw.get("message_episodes") or [])
@@ -201,7 +201,7 @@ def store_calls(store: Any) -> Iterator[list[tuple[list[str], list[str], list[in
     try:
         yield calls
     finally:
-        store.record_and_append, store.append = record_and_append, append
+        del store.record_and_append, store.append  # the class's methods again
 
 
 async def test_a_steps_reply_tool_starts_and_results_go_in_one_store_call() -> None:
