@@ -41,6 +41,7 @@ from contextfold._tokens import (
     image_size,
     image_tokens,
     load_encoding,
+    token_counter,
 )
 from contextfold.tokens import ApproximateCounter, TiktokenCounter, TokenCounter
 
@@ -142,6 +143,57 @@ def test_count_text_equals_tiktoken_for_any_text(
 ) -> None:
     """For any unicode text, count_text equals the length of tiktoken's encoding."""
     assert counters[name].count_text(text) == len(tiktoken_reference[name].encode_ordinary(text))
+
+
+@pytest.mark.parametrize("name", ENCODINGS)
+def test_the_buffered_count_equals_encode_ordinary_even_for_a_lone_surrogate(name: EncodingName) -> None:
+    """Counting skips building the token list, yet every count is encode_ordinary's length.
+
+    A lone surrogate cannot cross into tiktoken's core; encode_ordinary repairs
+    the text first, and the count is the repaired text's.
+    """
+    encoding = load_encoding(name)
+    count = token_counter(encoding)
+    assert count.__name__ == "buffered"
+    for text in [*CORPUS, "a\ud800b", "\udfff" * 3, "ok " * 500]:
+        assert count(text) == len(encoding.encode_ordinary(text)), text
+    text = "a\ud800b <|endoftext|>"
+    assert TiktokenCounter(name).count_text(text) == len(encoding.encode_ordinary(text))
+
+
+class _Core:
+    """A stand-in for tiktoken's core: without the buffer call, or with one that miscounts."""
+
+    def __init__(self, buffer: Any = None) -> None:
+        if buffer is not None:
+            self.encode_to_tiktoken_buffer = buffer
+
+
+class _Encoding:
+    def __init__(self, core: _Core) -> None:
+        self._real = load_encoding("o200k_base")
+        self._core_bpe = core
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return self._real.encode_ordinary(text)
+
+
+@pytest.mark.parametrize(
+    "core",
+    [
+        _Core(),
+        _Core(lambda text, allowed: bytes(4)),  # one token whatever the text
+        _Core(lambda text, allowed: 1 / 0),
+    ],
+    ids=["no buffer call", "a buffer that miscounts", "a buffer call that fails"],
+)
+def test_a_core_without_a_faithful_buffer_counts_by_encode_ordinary(core: _Core) -> None:
+    """Only a buffer that agrees with encode_ordinary on the probes is trusted; else the list is counted."""
+    encoding = _Encoding(core)
+    count = token_counter(encoding)  # type: ignore[arg-type]
+    assert count.__name__ == "listed"
+    text = "The quick brown fox jumps over the lazy dog."
+    assert count(text) == len(encoding.encode_ordinary(text)) > 1
 
 
 # the chat-format rule -------------------------------------------------------------------------

@@ -159,6 +159,43 @@ def _load_encoding(name: EncodingName, allow_download: bool) -> tiktoken.Encodin
     return found
 
 
+_PROBES = ("", "hello world", "<|endoftext|> is text here", "naïve café ✓ 🤖 世界\n\n\t  x")
+"""Texts a buffer count must agree with ``encode_ordinary`` on before it is used."""
+
+
+def token_counter(encoding: tiktoken.Encoding) -> Callable[[str], int]:
+    """``len(encoding.encode_ordinary(text))``, without building a Python int per token when tiktoken allows.
+
+    tiktoken's core can encode into a buffer of 32-bit token ids (what its
+    public ``encode_to_numpy`` wraps, without numpy); with no special token
+    allowed that is ``encode_ordinary``'s encoding. The buffer is used when
+    the core offers it and agrees with ``encode_ordinary`` on a few probes,
+    else ``encode_ordinary`` itself; text the buffer cannot take (a lone
+    surrogate) is counted by ``encode_ordinary``, which repairs it first.
+    """
+    ordinary = encoding.encode_ordinary
+
+    def listed(text: str) -> int:
+        return len(ordinary(text))
+
+    native = getattr(getattr(encoding, "_core_bpe", None), "encode_to_tiktoken_buffer", None)
+    if native is None:
+        return listed
+    nothing_special: frozenset[str] = frozenset()
+
+    def buffered(text: str) -> int:
+        try:
+            return memoryview(native(text, nothing_special)).nbytes >> 2
+        except UnicodeEncodeError:
+            return listed(text)
+
+    try:
+        agrees = all(buffered(text) == listed(text) for text in _PROBES)
+    except Exception:  # a core whose buffer call differs: the list it is
+        agrees = False
+    return buffered if agrees else listed
+
+
 _PNG = b"\x89PNG\r\n\x1a\n"
 # JPEG start-of-frame markers (they carry the dimensions); C4, C8 and CC are other segments.
 _JPEG_FRAMES = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
@@ -534,7 +571,7 @@ class TiktokenCounter(_CachedCounter):
         self._encoding_name: EncodingName = encoding
         self._allow_download = bool(allow_download)
         self._encoding: tiktoken.Encoding | None = None
-        self._encode: Callable[[str], list[int]] = self._load_then_encode
+        self._tokens: Callable[[str], int] = self._load_then_count
         self._framing: dict[Role, int] = {}
         self._names: dict[str, int] = {}
 
@@ -550,35 +587,36 @@ class TiktokenCounter(_CachedCounter):
 
     def _load(self) -> tiktoken.Encoding:
         encoding = load_encoding(self._encoding_name, allow_download=self._allow_download)
-        encode = encoding.encode_ordinary
+        tokens = token_counter(encoding)
         # The framing of a role never changes, so it is tokenized once here, not per message.
-        self._framing = {role: self.PER_MESSAGE + len(encode(role.value)) for role in Role}
-        self._encode = encode
+        self._framing = {role: self.PER_MESSAGE + tokens(role.value) for role in Role}
+        self._tokens = tokens
         self._encoding = encoding
         return encoding
 
-    def _load_then_encode(self, text: str) -> list[int]:
-        return self._load().encode_ordinary(text)
+    def _load_then_count(self, text: str) -> int:
+        self._load()
+        return self._tokens(text)
 
     def count_text(self, text: str) -> int:
         """Tokens of a bare text, special-token look-alikes counted as ordinary text."""
-        return len(self._encode(text))
+        return self._tokens(text)
 
     def _measure(self, message: Message) -> int:
         if self._encoding is None:
             self._load()
-        encode = self._encode
+        count = self._tokens
         content = message.content
         tokens = self._framing[message.role]
         if type(content) is str:
-            tokens += len(encode(content)) if content else 0
+            tokens += count(content) if content else 0
         elif content is not None:
             tokens += self.content_tokens(message)
         if message.tool_calls:
             for call in message.tool_calls:
-                tokens += self.PER_TOOL_CALL + self._name_tokens(call.name) + len(encode(call.arguments))
+                tokens += self.PER_TOOL_CALL + self._name_tokens(call.name) + count(call.arguments)
         if message.tool_call_id:
-            tokens += len(encode(message.tool_call_id))
+            tokens += count(message.tool_call_id)
         if message.name:
             tokens += self.PER_NAME + self._name_tokens(message.name)
         return tokens
@@ -589,7 +627,7 @@ class TiktokenCounter(_CachedCounter):
         if found is None:
             if len(self._names) >= _NAME_CACHE_SIZE:
                 self._names.clear()
-            found = self._names[name] = len(self._encode(name))
+            found = self._names[name] = self._tokens(name)
         return found
 
     def __repr__(self) -> str:

@@ -192,6 +192,13 @@ async def test_a_tool_step_with_its_starts_between_the_messages_reads_back_in_or
     log = [r async for r in store.replay("t")]
     assert [r.episode for r in log][1:] == episodes
     assert [m.message for m in (await store.tail("t", after_seq=1)).messages] == [reply, *results]
+    # The log's counters and the context's stats count the whole step (SQLite: in one statement).
+    before = (await store.load("t")).tokens[0]
+    assert await store.stats("t") == ThreadStats(message_count=4, total_tokens=before + 18, last_seq=4)
+    await say(store, "t", "next")
+    assert [r.seq async for r in store.replay("t")] == [1, 2, 3, 4, 5, 6, 7]
+    pressure = await store.pressure("t")
+    assert (pressure.total_user_messages, pressure.user_messages_since_boundary) == (2, 2)
 
 
 async def test_record_and_append_without_links_appends_unlinked_messages(store: Any) -> None:
@@ -653,10 +660,19 @@ async def test_a_token_total_past_64_bits_is_refused(store: Any) -> None:
         await store.record_and_append("t", [said("x")], [Message.user("x")], [1])
     assert await everything(store, "t") == before
     # Counts that each fit but whose sum does not, in one call on another thread.
+    a, b = Message.user("a"), Message.user("b")
     for call in (
         lambda: store.append("u", [Message.user("a"), Message.user("b")], [INT64_MAX, INT64_MAX]),
         lambda: store.record_and_append(
             "u", [said("a"), said("b")], [Message.user("a"), Message.user("b")], [INT64_MAX, INT64_MAX]
+        ),
+        # Each message recorded by its own episode (the step Compactor.append records).
+        lambda: store.record_and_append(
+            "u",
+            [UserMessageEpisode(message=a), UserMessageEpisode(message=b)],
+            [a, b],
+            [INT64_MAX, INT64_MAX],
+            message_episodes=[0, 1],
         ),
     ):
         await store.append("u", [Message.user("first")], [1])  # the thread has rows: the in-place update

@@ -112,6 +112,7 @@ from .._episodes import (
     LlmCallEpisode,
     SummaryCheckpoint,
     SystemMessageEpisode,
+    ToolCallEpisode,
     ToolResultEpisode,
     UserMessageEpisode,
 )
@@ -381,6 +382,13 @@ def _write_stats(conn: sqlite3.Connection, thread: str, stats: ThreadStats) -> N
     )
 
 
+_INSERT_EPISODE = "INSERT INTO episodes (thread, seq, at, kind, body) VALUES (?, ?, ?, ?, ?)"
+
+_INSERT_MESSAGE = (
+    "INSERT INTO messages (thread, seq, tokens, body, episode_seq, body_chars) VALUES (?, ?, ?, ?, ?, ?)"
+)
+
+
 def _insert_messages(
     conn: sqlite3.Connection,
     thread: str,
@@ -399,7 +407,7 @@ def _insert_messages(
     flags = list(shared) or [False] * len(rows)
     _insert(
         conn,
-        "INSERT INTO messages (thread, seq, tokens, body, episode_seq, body_chars) VALUES (?, ?, ?, ?, ?, ?)",
+        _INSERT_MESSAGE,
         [
             (thread, first_seq + n, count, None, link, len(body))
             if share
@@ -515,7 +523,7 @@ def _insert_episodes(
     at = when.isoformat()
     _insert(
         conn,
-        "INSERT INTO episodes (thread, seq, at, kind, body) VALUES (?, ?, ?, ?, ?)",
+        _INSERT_EPISODE,
         [
             (thread, seq, at, episode.kind, body)
             for seq, episode, body in zip(seqs, episodes, bodies, strict=True)
@@ -550,6 +558,58 @@ def _record_step(
     first = last_row - len(rows) + 1
     _insert_messages(conn, thread, first, rows, linked, shared)
     return first, linked
+
+
+def _record_own_messages(
+    conn: sqlite3.Connection, thread: str, recording: Recording, at: str
+) -> tuple[int, list[int | None]] | None:
+    """A step of messages each recorded by its own episode, in three statements; ``None`` if not that step.
+
+    What ``Compactor.append`` records (see ``record_messages``): episode ``i``
+    records row ``i`` and holds its JSON, so the row stores only its length.
+    ``None``, with nothing written, for any other shape of step or when the
+    threads row is missing or unsound (``_record_step`` then goes the long
+    way); else the first row's seq and each row's episode seq, as
+    ``_record_step`` returns them.
+    """
+    episodes, bodies, rows, links, shared = recording
+    n = len(rows)
+    if not n or len(episodes) != n or links != list(range(n)) or not all(shared):
+        return None
+    users = 0
+    tokens = 0
+    for episode, (_, count, _) in zip(episodes, rows, strict=True):
+        users += type(episode) is UserMessageEpisode
+        tokens += count
+    if tokens > INT64_MAX:
+        return None
+    counted = conn.execute(
+        _COUNT_STEP,
+        (n, users, users, users, n, tokens, n, thread, *_episode_limits(n, users), *_row_limits(n, tokens)),
+    ).fetchall()
+    if not counted:
+        return None
+    last_episode, last_row = counted[0]
+    if n == 1:  # the usual step: execute costs less than executemany
+        conn.execute(_INSERT_EPISODE, (thread, last_episode, at, episodes[0].kind, bodies[0]))
+        conn.execute(_INSERT_MESSAGE, (thread, last_row, tokens, None, last_episode, len(rows[0][0])))
+        return last_row, [last_episode]
+    first_episode, first_row = last_episode - n + 1, last_row - n + 1
+    conn.executemany(
+        _INSERT_EPISODE,
+        [
+            (thread, first_episode + i, at, episode.kind, body)
+            for i, (episode, body) in enumerate(zip(episodes, bodies, strict=True))
+        ],
+    )
+    conn.executemany(
+        _INSERT_MESSAGE,
+        [
+            (thread, first_row + i, count, None, first_episode + i, len(body))
+            for i, (body, count, _) in enumerate(rows)
+        ],
+    )
+    return first_row, list(range(first_episode, last_episode + 1))
 
 
 _COUNTERS_SOUND = """typeof(last_episode_seq) = 'integer' AND typeof(total_user_messages) = 'integer'
@@ -588,14 +648,18 @@ WHERE thread = ? AND {_COUNTERS_SOUND} AND {_STATS_SOUND} AND {_EPISODES_IN_RANG
 RETURNING last_episode_seq, last_seq"""
 """Both updates of a recorded step in one statement: ``_COUNT_MESSAGES`` and ``_COUNT_ROWS`` at once."""
 
-_MESSAGE_EPISODES = frozenset({UserMessageEpisode, SystemMessageEpisode, ToolResultEpisode, LlmCallEpisode})
+_MESSAGE_EPISODES = frozenset(
+    {UserMessageEpisode, SystemMessageEpisode, ToolResultEpisode, LlmCallEpisode, ToolCallEpisode}
+)
+"""The episodes of a step: its messages, and the tool calls that ran between its reply and their results."""
 
 
 def _message_episodes(episodes: Sequence[Episode]) -> tuple[int, int] | None:
-    """How many episodes and user messages a batch of message episodes adds; ``None`` for any other batch.
+    """How many episodes and user messages a step's episodes add; ``None`` for any other batch.
 
-    Message episodes only add: to the seq, and a user message to the three
-    user-message counts; the boundary, the runs and the first time stay.
+    A step's episodes only add: to the seq, and a user message to the three
+    user-message counts; the boundary, the runs and the first time stay (see
+    ``PressureCounters.after``).
     """
     users = 0
     for episode in episodes:
@@ -609,9 +673,9 @@ def _message_episodes(episodes: Sequence[Episode]) -> tuple[int, int] | None:
 def _count_messages_recorded(
     conn: sqlite3.Connection, thread: str, episodes: Sequence[Episode]
 ) -> int | None:
-    """The counters' update for a batch of message episodes, in one statement: the new ``last_seq``.
+    """The counters' update for a batch of a step's episodes, in one statement: the new ``last_seq``.
 
-    ``None`` (nothing written) unless every episode records a message and the
+    ``None`` (nothing written) unless every episode is a step's (see ``_MESSAGE_EPISODES``) and the
     thread's counters hold sound numbers that stay under the limit: the caller
     then reads the row, reports what is wrong with it, or creates it.
     """
@@ -1625,18 +1689,23 @@ class SQLiteStore(AsyncResource):
     async def _write_recording(self, thread: str, recording: Recording) -> list[StoredMessage]:
         """``record_and_append`` of a step checked and encoded already, in one transaction."""
         check_thread(thread)
-        episodes, bodies, _, links, shared = recording
-        rows = [(body, count) for body, count, _ in recording.rows]
+        episodes, bodies, encoded, links, shared = recording
         when = datetime.now(UTC)
+        at = when.isoformat()
 
         def run(conn: sqlite3.Connection) -> tuple[int, list[int | None]]:
             with _transaction(conn, "IMMEDIATE"):
+                own = _record_own_messages(conn, thread, recording, at)
+                if own is not None:
+                    return own
+                rows = [(body, count) for body, count, _ in encoded]
                 return _record_step(conn, thread, episodes, bodies, when, rows, links, shared)
 
-        unshared = (len(body) for (body, _), share in zip(rows, shared, strict=True) if not share)
-        size = sum(map(len, bodies)) + sum(unshared)
+        size = sum(map(len, bodies))
+        for (body, _, _), share in zip(encoded, shared, strict=True):
+            size += 0 if share else len(body)
         first, linked = await self._write(run, size)
-        return _stored(first, recording.rows, linked)
+        return _stored(first, encoded, linked)
 
     async def fold(
         self,
