@@ -201,6 +201,27 @@ async def test_a_tool_step_with_its_starts_between_the_messages_reads_back_in_or
     assert (pressure.total_user_messages, pressure.user_messages_since_boundary) == (2, 2)
 
 
+class _TaggedUserMessage(UserMessageEpisode):
+    """A user's own subclass of a message episode: recorded, and counted, as the episode it extends."""
+
+
+async def test_a_subclassed_user_episode_holding_its_message_counts_as_a_user_message(store: Any) -> None:
+    """The episode holds the row's JSON as a plain one would, and the user-message counters count it.
+
+    (SQLite's one-statement step took every such step for a plain one and
+    counted it by its exact type, missing the user message.)
+    """
+    await say(store, "t", "first")
+    message = Message.user("second")
+    stored = await store.record_and_append(
+        "t", [_TaggedUserMessage(message=message)], [message], [3], message_episodes=[0]
+    )
+    assert [(m.seq, m.episode_seq, m.message) for m in stored] == [(2, 2, message)]
+    pressure = await store.pressure("t")
+    assert (pressure.total_user_messages, pressure.user_messages_since_boundary) == (2, 2)
+    assert [r.episode async for r in store.replay("t")][1] == UserMessageEpisode(message=message)
+
+
 async def test_record_and_append_without_links_appends_unlinked_messages(store: Any) -> None:
     """Without message_episodes, the messages are appended with no episode seq."""
     stored = await store.record_and_append("t", [said("a")], [Message.user("a")], [1])

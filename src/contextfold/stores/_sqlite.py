@@ -567,22 +567,21 @@ def _record_own_messages(
 
     What ``Compactor.append`` records (see ``record_messages``): episode ``i``
     records row ``i`` and holds its JSON, so the row stores only its length.
-    ``None``, with nothing written, for any other shape of step or when the
-    threads row is missing or unsound (``_record_step`` then goes the long
+    ``None``, with nothing written, for any other shape of step, an episode
+    not of a step's own types (``_MESSAGE_EPISODES``, a subclass included),
+    or a threads row missing or unsound (``_record_step`` then goes the long
     way); else the first row's seq and each row's episode seq, as
     ``_record_step`` returns them.
     """
     episodes, bodies, rows, links, shared = recording
     n = len(rows)
-    if not n or len(episodes) != n or links != list(range(n)) or not all(shared):
+    if len(episodes) != n or links != list(range(n)) or not all(shared):
         return None
-    users = 0
-    tokens = 0
-    for episode, (_, count, _) in zip(episodes, rows, strict=True):
-        users += type(episode) is UserMessageEpisode
-        tokens += count
-    if tokens > INT64_MAX:
+    adds = _message_episodes(episodes)  # by exact type: a subclass is counted the long way
+    tokens = sum([count for _, count, _ in rows])
+    if adds is None or tokens > INT64_MAX:
         return None
+    users = adds[1]
     counted = conn.execute(
         _COUNT_STEP,
         (n, users, users, users, n, tokens, n, thread, *_episode_limits(n, users), *_row_limits(n, tokens)),
