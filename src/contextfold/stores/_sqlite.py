@@ -546,7 +546,7 @@ def _record_step(
     A step of message episodes on a sound threads row updates its counters and
     its stats in one statement; anything else goes the long way, by the parts.
     """
-    counted = _count_step(conn, thread, episodes, rows)
+    counted = _count_step(conn, thread, episodes, len(rows), sum([count for _, count in rows]))
     if counted is None:
         seqs = _record_rows(conn, thread, episodes, bodies, when)
         linked = [None if link is None else seqs[link] for link in links]
@@ -568,7 +568,7 @@ def _record_own_messages(
     What ``Compactor.append`` records (see ``record_messages``): episode ``i``
     records row ``i`` and holds its JSON, so the row stores only its length.
     ``None``, with nothing written, for any other shape of step, an episode
-    not of a step's own types (``_MESSAGE_EPISODES``, a subclass included),
+    not of a step's own types (``_STEP_EPISODES``, a subclass included),
     or a threads row missing or unsound (``_record_step`` then goes the long
     way); else the first row's seq and each row's episode seq, as
     ``_record_step`` returns them.
@@ -577,31 +577,21 @@ def _record_own_messages(
     n = len(rows)
     if len(episodes) != n or links != list(range(n)) or not all(shared):
         return None
-    adds = _message_episodes(episodes)  # by exact type: a subclass is counted the long way
-    tokens = sum([count for _, count, _ in rows])
-    if adds is None or tokens > INT64_MAX:
+    counted = _count_step(conn, thread, episodes, n, sum([count for _, count, _ in rows]))
+    if counted is None:
         return None
-    users = adds[1]
-    counted = conn.execute(
-        _COUNT_STEP,
-        (n, users, users, users, n, tokens, n, thread, *_episode_limits(n, users), *_row_limits(n, tokens)),
-    ).fetchall()
-    if not counted:
-        return None
-    last_episode, last_row = counted[0]
-    if n == 1:  # the usual step: execute costs less than executemany
-        conn.execute(_INSERT_EPISODE, (thread, last_episode, at, episodes[0].kind, bodies[0]))
-        conn.execute(_INSERT_MESSAGE, (thread, last_row, tokens, None, last_episode, len(rows[0][0])))
-        return last_row, [last_episode]
+    last_episode, last_row = counted
     first_episode, first_row = last_episode - n + 1, last_row - n + 1
-    conn.executemany(
+    _insert(
+        conn,
         _INSERT_EPISODE,
         [
             (thread, first_episode + i, at, episode.kind, body)
             for i, (episode, body) in enumerate(zip(episodes, bodies, strict=True))
         ],
     )
-    conn.executemany(
+    _insert(
+        conn,
         _INSERT_MESSAGE,
         [
             (thread, first_row + i, count, None, first_episode + i, len(body))
@@ -647,7 +637,7 @@ WHERE thread = ? AND {_COUNTERS_SOUND} AND {_STATS_SOUND} AND {_EPISODES_IN_RANG
 RETURNING last_episode_seq, last_seq"""
 """Both updates of a recorded step in one statement: ``_COUNT_MESSAGES`` and ``_COUNT_ROWS`` at once."""
 
-_MESSAGE_EPISODES = frozenset(
+_STEP_EPISODES = frozenset(
     {UserMessageEpisode, SystemMessageEpisode, ToolResultEpisode, LlmCallEpisode, ToolCallEpisode}
 )
 """The episodes of a step: its messages, and the tool calls that ran between its reply and their results."""
@@ -663,7 +653,7 @@ def _message_episodes(episodes: Sequence[Episode]) -> tuple[int, int] | None:
     users = 0
     for episode in episodes:
         kind = type(episode)
-        if kind not in _MESSAGE_EPISODES:
+        if kind not in _STEP_EPISODES:
             return None
         users += kind is UserMessageEpisode
     return (len(episodes), users) if episodes else None
@@ -674,7 +664,7 @@ def _count_messages_recorded(
 ) -> int | None:
     """The counters' update for a batch of a step's episodes, in one statement: the new ``last_seq``.
 
-    ``None`` (nothing written) unless every episode is a step's (see ``_MESSAGE_EPISODES``) and the
+    ``None`` (nothing written) unless every episode is a step's (see ``_STEP_EPISODES``) and the
     thread's counters hold sound numbers that stay under the limit: the caller
     then reads the row, reports what is wrong with it, or creates it.
     """
@@ -695,14 +685,17 @@ def _row_limits(n: int, tokens: int) -> tuple[int, int, int]:
 
 
 def _count_step(
-    conn: sqlite3.Connection, thread: str, episodes: Sequence[Episode], rows: list[tuple[str, int]]
+    conn: sqlite3.Connection, thread: str, episodes: Sequence[Episode], m: int, tokens: int
 ) -> tuple[int, int] | None:
-    """``_COUNT_STEP``: the new ``last_episode_seq`` and ``last_seq``, or ``None`` with nothing written."""
+    """``_COUNT_STEP`` for ``m`` rows of ``tokens``: the new ``last_episode_seq`` and ``last_seq``.
+
+    ``None``, with nothing written, unless every episode is a step's (by exact
+    type, see ``_STEP_EPISODES``), and the threads row is sound and stays in range.
+    """
     adds = _message_episodes(episodes)
-    tokens = sum([count for _, count in rows])
-    if adds is None or not rows or tokens > INT64_MAX:
+    if adds is None or not m or tokens > INT64_MAX:
         return None
-    (n, users), m = adds, len(rows)
+    n, users = adds
     limits = (*_episode_limits(n, users), *_row_limits(m, tokens))
     row = _one(conn, _COUNT_STEP, (n, users, users, users, m, tokens, m, thread, *limits))
     return None if row is None else (int(row[0]), int(row[1]))
