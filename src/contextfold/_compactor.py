@@ -690,6 +690,10 @@ class Compactor:
                 break
         else:
             return messages
+        if len(messages) == 1:  # a step's one result: it reaches the context if its call is open
+            cache = self._cache.get(thread)
+            if cache is not None and messages[0].tool_call_id in cache.open_calls:
+                return messages
         open_calls = await self._open_calls(thread, messages)
         sent: list[Message] = []
         for message in messages:
