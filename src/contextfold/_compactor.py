@@ -690,30 +690,32 @@ class Compactor:
                 break
         else:
             return messages
-        if len(messages) == 1:  # a step's one result: it reaches the context if its call is open
-            cache = self._cache.get(thread)
-            if cache is not None and messages[0].tool_call_id in cache.open_calls:
-                return messages
         open_calls = await self._open_calls(thread, messages)
-        sent: list[Message] = []
-        for message in messages:
+        late: list[int] = []
+        for index, message in enumerate(messages):
             for call in message.tool_calls:
                 open_calls[call.id] = open_calls.get(call.id, 0) + 1
-            answers = message.tool_call_id or ""
             if message.role is not Role.TOOL:
-                sent.append(message)
-            elif open_calls.get(answers, 0) > 0:
+                continue
+            answers = message.tool_call_id or ""
+            if open_calls.get(answers, 0) > 0:
                 open_calls[answers] -= 1
-                sent.append(message)
             else:
-                sent.append(_late_note(message))
-        return sent if any(a is not b for a, b in zip(sent, messages, strict=True)) else messages
+                late.append(index)
+        if not late:
+            return messages
+        sent = list(messages)
+        for index in late:
+            sent[index] = _late_note(messages[index])
+        return sent
 
     async def _open_calls(self, thread: str, messages: Sequence[Message]) -> dict[str, int]:
-        """How many calls with each id are open in the context, when ``messages`` answer any (else none).
+        """How many calls with each id the batch's results answer are open in the context.
 
-        Counted, not a set: a reply may reuse the id of a call still open, and
-        then two results with that id each answer one of them.
+        Only the ids those results look for are counted (none when no result
+        answers a call the context made). Counted, not a set: a reply may reuse
+        the id of a call still open, and then two results with that id each
+        answer one of them.
         """
         wanted: set[str | None] = set()
         made: set[str] = set()  # calls the batch itself makes answer their own results
@@ -734,10 +736,11 @@ class Compactor:
         elif cache.reused_open_id:  # its open_calls kept one call per id: pair them up again
             context = cache.plain
         else:
-            return dict.fromkeys(cache.open_calls, 1)
+            return {id_: 1 for id_ in wanted if id_ in cache.open_calls}
         counts: dict[str, int] = {}
         for _, call in unanswered_calls(context):
-            counts[call.id] = counts.get(call.id, 0) + 1
+            if call.id in wanted:
+                counts[call.id] = counts.get(call.id, 0) + 1
         return counts
 
     def _forget_cache(self, thread: str) -> None:
