@@ -463,7 +463,11 @@ class Compactor:
                     raise ConfigError(
                         "started", "must hold ToolCall objects only, e.g. reply.tool_calls", value=ran
                     )
-        sent = await self._sent(thread, messages)
+        sent = messages
+        for message in messages:
+            if message.role is Role.TOOL:  # only a tool result can be late
+                sent = await self._sent(thread, messages)
+                break
         if self._counter_ready is not self.counter:  # checked here: a step pays no extra await
             await self._ready_counter()
         call = _LlmCall(model, usage, request_messages, request_tokens)
@@ -680,16 +684,12 @@ class Compactor:
         )
 
     async def _sent(self, thread: str, messages: list[Message]) -> list[Message]:
-        """What reaches the context for each message: ``messages`` itself, unless a tool result is late.
+        """What reaches the context for each message of a batch holding a tool result.
 
-        A tool result whose call is no longer open in the context (it was closed
-        as abandoned) reaches it as a plain note instead of an orphaned tool message.
+        ``messages`` itself, unless a result is late: one whose call is no longer
+        open in the context (it was closed as abandoned) reaches it as a plain
+        note instead of an orphaned tool message.
         """
-        for message in messages:
-            if message.role is Role.TOOL:
-                break
-        else:
-            return messages
         open_calls = await self._open_calls(thread, messages)
         late: list[int] = []
         for index, message in enumerate(messages):

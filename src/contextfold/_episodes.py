@@ -190,6 +190,11 @@ _EPISODE_OF_ROLE: dict[Role, type[UserMessageEpisode | SystemMessageEpisode | To
 }
 """The episode that records a message of each role but the assistant's (an LLM call)."""
 
+_KIND_OF_ROLE: dict[Role, str] = {
+    role: kind.model_fields["kind"].default for role, kind in _EPISODE_OF_ROLE.items()
+}
+"""The ``kind`` of each role's episode, looked up once (a model's fields are dearer to read per call)."""
+
 
 def episode_for(
     message: Message,
@@ -208,9 +213,10 @@ def episode_for(
         return _validated_episode_for(message, model, usage, request_messages, request_tokens)
     # A Message is checked when it is built (and again by the store that records it); validating
     # the episode around it would run the message's own checks once more, on every step.
-    kind = _EPISODE_OF_ROLE.get(message.role)
+    role = message.role
+    kind = _EPISODE_OF_ROLE.get(role)
     if kind is not None:
-        return trusted(kind, kind=kind.model_fields["kind"].default, message=message)
+        return trusted(kind, kind=_KIND_OF_ROLE[role], message=message)
     if model is None and usage is None and request_messages == 0 and request_tokens == 0:
         return trusted(
             LlmCallEpisode,

@@ -255,7 +255,9 @@ def check_role_fields(message: Message) -> None:
         raise InvalidMessageError(
             "tool_call_id", f"only tool messages answer a call, not {message.role.value} messages"
         )
-    if message.tool_calls and message.role is not Role.ASSISTANT:
+    if not message.tool_calls:
+        return
+    if message.role is not Role.ASSISTANT:
         raise InvalidMessageError(
             "tool_calls", f"only assistant messages call tools, not {message.role.value} messages"
         )

@@ -355,8 +355,16 @@ class MemoryStore(AsyncResource):
         rows = recording.rows
         total = self._total_after(thread, rows)  # before anything is written
         when = datetime.now(UTC)
-        pairs = zip(recording.episodes, recording.bodies, strict=True)
-        seqs = [self._record_body(thread, episode, body, when) for episode, body in pairs]
+        log = self._logs.get(thread)
+        if log is None:
+            log = self._logs[thread] = _Log()
+        counters = log.counters
+        seqs: list[int] = []
+        for episode in recording.episodes:
+            counters = counters.after(episode, when)
+            seqs.append(counters.last_seq)
+        log.records.extend([(when, body) for body in recording.bodies])
+        log.counters = counters
         links = [None if link is None else seqs[link] for link in recording.links]
         return self._append_rows(thread, rows, links, total)
 
