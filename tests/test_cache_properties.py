@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from contextfold import Message, ToolCall
 from contextfold._compactor import _Cache
 from contextfold._strategies import unanswered_calls
+from contextfold.stores import StoredMessage
 
 PROPERTY_SETTINGS = settings(max_examples=300, deadline=None)
 
@@ -27,10 +28,15 @@ messages_ = st.one_of(
 )
 
 
+def row(seq: int, message: Message, tokens: int, link: int | None) -> StoredMessage:
+    return StoredMessage(seq=seq, message=message, tokens=tokens, episode_seq=link)
+
+
 def cache_of(messages: list[Message], tokens: list[int]) -> _Cache:
+    """The cache a step at a time makes of ``messages``: one row per step."""
     cache = _Cache(1)
     for n, (message, count) in enumerate(zip(messages, tokens, strict=True)):
-        cache.add(n + 1, message, count, n)
+        cache.extend([row(n + 1, message, count, n)])
     return cache
 
 
@@ -52,10 +58,11 @@ def test_the_cache_after_a_fold_is_the_cache_of_the_folded_rows(
     counts = data.draw(st.lists(st.integers(0, 50), min_size=len(replacement), max_size=len(replacement)))
     folded = cache_of(messages, tokens).folded(2, through, replacement, counts)
     expected = _Cache(2)
-    for n, (message, count) in enumerate(zip(replacement, counts, strict=True)):
-        expected.add(through - len(replacement) + 1 + n, message, count, None)
-    for n in range(through, len(messages)):
-        expected.add(n + 1, messages[n], tokens[n], n)
+    first = through - len(replacement) + 1
+    expected.extend(
+        [row(first + n, m, count, None) for n, (m, count) in enumerate(zip(replacement, counts, strict=True))]
+    )
+    expected.extend([row(n + 1, messages[n], tokens[n], n) for n in range(through, len(messages))])
     expected.last_seq = len(messages)
     assert folded == expected
     assert list(folded.open_calls.items()) == list(expected.open_calls.items())

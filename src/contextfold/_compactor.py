@@ -221,17 +221,20 @@ class _Cache:
         return cache
 
     def extend(self, rows: Sequence[StoredMessage]) -> None:
+        """Add rows newer than the cache's, in seq order."""
+        plain, seqs, tokens, links = self.plain, self.seqs, self.tokens, self.links
+        start = len(plain)
+        added = 0
         for row in rows:
-            self.add(row.seq, row.message, row.tokens, row.episode_seq)
-
-    def add(self, seq: int, message: Message, tokens: int, link: int | None) -> None:
-        self.plain.append(message)
-        self.seqs.append(seq)
-        self.tokens.append(tokens)
-        self.links.append(link)
-        self.total_tokens += tokens
-        self.last_seq = max(self.last_seq, seq)
-        self._track((message,))
+            plain.append(row.message)
+            seqs.append(row.seq)
+            tokens.append(row.tokens)
+            links.append(row.episode_seq)
+            added += row.tokens
+        if len(plain) > start:
+            self.total_tokens += added
+            self.last_seq = max(self.last_seq, seqs[-1])
+            self._track(plain[start:])
 
     def _track(self, messages: Iterable[Message]) -> None:
         """Count the messages' turns and note the calls they make or answer, in order."""
@@ -250,7 +253,7 @@ class _Cache:
         self.turns += turns
 
     def folded(self, version: int, through_seq: int, replacement: list[Message], tokens: list[int]) -> _Cache:
-        """This cache once a fold replaced its rows through ``through_seq``: what ``add`` would build.
+        """This cache once a fold replaced its rows through ``through_seq``: what ``extend`` would build.
 
         The rows after the cut are the same rows, so their lists are slices of
         these; only their turns and calls are gone over again, since the calls
