@@ -398,6 +398,9 @@ class TokenCounter(Protocol):
 
 _Key = tuple[object, ...]
 
+_ROLE_NAMES: dict[Role, str] = {role: role.value for role in Role}
+"""Each role's name, as a key holds it (an enum's ``value`` is a property, dearer than a lookup)."""
+
 _NAME_CACHE_SIZE = 4096
 
 
@@ -466,7 +469,7 @@ class _CachedCounter:
         # Plain strings and tuples only: the collector stops tracking such keys, so a full
         # cache adds nothing to a full garbage collection.
         key: _Key = (
-            message.role.value,
+            _ROLE_NAMES[message.role],
             content if type(content) is str or content is None else _freeze(content),
             tuple([(c.id, c.name, c.arguments) for c in calls]) if calls else (),
             message.tool_call_id,

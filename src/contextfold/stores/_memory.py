@@ -121,7 +121,7 @@ class MemoryStore(AsyncResource):
     def _total_after(self, thread: str, rows: list[_Row]) -> int:
         """The thread's token total once ``rows`` are appended, checked to fit every backend."""
         stats = self._contexts.get(thread, _NO_CONTEXT).stats
-        return check_total(thread, stats.total_tokens + sum(count for _, count, _ in rows))
+        return check_total(thread, stats.total_tokens + sum([count for _, count, _ in rows]))
 
     def _append_rows(
         self, thread: str, rows: list[_Row], episode_seqs: list[int | None], total: int
