@@ -423,6 +423,42 @@ async def test_a_result_for_a_reused_open_call_id_reaches_the_context_as_a_tool_
     assert not any(LATE_RESULT_METADATA_KEY in m.metadata for m in cached)
 
 
+@pytest.mark.parametrize(
+    "batch_head",
+    [["y_result"], []],
+    ids=["after-another-result", "alone"],
+)
+async def test_a_batch_that_reuses_an_open_call_id_sends_both_of_its_results_as_tool_results(
+    tmp_path: Path, batch_head: list[str]
+) -> None:
+    """One append holds a reply reusing an open call's id and two results for that id: neither is late.
+
+    The context holds calls ``x`` and ``y`` open. The batch answers ``y``, then
+    a reply calls ``x`` again and two results for ``x`` follow: the first
+    answers the batch's own call, the second the context's, which is still
+    open. Both reach the context as tool results, with or without another
+    result ahead of them in the batch, and with one store or two.
+    """
+    x_first = ToolCall(id="x", name="read_file", arguments='{"path": "a.py"}')
+    y = ToolCall(id="y", name="read_file", arguments='{"path": "c.py"}')
+    x_again = ToolCall(id="x", name="read_file", arguments='{"path": "b.py"}')
+    head = {"y_result": Message.tool("y", "contents of c.py")}
+    batch = [
+        *(head[name] for name in batch_head),
+        Message.assistant(None, tool_calls=[x_again]),
+        Message.tool("x", "contents of b.py"),
+        Message.tool("x", "contents of a.py"),
+    ]
+    async with MemoryStore() as one, MemoryStore() as short_term, SQLiteStore(tmp_path / "log.db") as log:
+        for compactor in (Compactor(one), Compactor(short_term=short_term, episodic=log)):
+            await compactor.append(THREAD, [Message.user("read a.py and c.py")])
+            await compactor.append(THREAD, [Message.assistant(None, tool_calls=[x_first, y])])
+            await compactor.append(THREAD, batch)
+            context = await compactor.context(THREAD)
+            assert context[-len(batch) :] == batch
+            assert not any(LATE_RESULT_METADATA_KEY in m.metadata for m in context)
+
+
 async def test_a_fold_before_any_append_loads_the_tokenizer_in_a_worker_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -713,21 +713,26 @@ class Compactor:
         return sent
 
     async def _open_calls(self, thread: str, messages: Sequence[Message]) -> dict[str, int]:
-        """How many calls with each id the batch's results answer are open in the context.
+        """How many calls with each id are open in the context, for the ids the batch's results need it for.
 
-        Only the ids those results look for are counted (none when no result
-        answers a call the context made). Counted, not a set: a reply may reuse
-        the id of a call still open, and then two results with that id each
-        answer one of them.
+        A result answers a call the batch made before it while one with its id
+        is unanswered there, else a call open in the context: the ids of the
+        latter results are counted, and no other (none when the batch answers
+        only its own calls). Counted, not a set: a reply may reuse the id of a
+        call still open, and then two results with that id each answer one of them.
         """
         wanted: set[str | None] = set()
-        made: set[str] = set()  # calls the batch itself makes answer their own results
+        made: dict[str, int] = {}  # the batch's own calls not answered yet, by id
         for m in messages:
             if not isinstance(m, Message):
                 continue
-            made.update(call.id for call in m.tool_calls)
-            if m.role is Role.TOOL and m.tool_call_id not in made:
-                wanted.add(m.tool_call_id)
+            for call in m.tool_calls:
+                made[call.id] = made.get(call.id, 0) + 1
+            if m.role is Role.TOOL:
+                if made.get(m.tool_call_id or "", 0) > 0:
+                    made[m.tool_call_id or ""] -= 1
+                else:
+                    wanted.add(m.tool_call_id)
         if not wanted:
             return {}
         cache = self._cache.get(thread)
