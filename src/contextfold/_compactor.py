@@ -729,8 +729,9 @@ class Compactor:
             for call in m.tool_calls:
                 made[call.id] = made.get(call.id, 0) + 1
             if m.role is Role.TOOL:
-                if made.get(m.tool_call_id or "", 0) > 0:
-                    made[m.tool_call_id or ""] -= 1
+                answers = m.tool_call_id or ""
+                if made.get(answers, 0) > 0:
+                    made[answers] -= 1
                 else:
                     wanted.add(m.tool_call_id)
         if not wanted:

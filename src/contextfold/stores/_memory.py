@@ -146,11 +146,16 @@ class MemoryStore(AsyncResource):
         )
         return stored
 
-    def _record_body(self, thread: str, episode: Episode, body: str, when: datetime) -> int:
-        """Append the episode's JSON to the thread's log; return its seq."""
+    def _log(self, thread: str) -> _Log:
+        """The thread's log, created empty if it has none."""
         log = self._logs.get(thread)
         if log is None:
             log = self._logs[thread] = _Log()
+        return log
+
+    def _record_body(self, thread: str, episode: Episode, body: str, when: datetime) -> int:
+        """Append the episode's JSON to the thread's log; return its seq."""
+        log = self._log(thread)
         counters = log.counters.after(episode, when)
         log.records.append((when, body))
         log.counters = counters
@@ -355,9 +360,7 @@ class MemoryStore(AsyncResource):
         rows = recording.rows
         total = self._total_after(thread, rows)  # before anything is written
         when = datetime.now(UTC)
-        log = self._logs.get(thread)
-        if log is None:
-            log = self._logs[thread] = _Log()
+        log = self._log(thread)
         counters = log.counters
         seqs: list[int] = []
         for episode in recording.episodes:
