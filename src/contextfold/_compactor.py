@@ -691,20 +691,22 @@ class Compactor:
 
         ``messages`` itself, unless a result is late: one whose call is no longer
         open in the context (it was closed as abandoned) reaches it as a plain
-        note instead of an orphaned tool message.
+        note instead of an orphaned tool message. A result answers a call the
+        batch made before it while one with its id is unanswered there, else a
+        call open in the context: only the latter results look at the context.
         """
-        open_calls = await self._open_calls(thread, messages)
-        late: list[int] = []
+        made: dict[str, int] = {}  # the batch's own calls not answered yet, by id
+        from_context: list[int] = []  # the results no call of the batch answers
         for index, message in enumerate(messages):
             for call in message.tool_calls:
-                open_calls[call.id] = open_calls.get(call.id, 0) + 1
-            if message.role is not Role.TOOL:
-                continue
-            answers = message.tool_call_id or ""
-            if open_calls.get(answers, 0) > 0:
-                open_calls[answers] -= 1
-            else:
-                late.append(index)
+                made[call.id] = made.get(call.id, 0) + 1
+            if message.role is Role.TOOL and not _answer(made, message):
+                from_context.append(index)
+        if not from_context:
+            return messages
+        wanted = {messages[index].tool_call_id or "" for index in from_context}
+        open_calls = await self._open_calls(thread, wanted)
+        late = [index for index in from_context if not _answer(open_calls, messages[index])]
         if not late:
             return messages
         sent = list(messages)
@@ -712,30 +714,12 @@ class Compactor:
             sent[index] = _late_note(messages[index])
         return sent
 
-    async def _open_calls(self, thread: str, messages: Sequence[Message]) -> dict[str, int]:
-        """How many calls with each id are open in the context, for the ids the batch's results need it for.
+    async def _open_calls(self, thread: str, wanted: set[str]) -> dict[str, int]:
+        """How many calls with each ``wanted`` id are open in the context.
 
-        A result answers a call the batch made before it while one with its id
-        is unanswered there, else a call open in the context: the ids of the
-        latter results are counted, and no other (none when the batch answers
-        only its own calls). Counted, not a set: a reply may reuse the id of a
-        call still open, and then two results with that id each answer one of them.
+        Counted, not a set: a reply may reuse the id of a call still open, and
+        then two results with that id each answer one of them.
         """
-        wanted: set[str | None] = set()
-        made: dict[str, int] = {}  # the batch's own calls not answered yet, by id
-        for m in messages:
-            if not isinstance(m, Message):
-                continue
-            for call in m.tool_calls:
-                made[call.id] = made.get(call.id, 0) + 1
-            if m.role is Role.TOOL:
-                answers = m.tool_call_id or ""
-                if made.get(answers, 0) > 0:
-                    made[answers] -= 1
-                else:
-                    wanted.add(m.tool_call_id)
-        if not wanted:
-            return {}
         cache = self._cache.get(thread)
         if cache is None or not wanted <= cache.open_calls.keys():
             # Another writer may have appended the call: read what this process has not seen.
@@ -1388,6 +1372,15 @@ def _step_episodes(
         episodes.append(episode_for(message, **call._asdict()))
     episodes += [ToolCallEpisode(call=ran) for ran in waiting]
     return episodes, owners
+
+
+def _answer(open_calls: dict[str, int], result: Message) -> bool:
+    """Whether one of ``open_calls`` (counts by id) answers ``result``; the call it answers is taken."""
+    answers = result.tool_call_id or ""
+    if open_calls.get(answers, 0) > 0:
+        open_calls[answers] -= 1
+        return True
+    return False
 
 
 def _late_note(message: Message) -> Message:

@@ -146,20 +146,21 @@ class MemoryStore(AsyncResource):
         )
         return stored
 
-    def _log(self, thread: str) -> _Log:
-        """The thread's log, created empty if it has none."""
+    def _record_bodies(
+        self, thread: str, episodes: Sequence[Episode], bodies: Sequence[str], when: datetime
+    ) -> list[int]:
+        """Append the episodes' JSON to the thread's log; return their seqs."""
         log = self._logs.get(thread)
         if log is None:
             log = self._logs[thread] = _Log()
-        return log
-
-    def _record_body(self, thread: str, episode: Episode, body: str, when: datetime) -> int:
-        """Append the episode's JSON to the thread's log; return its seq."""
-        log = self._log(thread)
-        counters = log.counters.after(episode, when)
-        log.records.append((when, body))
+        counters = log.counters
+        seqs: list[int] = []
+        for episode in episodes:
+            counters = counters.after(episode, when)
+            seqs.append(counters.last_seq)
+        log.records.extend([(when, body) for body in bodies])
         log.counters = counters
-        return counters.last_seq
+        return seqs
 
     def _window(self, thread: str, context: _Context, start: int, *, complete: bool) -> ContextWindow:
         return ContextWindow(
@@ -303,7 +304,7 @@ class MemoryStore(AsyncResource):
         check_thread(thread)
         when = utc(at, "at")
         body = encode_episode(episode)
-        seq = self._record_body(thread, episode, body, when)
+        (seq,) = self._record_bodies(thread, [episode], [body], when)
         return EpisodeRecord(thread=thread, seq=seq, at=when, episode=episode)
 
     async def replay(self, thread: str, *, from_seq: int = 0) -> AsyncIterator[EpisodeRecord]:
@@ -360,14 +361,7 @@ class MemoryStore(AsyncResource):
         rows = recording.rows
         total = self._total_after(thread, rows)  # before anything is written
         when = datetime.now(UTC)
-        log = self._log(thread)
-        counters = log.counters
-        seqs: list[int] = []
-        for episode in recording.episodes:
-            counters = counters.after(episode, when)
-            seqs.append(counters.last_seq)
-        log.records.extend([(when, body) for body in recording.bodies])
-        log.counters = counters
+        seqs = self._record_bodies(thread, recording.episodes, recording.bodies, when)
         links = [None if link is None else seqs[link] for link in recording.links]
         return self._append_rows(thread, rows, links, total)
 
@@ -388,7 +382,7 @@ class MemoryStore(AsyncResource):
         rows = encode_rows(replacement, tokens, field="replacement")
         context, cut, stats = self._swap(thread, through_seq, expected_version, rows)
         when = datetime.now(UTC)
-        seq = self._record_body(thread, checkpoint, body, when)
+        (seq,) = self._record_bodies(thread, [checkpoint], [body], when)
         record = trusted(EpisodeRecord, thread=thread, seq=seq, at=when, episode=checkpoint)
         self._contexts[thread] = context
         self._apply(context, cut, stats, through_seq, rows, record.seq)

@@ -21,6 +21,8 @@ from pydantic import TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError
 
 from .._episodes import (
+    _EPISODE_OF_ROLE,
+    _KIND_OF_ROLE,
     Episode,
     LlmCallEpisode,
     ManualRecoveryBoundary,
@@ -383,10 +385,7 @@ def message_field(episode: Episode) -> str | None:
     return _MESSAGE_FIELD.get(type(episode))
 
 
-_MESSAGE_ONLY: dict[type, str] = {
-    kind: kind.model_fields["kind"].default
-    for kind in (UserMessageEpisode, SystemMessageEpisode, ToolResultEpisode)
-}
+_MESSAGE_ONLY: dict[type, str] = {kind: _KIND_OF_ROLE[role] for role, kind in _EPISODE_OF_ROLE.items()}
 """The kind of each episode type that holds nothing but its kind and its message."""
 
 
