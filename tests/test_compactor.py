@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import threading
 from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -817,3 +818,41 @@ async def test_a_store_whose_record_and_append_is_replaced_gets_every_step_throu
             THREAD, [Message.user("d")]
         )
     assert calls == [1]
+
+
+class ThreadNoting(TiktokenCounter):
+    """Counts as tiktoken does, noting the thread each message was measured in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[int] = []
+
+    def _measure(self, message: Message) -> int:
+        self.threads.append(threading.get_ident())
+        return super()._measure(message)
+
+
+@pytest.mark.parametrize("path", ["one store", "one store, started calls", "two stores"])
+async def test_a_large_tool_result_is_counted_in_a_worker_thread_not_on_the_loop(
+    store: Any, path: str
+) -> None:
+    """Tokenizing two megabytes took 120 ms on the event loop, and every other task waited for it."""
+    counter = ThreadNoting()
+    await counter.aload()
+    if path == "two stores":
+        compactor = Compactor(short_term=store, episodic=MemoryStore(), options=options(), counter=counter)
+    else:
+        compactor = Compactor(store, options=options(), counter=counter)
+    loop = threading.get_ident()
+    call = ToolCall(id="c1", name="read_file", arguments='{"path": "big.py"}')
+    reply = Message.assistant(None, tool_calls=[call])
+    await compactor.append(THREAD, [Message.user("read big.py"), reply])
+    assert counter.threads == [loop, loop]
+
+    big = Message.tool("c1", "x = 1  # a long file\n" * 5_000)
+    started = [call] if path == "one store, started calls" else ()
+    stored = await compactor.append(THREAD, [big], started=started)
+    assert len(counter.threads) == 3 and counter.threads[2] != loop
+    assert stored[0].message == big and stored[0].tokens == TiktokenCounter().count(big)
+    context = await compactor.context(THREAD)
+    assert context[-1] == big

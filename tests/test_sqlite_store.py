@@ -1212,18 +1212,32 @@ async def test_at_normal_a_fold_of_few_rows_commits_on_the_loop(
         assert kinds == ["user_message"] * 12 + ["summary_checkpoint"] * 2
 
 
-async def test_a_small_write_made_while_the_thread_has_a_call_runs_after_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("call", ["append", "record_and_append"])
+async def test_a_small_write_made_while_the_thread_has_a_call_runs_after_it(
+    tmp_path: Path, call: str
+) -> None:
     """Writes keep the order they were made in: none overtakes a call already handed to the thread.
 
-    The large append goes to the store's thread; the small one, made while
-    that call is queued or running, must not commit first on the loop.
+    The large append goes to the store's thread, where it is also encoded; the
+    small one, made while that call is queued or running, must not commit
+    first on the loop.
     """
+
+    async def write(store: SQLiteStore, text: str) -> None:
+        message = Message.user(text)
+        if call == "append":
+            await store.append("t", [message], [1])
+        else:
+            await store.record_and_append(
+                "t", [UserMessageEpisode(message=message)], [message], [1], message_episodes=[0]
+            )
+
     async with SQLiteStore(tmp_path / "order.db", synchronous="NORMAL") as store:
         for n in range(20):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(store.append, "t", [Message.user(f"large {n} " + "x" * 70_000)], [1])
+                tg.start_soon(write, store, f"large {n} " + "x" * 70_000)
                 await anyio.sleep(0)  # the large append is handed to the thread
-                tg.start_soon(store.append, "t", [Message.user(f"small {n}")], [1])
+                tg.start_soon(write, store, f"small {n}")
         texts = [m.message.text.split(" x")[0] for m in (await store.load("t")).messages]
         assert texts == [f"{kind} {n}" for n in range(20) for kind in ("large", "small")]
 

@@ -63,7 +63,7 @@ from ._telemetry import FoldSpan, Telemetry, error_type
 from ._tokens import TiktokenCounter, TokenCounter
 from ._trusted import trusted
 from .stores._base import ContextWindow, EpisodicStore, ShortTermStore, Store, StoredMessage, ThreadStats
-from .stores._rows import Recording, not_a_sequence, record_messages, utc
+from .stores._rows import Recording, heavy_batch, not_a_sequence, record_messages, utc
 from .summarizers._base import Summarizer, Summary
 
 __all__ = [
@@ -91,8 +91,6 @@ LATE_RESULT_METADATA_KEY = "contextfold.late_result"
 _MAX_BACKOFF_SKIPS = 32
 _MIN_SUMMARY_TOKENS = 64
 _CACHED_THREADS = 1024
-_PREPARE_ON_LOOP = 16
-"""The most messages one ``append`` counts and encodes on the event loop; more go to a worker thread."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -475,17 +473,22 @@ class Compactor:
             await self._ready_counter()
         call = _LlmCall(model, usage, request_messages, request_tokens)
         writer = self._writer
+        # Counting a large batch, or a large tool result, would stall the loop: a worker thread does it.
+        heavy = heavy_batch(messages)
         if writer is not None and sent is messages and not extra_episodes and not started:
             # The common step: each message checked, counted and encoded once, here, and the
-            # store writes what this encoded (a large batch is prepared in a worker thread).
-            if len(messages) > _PREPARE_ON_LOOP:
+            # store writes what this encoded.
+            if heavy:
                 recording = await anyio.to_thread.run_sync(self._recording, messages, call)
             else:
                 recording = self._recording(messages, call)
             stored = await writer(thread, recording)
         else:
             episodes, owners = _step_episodes(extra_episodes, messages, call, started)
-            tokens = [self.counter.count(message) for message in sent]
+            if heavy:
+                tokens = await anyio.to_thread.run_sync(self._counts, sent)
+            else:
+                tokens = self._counts(sent)
             if self._store is not None:
                 stored = await self._store.record_and_append(
                     thread, episodes, sent, tokens, message_episodes=owners
@@ -673,6 +676,10 @@ class Compactor:
         while len(self._cache) > _CACHED_THREADS:
             self._cache.popitem(last=False)
         return cache
+
+    def _counts(self, messages: list[Message]) -> list[int]:
+        count = self.counter.count
+        return [count(message) for message in messages]
 
     def _recording(self, messages: list[Message], call: _LlmCall) -> Recording:
         """The step's recording: every message counted, checked and encoded once."""

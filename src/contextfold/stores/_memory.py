@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from typing import Self
 
 from .._episodes import Episode, EpisodeRecord, SummaryCheckpoint
@@ -53,6 +54,7 @@ from ._rows import (
     encode_recording,
     encode_rows,
     missing_seq_conflict,
+    off_loop_if_heavy,
     trusted,
     utc,
     version_conflict,
@@ -179,7 +181,7 @@ class MemoryStore(AsyncResource):
     ) -> list[StoredMessage]:
         await self._enter()
         check_thread(thread)
-        rows = encode_rows(messages, tokens)
+        rows = await off_loop_if_heavy(messages, encode_rows, messages, tokens)
         return self._append_rows(thread, rows, [None] * len(rows), self._total_after(thread, rows))
 
     async def load(self, thread: str, *, max_tokens: int | None = None) -> ContextWindow:
@@ -279,7 +281,9 @@ class MemoryStore(AsyncResource):
         await self._enter()
         check_thread(thread)
         check_replace(through_seq, expected_version)
-        rows = encode_rows(replacement, tokens, field="replacement")
+        rows = await off_loop_if_heavy(
+            replacement, partial(encode_rows, replacement, tokens, field="replacement")
+        )
         context, cut, stats = self._swap(thread, through_seq, expected_version, rows)
         self._apply(context, cut, stats, through_seq, rows, None)
         return stats
@@ -350,9 +354,10 @@ class MemoryStore(AsyncResource):
         message_episodes: Sequence[int] | None = None,
     ) -> list[StoredMessage]:
         check_thread(thread)
-        return await self._write_recording(
-            thread, encode_recording(episodes, messages, tokens, message_episodes)
+        recording = await off_loop_if_heavy(
+            messages, encode_recording, episodes, messages, tokens, message_episodes
         )
+        return await self._write_recording(thread, recording)
 
     async def _write_recording(self, thread: str, recording: Recording) -> list[StoredMessage]:
         """``record_and_append`` of a step checked and encoded already: nothing is written unless all is."""
@@ -379,7 +384,9 @@ class MemoryStore(AsyncResource):
         check_thread(thread)
         body = check_checkpoint(checkpoint)
         check_replace(through_seq, expected_version)
-        rows = encode_rows(replacement, tokens, field="replacement")
+        rows = await off_loop_if_heavy(
+            replacement, partial(encode_rows, replacement, tokens, field="replacement")
+        )
         context, cut, stats = self._swap(thread, through_seq, expected_version, rows)
         when = datetime.now(UTC)
         (seq,) = self._record_bodies(thread, [checkpoint], [body], when)

@@ -33,6 +33,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any, Self
 
 import anyio
@@ -71,6 +72,7 @@ from ._rows import (
     encode_messages,
     encode_recording,
     missing_seq_conflict,
+    off_loop_if_heavy,
     stored_message,
     trusted,
     utc,
@@ -683,9 +685,10 @@ class PostgresStore(AsyncResource):
     ) -> list[StoredMessage]:
         """Record ``episodes`` and append ``messages`` in one statement, so one transaction."""
         check_thread(thread)
-        return await self._write_recording(
-            thread, encode_recording(episodes, messages, tokens, message_episodes)
+        recording = await off_loop_if_heavy(
+            messages, encode_recording, episodes, messages, tokens, message_episodes
         )
+        return await self._write_recording(thread, recording)
 
     async def _write_recording(self, thread: str, recording: Recording) -> list[StoredMessage]:
         """``record_and_append`` of a step checked and encoded already, in one statement."""
@@ -882,7 +885,9 @@ class PostgresStore(AsyncResource):
         """Atomically swap every message with ``seq <= through_seq`` for ``replacement``."""
         check_thread(thread)
         check_replace(through_seq, expected_version)
-        rows = encode_messages(replacement, tokens, field="replacement")
+        rows = await off_loop_if_heavy(
+            replacement, partial(encode_messages, replacement, tokens, field="replacement")
+        )
         async with self._connection("replace_prefix", thread, write=True) as conn, conn.transaction():
             # Locking the thread row waits out in-flight appends and other replacements.
             stats = await self._stats(conn, thread, for_update=True)
@@ -941,12 +946,15 @@ class PostgresStore(AsyncResource):
         check_thread(thread)
         check_replace(through_seq, expected_version)
         body = check_checkpoint(checkpoint)
+        batch = await off_loop_if_heavy(
+            replacement, partial(_message_batch, thread, replacement, tokens, field="replacement")
+        )
         params: dict[str, Any] = {
             "thread": thread,
             "at": None,
             "through_seq": through_seq,
             "expected_version": expected_version,
-            **_message_batch(thread, replacement, tokens, field="replacement"),
+            **batch,
             **_batch([checkpoint], [body]),
         }
         query = self._composed(

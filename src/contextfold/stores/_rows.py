@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from types import UnionType
-from typing import Any, NamedTuple, get_args
+from typing import Any, NamedTuple, TypeVar, get_args
 
+from anyio import to_thread
 from pydantic import TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError
 
@@ -42,6 +43,8 @@ from ._base import StoredMessage, ThreadInfo
 
 __all__ = [
     "INT64_MAX",
+    "PREPARE_ON_LOOP_CHARS",
+    "PREPARE_ON_LOOP_MESSAGES",
     "PressureCounters",
     "Recording",
     "Window",
@@ -65,8 +68,10 @@ __all__ = [
     "encode_messages",
     "encode_recording",
     "encode_rows",
+    "heavy_batch",
     "missing_seq_conflict",
     "not_a_sequence",
+    "off_loop_if_heavy",
     "record_messages",
     "stored_message",
     "trusted",
@@ -74,6 +79,8 @@ __all__ = [
     "version_conflict",
     "whole_days",
 ]
+
+_T = TypeVar("_T")
 
 _EPISODE_ADAPTER: TypeAdapter[Episode] = TypeAdapter(Episode)
 _EPISODE_TYPES: tuple[type, ...] = get_args(get_args(Episode)[0])
@@ -90,6 +97,64 @@ def not_a_sequence(value: object, excluded: type | UnionType = str) -> bool:
 
 INT64_MAX = 2**63 - 1
 """The largest whole number every backend stores (a signed 64-bit integer)."""
+
+PREPARE_ON_LOOP_MESSAGES = 16
+"""The most messages a call counts or encodes on the event loop; a larger batch goes to a worker thread."""
+
+PREPARE_ON_LOOP_CHARS = 64 * 1024
+"""The most characters of text a call counts or encodes on the event loop (about a millisecond of
+tokenizing); a batch holding more, a single large tool result say, goes to a worker thread."""
+
+
+def heavy_batch(messages: object) -> bool:
+    """Whether counting or encoding ``messages`` could stall the event loop: too many, or too much text.
+
+    The text is each message's content (the strings of its parts, for parts)
+    and its tool calls' arguments. Anything but a sequence of messages is
+    light here: the encoding that runs next reports what is wrong with it.
+    """
+    if type(messages) is not list and not isinstance(messages, Sequence):
+        return False
+    if len(messages) > PREPARE_ON_LOOP_MESSAGES:
+        return True
+    chars = 0
+    for message in messages:
+        if not isinstance(message, Message):
+            continue
+        content = message.content
+        if type(content) is str:
+            chars += len(content)
+        elif type(content) is list:
+            chars += _parts_chars(content)
+        for call in message.tool_calls:
+            arguments = call.arguments
+            chars += len(arguments) if type(arguments) is str else 0
+    return chars > PREPARE_ON_LOOP_CHARS
+
+
+def _parts_chars(parts: list[Any]) -> int:
+    """The characters of the strings in content parts, to one level of nesting (an image's URL)."""
+    chars = 0
+    for part in parts:
+        if type(part) is not dict:
+            continue
+        for value in part.values():
+            if type(value) is str:
+                chars += len(value)
+            elif type(value) is dict:
+                chars += sum([len(inner) for inner in value.values() if type(inner) is str])
+    return chars
+
+
+async def off_loop_if_heavy(messages: object, fn: Callable[..., _T], *args: object) -> _T:
+    """``fn(*args)``, in a worker thread when preparing ``messages`` could stall the loop (``heavy_batch``).
+
+    ``fn`` must be pure preparation (checks, counts, encodes): whatever runs
+    around it sees the store exactly as it would without the thread.
+    """
+    if heavy_batch(messages):
+        return await to_thread.run_sync(fn, *args)
+    return fn(*args)
 
 
 def _whole_number(key: str, value: Any, *, minimum: int) -> int:

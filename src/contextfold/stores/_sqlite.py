@@ -143,6 +143,7 @@ from ._rows import (
     encode_messages,
     encode_recording,
     encode_rows,
+    heavy_batch,
     missing_seq_conflict,
     stored_message,
     trusted,
@@ -164,6 +165,7 @@ SCHEMA_VERSION = 4
 """The schema this code writes; ``PRAGMA user_version`` of every file it opened."""
 
 _T = TypeVar("_T")
+_E = TypeVar("_E")
 
 _logger = logging.getLogger("contextfold")
 
@@ -792,37 +794,22 @@ _SWAP_ON_LOOP_ROWS = 1_000
 """Rows a fold or replacement may remove on the event loop (at ``synchronous="NORMAL"``):
 about a millisecond of SQLite; one that finds more is rolled back and made in the worker thread."""
 
-_ENCODE_ON_LOOP = 16
-"""Messages a call encodes on the event loop; a larger batch is encoded in a worker thread."""
+
+def _write_step(
+    conn: sqlite3.Connection, thread: str, recording: Recording, when: datetime
+) -> tuple[int, list[int | None]]:
+    """A recorded step's one transaction: the first row's seq and each row's episode seq."""
+    with _transaction(conn, "IMMEDIATE"):
+        own = _record_own_messages(conn, thread, recording, when.isoformat())
+        if own is not None:
+            return own
+        episodes, bodies, encoded, links, shared = recording
+        rows = [(body, count) for body, count, _ in encoded]
+        return _record_step(conn, thread, episodes, bodies, when, rows, links, shared)
 
 
-async def _off_loop_if_large(messages: object, fn: Callable[..., _T], *args: object) -> _T:
-    """``fn(*args)``, in a worker thread when ``messages`` is a batch large enough to stall the loop."""
-    if isinstance(messages, Sequence) and len(messages) > _ENCODE_ON_LOOP:
-        return await to_thread.run_sync(fn, *args)
-    return fn(*args)
-
-
-async def _encode(
-    messages: Sequence[Message], tokens: Sequence[int], *, field: str = "messages"
-) -> list[tuple[str, int]]:
-    """``encode_messages``, off the event loop when the batch is large enough to stall it."""
-    return await _off_loop_if_large(messages, partial(encode_messages, messages, tokens, field=field))
-
-
-async def _encode_rows(messages: Sequence[Message], tokens: Sequence[int]) -> list[tuple[str, int, Message]]:
-    """``encode_rows``: each message's JSON, its count and its copy, off the loop for a large batch."""
-    return await _off_loop_if_large(messages, encode_rows, messages, tokens)
-
-
-async def _encode_recording(
-    episodes: Sequence[Episode],
-    messages: Sequence[Message],
-    tokens: Sequence[int],
-    message_episodes: Sequence[int] | None,
-) -> Recording:
-    """``encode_recording``, off the event loop for a large batch."""
-    return await _off_loop_if_large(messages, encode_recording, episodes, messages, tokens, message_episodes)
+_Encoded = tuple[str, int, Message]
+"""A message's JSON, its token count and the copy its JSON reads back as (see ``encode_rows``)."""
 
 
 def _stored(
@@ -1287,6 +1274,23 @@ class SQLiteStore(AsyncResource):
         except sqlite3.Error as exc:
             raise self._error(exc) from exc
 
+    async def _encoded_in_thread(
+        self, encode: Callable[[], _E], write: Callable[[sqlite3.Connection, _E], _T]
+    ) -> tuple[_E, _T]:
+        """``encode()``, then ``write`` of what it made, as one call in the store's thread.
+
+        For a batch that would stall the loop (see ``heavy_batch``). Encoded in
+        the call itself rather than in a thread of its own first, the write
+        keeps its place among the store's writes: one made after it, while it
+        was being encoded, cannot commit first on the loop.
+        """
+
+        def run(conn: sqlite3.Connection) -> tuple[_E, _T]:
+            encoded = encode()
+            return encoded, write(conn, encoded)
+
+        return await self._call(run)
+
     def _after_call(self, idle: bool) -> None:
         """In the worker thread, after a call was handed back: checkpoint the WAL when it is due."""
         self._calls_since_checkpoint += 1
@@ -1478,15 +1482,17 @@ class SQLiteStore(AsyncResource):
         self, thread: str, messages: Sequence[Message], tokens: Sequence[int]
     ) -> list[StoredMessage]:
         check_thread(thread)
-        encoded = await _encode_rows(messages, tokens)
-        rows = [(body, count) for body, count, _ in encoded]
 
-        def run(conn: sqlite3.Connection) -> int:
+        def run(conn: sqlite3.Connection, encoded: list[_Encoded]) -> int:
             with _transaction(conn, "IMMEDIATE"):
-                return _append_rows(conn, thread, rows)
+                return _append_rows(conn, thread, [(body, count) for body, count, _ in encoded])
 
-        size = sum(len(body) for body, _ in rows)
-        return _stored(await self._write(run, size), encoded, [None] * len(encoded))
+        if heavy_batch(messages):
+            encoded, first = await self._encoded_in_thread(partial(encode_rows, messages, tokens), run)
+        else:
+            encoded = encode_rows(messages, tokens)
+            first = await self._write(partial(run, encoded=encoded), sum(len(body) for body, _, _ in encoded))
+        return _stored(first, encoded, [None] * len(encoded))
 
     async def load(self, thread: str, *, max_tokens: int | None = None) -> ContextWindow:
         check_thread(thread)
@@ -1564,13 +1570,20 @@ class SQLiteStore(AsyncResource):
     ) -> ThreadStats:
         check_thread(thread)
         check_replace(through_seq, expected_version)
-        rows = await _encode(replacement, tokens, field="replacement")
 
-        def run(conn: sqlite3.Connection, most: int | None = None) -> ThreadStats:
-            with _transaction(conn, "IMMEDIATE"):
-                return _swap(conn, thread, through_seq, expected_version, rows, lambda: None, most)
+        def swap(rows: list[tuple[str, int]]) -> Callable[[sqlite3.Connection, int | None], ThreadStats]:
+            def run(conn: sqlite3.Connection, most: int | None = None) -> ThreadStats:
+                with _transaction(conn, "IMMEDIATE"):
+                    return _swap(conn, thread, through_seq, expected_version, rows, lambda: None, most)
 
-        return await self._swap_write(run, sum(len(body) for body, _ in rows))
+            return run
+
+        encode = partial(encode_messages, replacement, tokens, field="replacement")
+        if heavy_batch(replacement):
+            _, stats = await self._encoded_in_thread(encode, lambda conn, rows: swap(rows)(conn, None))
+            return stats
+        rows = encode()
+        return await self._swap_write(swap(rows), sum(len(body) for body, _ in rows))
 
     @asynccontextmanager
     async def compaction_lock(self, thread: str) -> AsyncIterator[bool]:
@@ -1675,28 +1688,25 @@ class SQLiteStore(AsyncResource):
         message_episodes: Sequence[int] | None = None,
     ) -> list[StoredMessage]:
         check_thread(thread)
-        recording = await _encode_recording(episodes, messages, tokens, message_episodes)
-        return await self._write_recording(thread, recording)
+        encode = partial(encode_recording, episodes, messages, tokens, message_episodes)
+        if heavy_batch(messages):
+            when = datetime.now(UTC)
+            recording, (first, linked) = await self._encoded_in_thread(
+                encode, lambda conn, recording: _write_step(conn, thread, recording, when)
+            )
+            return _stored(first, recording.rows, linked)
+        return await self._write_recording(thread, encode())
 
     async def _write_recording(self, thread: str, recording: Recording) -> list[StoredMessage]:
         """``record_and_append`` of a step checked and encoded already, in one transaction."""
         check_thread(thread)
-        episodes, bodies, encoded, links, shared = recording
-        when = datetime.now(UTC)
-        at = when.isoformat()
-
-        def run(conn: sqlite3.Connection) -> tuple[int, list[int | None]]:
-            with _transaction(conn, "IMMEDIATE"):
-                own = _record_own_messages(conn, thread, recording, at)
-                if own is not None:
-                    return own
-                rows = [(body, count) for body, count, _ in encoded]
-                return _record_step(conn, thread, episodes, bodies, when, rows, links, shared)
-
-        size = sum(map(len, bodies))
+        encoded, shared = recording.rows, recording.shared
+        size = sum(map(len, recording.bodies))
         for (body, _, _), share in zip(encoded, shared, strict=True):
             size += 0 if share else len(body)
-        first, linked = await self._write(run, size)
+        first, linked = await self._write(
+            partial(_write_step, thread=thread, recording=recording, when=datetime.now(UTC)), size
+        )
         return _stored(first, encoded, linked)
 
     async def fold(
@@ -1712,21 +1722,28 @@ class SQLiteStore(AsyncResource):
         check_thread(thread)
         body = check_checkpoint(checkpoint)
         check_replace(through_seq, expected_version)
-        rows = await _encode(replacement, tokens, field="replacement")
         when = datetime.now(UTC)
 
-        def run(conn: sqlite3.Connection, most: int | None = None) -> int:
-            seqs: list[int] = []
+        def swap(rows: list[tuple[str, int]]) -> Callable[[sqlite3.Connection, int | None], int]:
+            def run(conn: sqlite3.Connection, most: int | None = None) -> int:
+                seqs: list[int] = []
 
-            def record() -> int:
-                seqs.extend(_record_rows(conn, thread, [checkpoint], [body], when))
+                def record() -> int:
+                    seqs.extend(_record_rows(conn, thread, [checkpoint], [body], when))
+                    return seqs[0]
+
+                with _transaction(conn, "IMMEDIATE"):
+                    _swap(conn, thread, through_seq, expected_version, rows, record, most)
                 return seqs[0]
 
-            with _transaction(conn, "IMMEDIATE"):
-                _swap(conn, thread, through_seq, expected_version, rows, record, most)
-            return seqs[0]
+            return run
 
-        seq = await self._swap_write(run, len(body) + sum(len(row) for row, _ in rows))
+        encode = partial(encode_messages, replacement, tokens, field="replacement")
+        if heavy_batch(replacement):
+            _, seq = await self._encoded_in_thread(encode, lambda conn, rows: swap(rows)(conn, None))
+        else:
+            rows = encode()
+            seq = await self._swap_write(swap(rows), len(body) + sum(len(row) for row, _ in rows))
         return trusted(EpisodeRecord, thread=thread, seq=seq, at=when, episode=checkpoint)
 
     async def forget(self, thread: str) -> Tombstone:
