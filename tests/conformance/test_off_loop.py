@@ -12,11 +12,12 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import anyio
 import pytest
 
-from contextfold import Message, ToolCall
+from contextfold import Message, StoreClosedError, ToolCall
 from contextfold._episodes import episode_for
-from contextfold.stores import _rows
+from contextfold.stores import MemoryStore, _rows
 
 LARGE = 100_000
 """Characters of a large tool result: over ``PREPARE_ON_LOOP_CHARS``."""
@@ -95,3 +96,31 @@ def test_heavy_batch_counts_text_parts_and_tool_call_arguments() -> None:
     # Input the encoding refuses next is light here: the encoding reports it.
     assert not _rows.heavy_batch("not a list")
     assert not _rows.heavy_batch(["not a message", None])
+
+
+async def test_a_memory_store_closed_while_a_large_batch_is_encoded_writes_nothing() -> None:
+    encoding, closed = threading.Event(), threading.Event()
+    row: Callable[..., Any] = _rows._row
+
+    def slow(*args: Any) -> Any:
+        encoding.set()
+        closed.wait(5)
+        return row(*args)
+
+    store = MemoryStore()
+    await store.append("t", [Message.user("kept")], [1])
+    _rows._row = slow
+    try:
+        async with anyio.create_task_group() as tg:
+
+            async def append() -> None:
+                with pytest.raises(StoreClosedError):
+                    await store.append("t", [big_result()], [30_000])
+
+            tg.start_soon(append)
+            await anyio.to_thread.run_sync(encoding.wait, 5)
+            await store.aclose()
+            closed.set()
+    finally:
+        _rows._row = row
+    assert [m.message.text for m in store._contexts["t"].messages] == ["kept"]

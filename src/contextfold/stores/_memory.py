@@ -182,6 +182,7 @@ class MemoryStore(AsyncResource):
         await self._enter()
         check_thread(thread)
         rows = await off_loop_if_heavy(messages, encode_rows, messages, tokens)
+        self._check_open()  # a large batch was encoded in a thread: the store may have closed meanwhile
         return self._append_rows(thread, rows, [None] * len(rows), self._total_after(thread, rows))
 
     async def load(self, thread: str, *, max_tokens: int | None = None) -> ContextWindow:
@@ -284,6 +285,7 @@ class MemoryStore(AsyncResource):
         rows = await off_loop_if_heavy(
             replacement, partial(encode_rows, replacement, tokens, field="replacement")
         )
+        self._check_open()
         context, cut, stats = self._swap(thread, through_seq, expected_version, rows)
         self._apply(context, cut, stats, through_seq, rows, None)
         return stats
@@ -387,6 +389,7 @@ class MemoryStore(AsyncResource):
         rows = await off_loop_if_heavy(
             replacement, partial(encode_rows, replacement, tokens, field="replacement")
         )
+        self._check_open()
         context, cut, stats = self._swap(thread, through_seq, expected_version, rows)
         when = datetime.now(UTC)
         (seq,) = self._record_bodies(thread, [checkpoint], [body], when)
