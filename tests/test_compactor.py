@@ -756,6 +756,69 @@ async def test_append_refuses_an_unchecked_message_and_writes_nothing(store: Any
     assert (await store.stats(THREAD)).message_count == 1
 
 
+LONE = "\udc80"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param(Message.user(f"a{LONE}b"), id="content"),
+        pytest.param(Message.user("ok", metadata={"trace": f"t{LONE}"}), id="metadata-value"),
+        pytest.param(Message.user("ok", metadata={f"k{LONE}": 1}), id="metadata-key"),
+        pytest.param(Message(role=Role.USER, content="ok", name=f"n{LONE}"), id="name"),
+        pytest.param(
+            Message.assistant(None, tool_calls=[ToolCall(id="c1", name="f", arguments=f'"{LONE}"')]),
+            id="tool-call-arguments",
+        ),
+        pytest.param(Message.tool(f"c{LONE}", "result"), id="tool-call-id"),
+    ],
+)
+async def test_a_step_with_a_lone_surrogate_is_refused_whole_on_every_store(store: Any, bad: Message) -> None:
+    """Text no JSON can hold is refused by every store, the same way, with nothing of the step written.
+
+    A ``MemoryStore`` step is checked without being encoded (its log keeps the
+    store's copies): the check must still refuse what SQLite's encode does.
+    """
+    compactor = Compactor(store, options=options(), counter=ApproximateCounter())
+    await compactor.append(THREAD, [Message.user("first")])
+    with pytest.raises(InvalidMessageError, match=r"messages\[1\].*surrogates not allowed"):
+        await compactor.append(THREAD, [Message.user("second"), bad])
+    assert [record.episode.message.text async for record in store.replay(THREAD)] == ["first"]
+    assert [m.text for m in await compactor.context(THREAD)] == ["first"]
+    assert (await store.stats(THREAD)).message_count == 1
+
+
+async def test_a_steps_episodes_replay_as_recorded_and_apart_from_the_callers_objects(store: Any) -> None:
+    """Replay returns each step's episodes as they were recorded, equal on every read and on every store.
+
+    A ``MemoryStore`` logs a step unencoded and encodes an episode on its first
+    read: what the caller edits afterwards, and what a reader edits in what it
+    was given, must not reach the log.
+    """
+    from contextfold.episodes import LlmCallEpisode, Usage
+
+    compactor = Compactor(store, options=options(), counter=ApproximateCounter())
+    call = ToolCall(id="c1", name="read_file", arguments='{"path": "a.py"}')
+    reply = Message.assistant("reading", tool_calls=[call], metadata={"trace": "a"})
+    result = Message.tool("c1", "naïve café ✓ 🤖", metadata={"n": 1})
+    await compactor.append(THREAD, [Message.user("hi")])
+    await compactor.append(THREAD, [reply], model="m1", usage=Usage(input_tokens=5, output_tokens=2))
+    await compactor.append(THREAD, [result])
+    reply.metadata["trace"] = "edited by the caller"
+    first = [record async for record in store.replay(THREAD)]
+    first[1].episode.reply.metadata["trace"] = "edited by a reader"
+    second = [record async for record in store.replay(THREAD)]
+    assert [r.seq for r in second] == [1, 2, 3]
+    llm = second[1].episode
+    assert isinstance(llm, LlmCallEpisode)
+    assert (llm.model, llm.usage) == ("m1", Usage(input_tokens=5, output_tokens=2))
+    assert llm.reply.metadata == {"trace": "a"} and llm.reply.tool_calls == (call,)
+    assert second[2].episode.message.text == "naïve café ✓ 🤖"
+    assert second[2].episode.message.metadata == {"n": 1}
+    third = [record.episode async for record in store.replay(THREAD)]
+    assert [r.episode for r in second] == third
+
+
 def test_episode_for_a_message_equals_the_validated_episode() -> None:
     """The unvalidated episode of a Message is the episode validation builds, field for field."""
     from contextfold._episodes import _validated_episode_for

@@ -390,6 +390,8 @@ class Compactor:
         """The counter whose ``aload`` has been awaited (``counter`` may be swapped)."""
         self._writer = _recording_writer(self._store)
         """The bundled stores' write of a recording encoded here (see ``append``)."""
+        self._encode_steps = not getattr(self._store, "_KEEPS_EPISODES", False)
+        """Whether that write needs the step's JSON (a ``MemoryStore`` keeps the checked copies)."""
         self._closed = False
         self._warned_background = False
 
@@ -691,6 +693,7 @@ class Compactor:
             usage=call.usage,
             request_messages=call.request_messages,
             request_tokens=call.request_tokens,
+            encode=self._encode_steps,
         )
 
     async def _sent(self, thread: str, messages: list[Message]) -> list[Message]:

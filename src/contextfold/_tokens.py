@@ -415,7 +415,8 @@ def _freeze(value: Any) -> object:
 
 def _utf8_len(text: str) -> int:
     # An ASCII string's length is its UTF-8 size, and isascii() is O(1): no copy of long content.
-    return len(text) if text.isascii() else len(text.encode())
+    # A lone surrogate counts as the 3 bytes it takes in CESU-8: counting never refuses text (the store does).
+    return len(text) if text.isascii() else len(text.encode(errors="surrogatepass"))
 
 
 class _CachedCounter:

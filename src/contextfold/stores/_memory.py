@@ -71,12 +71,18 @@ class _Context:
 
 @dataclass
 class _Log:
-    records: list[tuple[datetime, str]] = field(default_factory=list)
-    """Each episode's time and JSON; its seq is its position plus one."""
+    records: list[tuple[datetime, str] | tuple[datetime, str, Message]] = field(default_factory=list)
+    """Each episode's time and JSON; its seq is its position plus one. A step recorded unencoded
+    (``Recording.encoded``) holds the JSON before its message and the store's copy of the message
+    until the episode is first read."""
     counters: PressureCounters = field(default_factory=PressureCounters)
 
     def read(self, thread: str, seq: int) -> EpisodeRecord:
-        at, body = self.records[seq - 1]
+        entry = self.records[seq - 1]
+        at, body = entry[0], entry[1]
+        if len(entry) == 3:  # encoded on its first read; each read decodes a copy
+            body = f"{body}{entry[2].model_dump_json()}}}"
+            self.records[seq - 1] = (at, body)
         return EpisodeRecord(thread=thread, seq=seq, at=at, episode=decode_episode(thread, seq, body))
 
 
@@ -149,9 +155,17 @@ class MemoryStore(AsyncResource):
         return stored
 
     def _record_bodies(
-        self, thread: str, episodes: Sequence[Episode], bodies: Sequence[str], when: datetime
+        self,
+        thread: str,
+        episodes: Sequence[Episode],
+        bodies: Sequence[str],
+        when: datetime,
+        messages: Sequence[Message] | None = None,
     ) -> list[int]:
-        """Append the episodes' JSON to the thread's log; return their seqs."""
+        """Append the episodes' JSON to the thread's log; return their seqs.
+
+        With ``messages``, each body is the JSON before that message (``Recording.encoded``).
+        """
         log = self._logs.get(thread)
         if log is None:
             log = self._logs[thread] = _Log()
@@ -160,7 +174,11 @@ class MemoryStore(AsyncResource):
         for episode in episodes:
             counters = counters.after(episode, when)
             seqs.append(counters.last_seq)
-        log.records.extend([(when, body) for body in bodies])
+        if messages is None:
+            log.records.extend([(when, body) for body in bodies])
+        else:
+            pairs = zip(bodies, messages, strict=True)
+            log.records.extend([(when, head, message) for head, message in pairs])
         log.counters = counters
         return seqs
 
@@ -361,6 +379,9 @@ class MemoryStore(AsyncResource):
         )
         return await self._write_recording(thread, recording)
 
+    _KEEPS_EPISODES = True
+    """``_write_recording`` takes a step recorded with ``encode=False`` (see ``record_messages``)."""
+
     async def _write_recording(self, thread: str, recording: Recording) -> list[StoredMessage]:
         """``record_and_append`` of a step checked and encoded already: nothing is written unless all is."""
         await self._enter()
@@ -368,7 +389,9 @@ class MemoryStore(AsyncResource):
         rows = recording.rows
         total = self._total_after(thread, rows)  # before anything is written
         when = datetime.now(UTC)
-        seqs = self._record_bodies(thread, recording.episodes, recording.bodies, when)
+        # A step ``Compactor.append`` checked without encoding it: each episode's JSON is made when read.
+        copies = None if recording.encoded else [copy for _, _, copy in rows]
+        seqs = self._record_bodies(thread, recording.episodes, recording.bodies, when, copies)
         links = [None if link is None else seqs[link] for link in recording.links]
         return self._append_rows(thread, rows, links, total)
 

@@ -693,7 +693,7 @@ class PostgresStore(AsyncResource):
     async def _write_recording(self, thread: str, recording: Recording) -> list[StoredMessage]:
         """``record_and_append`` of a step checked and encoded already, in one statement."""
         check_thread(thread)
-        episodes, bodies, rows, links, _ = recording
+        episodes, bodies, rows, links, _, _ = recording
         params: dict[str, Any] = {
             "thread": thread,
             "at": None,

@@ -221,8 +221,15 @@ def encode_rows(
     ]
 
 
-def _row(message: Message, count: int, field: str, index: int) -> tuple[str, int, Message]:
-    """One message's JSON, its count and the copy its JSON reads back as, each checked."""
+def _row(
+    message: Message, count: int, field: str, index: int, *, encode: bool = True
+) -> tuple[str, int, Message]:
+    """One message's JSON, its count and the copy its JSON reads back as, each checked.
+
+    With ``encode=False`` the JSON of a plain message is left out (``""``) once
+    its text is known to encode (see ``_encodes``): for a store that keeps the
+    copy itself.
+    """
     if not isinstance(message, Message):
         raise InvalidMessageError(
             f"{field}[{index}]",
@@ -232,6 +239,11 @@ def _row(message: Message, count: int, field: str, index: int) -> tuple[str, int
         _whole_number(f"tokens[{index}]", count, minimum=0)
     # The common message is copied without parsing its JSON (its metadata checked meanwhile).
     copy = _plain_copy(message)
+    if copy is not None:
+        if not _encodes(copy):  # what the encode would refuse, or (a metadata key) write mangled
+            raise InvalidMessageError(f"{field}[{index}]", _NOT_UTF8)
+        if not encode:
+            return "", count, copy
     try:
         if copy is None:
             body, copy = _encode_and_read_back(message, f"{field}[{index}]")
@@ -248,6 +260,8 @@ def _encode_and_read_back(message: Message, where: str) -> tuple[str, Message]:
     """A message ``_plain_copy`` cannot copy: its JSON and the message that JSON reads back as."""
     # Metadata edited in place after the message was built would be written as null.
     _check_finite(message.metadata, f"{where}.metadata")
+    if _surrogate_key(message.metadata) or _surrogate_key(message.content):
+        raise InvalidMessageError(where, _NOT_UTF8)
     if isinstance(message.content, list):
         _check_finite(message.content, f"{where}.content")
     try:
@@ -307,6 +321,60 @@ def _plain_copy(message: Message) -> Message | None:
         name=fields["name"],
         metadata=dict(metadata),
     )
+
+
+_NOT_UTF8 = (
+    "holds text with a lone surrogate, which UTF-8 cannot encode (surrogates not allowed); "
+    "decode the text with errors='replace' or drop the character"
+)
+
+
+def _surrogate_key(value: object) -> bool:
+    """Whether a mapping at any depth of ``value`` has a key with a lone surrogate.
+
+    Its JSON would not fail: the key would be written mangled. Values are left
+    to the encode, which refuses them.
+    """
+    if isinstance(value, dict):
+        return any(
+            (type(key) is str and not key.isascii() and not _utf8(key)) or _surrogate_key(item)
+            for key, item in value.items()
+        )
+    if isinstance(value, list | tuple):
+        return any(_surrogate_key(item) for item in value)
+    return False
+
+
+def _encodes(copy: Message) -> bool:
+    """Whether every text of a ``_plain_copy`` encodes as UTF-8 (no lone surrogate), as its JSON must.
+
+    An ASCII string is known to at no cost; another is encoded once to see.
+    """
+    fields = copy.__dict__
+    content = fields["content"]
+    if content is not None and not content.isascii() and not _utf8(content):
+        return False
+    for text in (fields["tool_call_id"], fields["name"]):
+        if text is not None and not text.isascii() and not _utf8(text):
+            return False
+    for call in fields["tool_calls"]:
+        for text in (call.id, call.name, call.arguments):
+            if not text.isascii() and not _utf8(text):
+                return False
+    for key, value in fields["metadata"].items():
+        if not key.isascii() and not _utf8(key):
+            return False
+        if type(value) is str and not value.isascii() and not _utf8(value):
+            return False
+    return True
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _plain_calls(calls: object) -> tuple[ToolCall, ...] | None:
@@ -472,13 +540,16 @@ class Recording(NamedTuple):
 
     episodes: list[Episode]
     bodies: list[str]
-    """Each episode's JSON."""
+    """Each episode's JSON; unless ``encoded`` is false: then the JSON before its message (see ``heads``)."""
     rows: list[tuple[str, int, Message]]
     """Each message's JSON, its tokens and the copy that JSON reads back as."""
     links: list[int | None]
     """For each row, the index of the episode that records it."""
     shared: list[bool]
     """For each row, whether its JSON is its episode's body but the last character (stored once)."""
+    encoded: bool = True
+    """False for ``record_messages(encode=False)``: rows hold no JSON, and episode ``i``'s JSON is
+    ``bodies[i] + <row i's message as JSON> + "}"``, made when a ``MemoryStore`` is first asked for it."""
 
 
 def encode_recording(
@@ -537,19 +608,24 @@ def record_messages(
     usage: Usage | None = None,
     request_messages: int = 0,
     request_tokens: int = 0,
+    encode: bool = True,
 ) -> Recording:
     """The step ``Compactor.append`` records: each message by an episode of its own, encoded once.
 
     What ``encode_recording`` makes of ``episode_for`` each message, with one
     check and one encode per message and nothing to look up between them.
     The LLM-call fields go to each assistant reply's episode.
+
+    ``encode=False`` is for a store that keeps objects (``MemoryStore``): every
+    message and field is checked as its JSON would be, but no message's JSON
+    is made (see ``Recording.encoded``).
     """
     episodes: list[Episode] = []
     bodies: list[str] = []
     rows: list[tuple[str, int, Message]] = []
     reply_head: str | None = None
     for index, (message, count) in enumerate(zip(messages, tokens, strict=True)):
-        row = _row(message, count, "messages", index)
+        row = _row(message, count, "messages", index, encode=encode)
         episode = episode_for(
             message,
             model=model,
@@ -559,15 +635,16 @@ def record_messages(
         )
         kind = _MESSAGE_ONLY.get(type(episode))
         if kind is not None:
-            bodies.append(f'{{"kind":"{kind}","message":{row[0]}}}')
+            head = f'{{"kind":"{kind}","message":'
         else:
             if reply_head is None:  # every reply of the step shares the call's fields
-                reply_head = _reply_head(episode)
-            bodies.append(f'{reply_head},"reply":{row[0]}}}')
+                reply_head = _reply_head(episode) + ',"reply":'
+            head = reply_head
+        bodies.append(f"{head}{row[0]}}}" if encode else head)
         episodes.append(episode)
         rows.append(row)
     n = len(rows)
-    return Recording(episodes, bodies, rows, list(range(n)), [True] * n)
+    return Recording(episodes, bodies, rows, list(range(n)), [True] * n, encode)
 
 
 _DEFAULT_REPLY_HEAD = '{"kind":"llm_call","request_messages":0,"request_tokens":0,"model":null,"usage":null'

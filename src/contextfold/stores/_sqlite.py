@@ -575,7 +575,7 @@ def _record_own_messages(
     way); else the first row's seq and each row's episode seq, as
     ``_record_step`` returns them.
     """
-    episodes, bodies, rows, links, shared = recording
+    episodes, bodies, rows, links, shared, _ = recording
     n = len(rows)
     if len(episodes) != n or links != list(range(n)) or not all(shared):
         return None
@@ -803,7 +803,7 @@ def _write_step(
         own = _record_own_messages(conn, thread, recording, when.isoformat())
         if own is not None:
             return own
-        episodes, bodies, encoded, links, shared = recording
+        episodes, bodies, encoded, links, shared, _ = recording
         rows = [(body, count) for body, count, _ in encoded]
         return _record_step(conn, thread, episodes, bodies, when, rows, links, shared)
 
