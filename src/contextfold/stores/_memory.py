@@ -71,19 +71,31 @@ class _Context:
 
 @dataclass
 class _Log:
-    records: list[tuple[datetime, str] | tuple[datetime, str, Message]] = field(default_factory=list)
+    records: list[tuple[datetime, str] | Message] = field(default_factory=list)
     """Each episode's time and JSON; its seq is its position plus one. A step recorded unencoded
-    (``Recording.encoded``) holds the JSON before its message and the store's copy of the message
-    until the episode is first read."""
+    (``Recording.encoded``) holds the store's copy of its message instead until the episode is
+    first read, and its time and the JSON before that message wait in ``unencoded``."""
+    unencoded: dict[int, tuple[datetime, str]] = field(default_factory=dict)
+    """By position in ``records``: an unencoded episode's time and JSON head. These tuples hold no
+    object the collector tracks, so such an episode adds none to a full collection's walk."""
     counters: PressureCounters = field(default_factory=PressureCounters)
 
     def read(self, thread: str, seq: int) -> EpisodeRecord:
         entry = self.records[seq - 1]
-        at, body = entry[0], entry[1]
-        if len(entry) == 3:  # encoded on its first read; each read decodes a copy
-            body = f"{body}{entry[2].model_dump_json()}}}"
+        if isinstance(entry, Message):  # encoded on its first read; each read decodes a copy
+            at, head = self.unencoded.pop(seq - 1)
+            body = f"{head}{entry.model_dump_json()}}}"
             self.records[seq - 1] = (at, body)
+        else:
+            at, body = entry
         return EpisodeRecord(thread=thread, seq=seq, at=at, episode=decode_episode(thread, seq, body))
+
+    def last_at(self) -> datetime | None:
+        """When the newest episode was recorded."""
+        if not self.records:
+            return None
+        entry = self.records[-1]
+        return self.unencoded[len(self.records) - 1][0] if isinstance(entry, Message) else entry[0]
 
 
 _NO_CONTEXT = _Context()
@@ -177,8 +189,9 @@ class MemoryStore(AsyncResource):
         if messages is None:
             log.records.extend([(when, body) for body in bodies])
         else:
-            pairs = zip(bodies, messages, strict=True)
-            log.records.extend([(when, head, message) for head, message in pairs])
+            start = len(log.records)
+            log.unencoded.update([(start + n, (when, head)) for n, head in enumerate(bodies)])
+            log.records.extend(messages)
         log.counters = counters
         return seqs
 
@@ -459,7 +472,7 @@ class MemoryStore(AsyncResource):
                     message_count=stats.message_count,
                     total_tokens=stats.total_tokens,
                     episodes=len(log.records) if log else 0,
-                    last_activity=log.records[-1][0] if log and log.records else None,
+                    last_activity=log.last_at() if log else None,
                 )
             )
         return by_activity(infos)
