@@ -540,7 +540,7 @@ class Recording(NamedTuple):
 
     episodes: list[Episode]
     bodies: list[str]
-    """Each episode's JSON; unless ``encoded`` is false: then the JSON before its message (see ``heads``)."""
+    """Each episode's JSON; unless ``encoded`` is false: then the JSON before its message."""
     rows: list[tuple[str, int, Message]]
     """Each message's JSON, its tokens and the copy that JSON reads back as."""
     links: list[int | None]
