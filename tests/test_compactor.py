@@ -819,6 +819,26 @@ async def test_a_steps_episodes_replay_as_recorded_and_apart_from_the_callers_ob
     assert [r.episode for r in second] == third
 
 
+async def test_threads_report_the_time_of_a_steps_newest_episode_before_and_after_it_is_read(
+    store: Any,
+) -> None:
+    """``threads()`` gives the newest episode's time, whether or not that episode was read yet.
+
+    A ``MemoryStore`` keeps a step's time apart from its messages until an
+    episode is first read (then the two go together): both must give the same time.
+    """
+    compactor = Compactor(store, options=options(), counter=ApproximateCounter())
+    await compactor.append(THREAD, [Message.user("first")])
+    await compactor.append(THREAD, [Message.user("second"), Message.assistant("done")])
+    before_read = {info.thread: info for info in await store.threads()}[THREAD]
+    records = [record async for record in store.replay(THREAD)]
+    after_read = {info.thread: info for info in await store.threads()}[THREAD]
+    assert [record.seq for record in records] == [1, 2, 3]
+    assert records[1].at == records[2].at >= records[0].at
+    assert before_read.last_activity == after_read.last_activity == records[2].at
+    assert before_read.episodes == after_read.episodes == 3
+
+
 def test_episode_for_a_message_equals_the_validated_episode() -> None:
     """The unvalidated episode of a Message is the episode validation builds, field for field."""
     from contextfold._episodes import _validated_episode_for
