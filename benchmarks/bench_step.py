@@ -14,7 +14,10 @@
    PostgreSQL, against the floor of tokenizing each message once with
    tiktoken; beside it LangChain's ``SummarizationMiddleware`` with its state
    in memory, and in a LangGraph graph with the SQLite and PostgreSQL
-   checkpointers as the persistent peers.
+   checkpointers as the persistent peers. Every row takes ``--session-repeat``
+   turns with the others (3); each run is set against the floors measured
+   right before and after it, the row shows the run with the median ratio,
+   and the range of the runs' ratios is printed beside it.
 
 Run it:  python benchmarks/bench_step.py [--sizes 100,1000,10000,100000] [--session 5000]
 PostgreSQL comes from ``--postgres-url`` or ``CONTEXTFOLD_TEST_POSTGRES_URL``; ``none`` skips it.
@@ -33,7 +36,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -151,11 +154,17 @@ class SessionRow:
     context: float
     folds: int
     floor: float = 0.0
-    """The tokenize-once floor of this run's own minutes (see :func:`floored`)."""
+    """The tokenize-once floor the run is set against (see :meth:`Runs.add` and :func:`median_of`)."""
+    spread: tuple[float, float] = (0.0, 0.0)
+    """The lowest and highest ratio of the runs a row stands for (see :func:`median_of`)."""
 
     @property
     def total(self) -> float:
         return self.hook + self.append + self.context
+
+    @property
+    def ratio(self) -> float:
+        return self.total / self.floor
 
 
 def tokenize_once_floor(messages: Sequence[Message]) -> float:
@@ -178,15 +187,39 @@ def tokenize_once_floor(messages: Sequence[Message]) -> float:
             gc.enable()
 
 
-def floored(row: SessionRow, before: float, messages: Sequence[Message]) -> SessionRow:
-    """``row`` against the mean of the floor measured ``before`` it and the floor measured now.
+@dataclass
+class Runs:
+    """The runs of one row, each set against the floors measured around it, for :func:`median_of`."""
 
-    On a shared machine the same loop's speed drifts by half within a minute,
-    more than the differences between runs; each run is set against the floor
-    of its own minutes, measured while nothing of the run is still working
-    (call this once its store is closed).
+    rows: list[SessionRow] = field(default_factory=list)
+    floors: list[float] = field(default_factory=list)
+
+    def add(self, row: SessionRow, before: float, messages: Sequence[Message]) -> None:
+        """Take a run measured after the floor ``before``; the floor after it is measured here.
+
+        On a shared machine the same loop's speed drifts by half within a minute,
+        more than the differences between runs, so a single run is set against
+        the floors of its own minutes, measured while nothing of the run is
+        still working (call this once its store is closed).
+        """
+        after = tokenize_once_floor(messages)
+        self.rows.append(replace(row, floor=(before + after) / 2))
+        self.floors += [before, after]
+
+
+def median_of(runs: Runs) -> SessionRow:
+    """The run whose ratio to the floors right before and after it is the median of the runs'.
+
+    Each run is set against its own minutes' floor (see :meth:`Runs.add`), and
+    the middle one stands for the row: one slow or fast minute of a shared
+    machine moves a single run's ratio by a third, the median far less. Not
+    the fastest run against the fastest floor: a floor takes a third of a
+    second and a run seconds, so the least floor catches a quiet moment no
+    run lasts through. The lowest and highest ratio stay in ``spread``.
     """
-    return replace(row, floor=(before + tokenize_once_floor(messages)) / 2)
+    ranked = sorted(runs.rows, key=lambda row: row.ratio)
+    middle = ranked[len(ranked) // 2]  # of an even number, the higher of the two middle ones
+    return replace(middle, spread=(ranked[0].ratio, ranked[-1].ratio))
 
 
 @asynccontextmanager
@@ -312,18 +345,23 @@ def langgraph_session(run: str, checkpointer: Any, messages: Sequence[Message]) 
     return SessionRow(run, time.perf_counter() - started, 0.0, 0.0, folds)
 
 
-def langgraph_runs(messages: Sequence[Message], folder: Path, postgres_url: str | None) -> list[SessionRow]:
-    """LangGraph's SQLite and PostgreSQL checkpointers as the persistent peers."""
+def langgraph_runs(
+    messages: Sequence[Message], folder: Path, postgres_url: str | None, repeat: int
+) -> list[SessionRow]:
+    """LangGraph's SQLite and PostgreSQL checkpointers as the persistent peers, ``repeat`` runs each."""
     rows: list[SessionRow] = []
     try:
         from langgraph.checkpoint.sqlite import SqliteSaver
     except ImportError:
         print("  (langgraph-checkpoint-sqlite missing: pip install 'contextfold[bench]')", file=sys.stderr)
     else:
-        before = tokenize_once_floor(messages)
-        with SqliteSaver.from_conn_string(str(folder / "langgraph.db")) as saver:
-            row = langgraph_session("langgraph, SqliteSaver", saver, messages)
-        rows.append(floored(row, before, messages))
+        runs = Runs()
+        for n in range(repeat):
+            before = tokenize_once_floor(messages)
+            with SqliteSaver.from_conn_string(str(folder / f"langgraph-{n}.db")) as saver:
+                row = langgraph_session("langgraph, SqliteSaver", saver, messages)
+            runs.add(row, before, messages)
+        rows.append(median_of(runs))
     if postgres_url is None:
         return rows
     try:
@@ -333,77 +371,93 @@ def langgraph_runs(messages: Sequence[Message], folder: Path, postgres_url: str 
     except ImportError:
         print("  (langgraph-checkpoint-postgres missing: pip install 'contextfold[bench]')", file=sys.stderr)
         return rows
-    schema = f"bench_lg_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(postgres_url, autocommit=True) as admin:
-        admin.execute(f'CREATE SCHEMA "{schema}"')
-    try:
-        with psycopg.connect(
-            postgres_url,
-            autocommit=True,
-            prepare_threshold=0,
-            row_factory=dict_row,
-            options=f"-c search_path={schema}",
-        ) as conn:
-            saver = PostgresSaver(conn)  # type: ignore[arg-type]
-            saver.setup()
-            before = tokenize_once_floor(messages)
-            row = langgraph_session("langgraph, PostgresSaver", saver, messages)
-            rows.append(floored(row, before, messages))
-    finally:
+    runs = Runs()
+    for _ in range(repeat):
+        schema = f"bench_lg_{uuid.uuid4().hex[:10]}"
         with psycopg.connect(postgres_url, autocommit=True) as admin:
-            admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+            admin.execute(f'CREATE SCHEMA "{schema}"')
+        try:
+            with psycopg.connect(
+                postgres_url,
+                autocommit=True,
+                prepare_threshold=0,
+                row_factory=dict_row,
+                options=f"-c search_path={schema}",
+            ) as conn:
+                saver = PostgresSaver(conn)  # type: ignore[arg-type]
+                saver.setup()
+                before = tokenize_once_floor(messages)
+                row = langgraph_session("langgraph, PostgresSaver", saver, messages)
+                runs.add(row, before, messages)
+        finally:
+            with psycopg.connect(postgres_url, autocommit=True) as admin:
+                admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    rows.append(median_of(runs))
     return rows
 
 
-async def contextfold_runs(messages: Sequence[Message], postgres_url: str | None) -> list[SessionRow]:
-    """(a) One thread growing to ``len(messages)`` messages, one step each, on every backend."""
+async def contextfold_runs(
+    messages: Sequence[Message], postgres_url: str | None, repeat: int = 1
+) -> list[SessionRow]:
+    """(a) One thread growing to ``len(messages)`` messages, one step each, on every backend.
+
+    The backends take turns, ``repeat`` rounds of them, so a slow minute of the
+    machine falls on each of them alike; each row is the median of its runs.
+    """
     TiktokenCounter().count(messages[0])  # load the encoding before anything is timed
     backends = ["memory", "sqlite FULL", "sqlite NORMAL"] + (["postgres"] if postgres_url else [])
-    rows: list[SessionRow] = []
+    runs = {backend: Runs() for backend in backends}
     with tempfile.TemporaryDirectory() as folder:
-        for backend in backends:
-            before = tokenize_once_floor(messages)
-            async with open_backend(backend, Path(folder), postgres_url) as store:
-                row = await contextfold_session(store, f"contextfold {backend}", messages)
-            rows.append(floored(row, before, messages))  # the store closed first
-    return rows
+        for n in range(repeat):
+            round_folder = Path(folder) / f"round-{n}"
+            round_folder.mkdir()
+            for backend in backends:
+                before = tokenize_once_floor(messages)
+                async with open_backend(backend, round_folder, postgres_url) as store:
+                    row = await contextfold_session(store, f"contextfold {backend}", messages)
+                runs[backend].add(row, before, messages)  # the store closed first
+    return [median_of(runs[backend]) for backend in backends]
 
 
-def peer_runs(messages: Sequence[Message], postgres_url: str | None) -> list[SessionRow]:
+def peer_runs(messages: Sequence[Message], postgres_url: str | None, repeat: int = 1) -> list[SessionRow]:
     """The same session through LangChain and LangGraph, on the main thread as ours ran (no event loop)."""
     try:
         with tempfile.TemporaryDirectory() as folder:
-            before = tokenize_once_floor(messages)
-            rows = [floored(langchain_in_memory(messages), before, messages)]
-            return rows + langgraph_runs(messages, Path(folder), postgres_url)
+            runs = Runs()
+            for _ in range(repeat):
+                before = tokenize_once_floor(messages)
+                runs.add(langchain_in_memory(messages), before, messages)
+            return [median_of(runs), *langgraph_runs(messages, Path(folder), postgres_url, repeat)]
     except ImportError:
         print("  (LangChain missing: pip install 'contextfold[bench]' for its rows)", file=sys.stderr)
         return []
 
 
-def print_session(rows: Sequence[SessionRow], count: int) -> None:
-    """Each run against its own floor (see :func:`floored`)."""
+def print_session(rows: Sequence[SessionRow], count: int, repeat: int) -> None:
+    """Each row the run with the median ratio to its own floor (see :func:`median_of`)."""
     floors = sorted(row.floor for row in rows)
     print(
         f"\nwhole session: {count:,} messages, one step each, 32k-token budget, instant summarizer; "
-        f"floor (tokenize each message once, measured right before and after each run) {floors[0] * 1e3:.0f}-"
-        f"{floors[-1] * 1e3:.0f} ms"
+        f"{repeat} runs each, the rows taking turns; each run against the floor (tokenize each message "
+        f"once) measured right before and after it, {floors[0] * 1e3:.0f}-{floors[-1] * 1e3:.0f} ms; "
+        "each row is the run with the median ratio, 'runs' the range of all of them"
     )
     print(
         f"{'run':<28} {'x floor':>8} {'floor ms':>9} {'hook s':>8} {'append s':>9} "
-        f"{'context s':>10} {'folds':>6}"
+        f"{'context s':>10} {'folds':>6} {'runs':>12}"
     )
     for row in rows:
         split = row.append or row.context
+        low, high = row.spread
         print(
-            f"{row.run:<28} {row.total / row.floor:8.1f} {row.floor * 1e3:9.0f} {row.hook:8.2f} "
+            f"{row.run:<28} {row.ratio:8.1f} {row.floor * 1e3:9.0f} {row.hook:8.2f} "
             + (f"{row.append:9.2f} {row.context:10.2f}" if split else f"{'(in hook)':>9} {'(in hook)':>10}")
-            + f" {row.folds:6d}"
+            + f" {row.folds:6d} {f'{low:.1f}-{high:.1f}':>12}"
         )
 
 
 async def main_async(
-    sizes: Sequence[int], session: int, repeat: int, postgres_url: str | None
+    sizes: Sequence[int], session: int, repeat: int, postgres_url: str | None, session_repeat: int = 1
 ) -> tuple[list[Message], list[SessionRow]]:
     """The check table, then contextfold's session runs: the session's messages and their rows."""
     print(f"maybe_compact with no trigger firing (median of {repeat} calls)")
@@ -442,7 +496,7 @@ async def main_async(
         del messages
         gc.collect()
         steps = agent_session(session)
-        return steps, await contextfold_runs(steps, postgres_url)
+        return steps, await contextfold_runs(steps, postgres_url, session_repeat)
     return [], []
 
 
@@ -452,6 +506,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--session", type=int, default=5_000, help="messages in the session run (0 skips)")
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument(
+        "--session-repeat", type=int, default=3, help="runs of each session row; each row is their median"
+    )
+    parser.add_argument(
         "--postgres-url",
         default=os.environ.get("CONTEXTFOLD_TEST_POSTGRES_URL", DEFAULT_POSTGRES_URL),
         help="PostgreSQL for the session rows; 'none' skips them",
@@ -459,9 +516,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     postgres_url = None if args.postgres_url == "none" else args.postgres_url
-    steps, rows = anyio.run(main_async, sizes, args.session, args.repeat, postgres_url)
+    if args.session_repeat < 1:
+        parser.error(f"--session-repeat must be at least 1, got {args.session_repeat}")
+    steps, rows = anyio.run(main_async, sizes, args.session, args.repeat, postgres_url, args.session_repeat)
     if args.session:
-        print_session([*rows, *peer_runs(steps, postgres_url)], args.session)
+        peers = peer_runs(steps, postgres_url, args.session_repeat)
+        print_session([*rows, *peers], args.session, args.session_repeat)
 
 
 if __name__ == "__main__":

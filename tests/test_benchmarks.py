@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from dataclasses import replace
 from importlib.util import find_spec
 from pathlib import Path
 from types import ModuleType
@@ -32,15 +33,14 @@ def load(name: str) -> ModuleType:
 def test_step_benchmark_prints_flat_ratios_and_the_whole_session_table(
     capsys: pytest.CaptureFixture[str], postgres_url: str
 ) -> None:
-    """bench_step reports per-size costs, the largest/smallest ratio and a session row per run."""
-    load("bench_step").main(
-        ["--sizes", "50,400", "--repeat", "5", "--session", "60", "--postgres-url", postgres_url]
-    )
+    """bench_step reports per-size costs, the largest/smallest ratio and a best-of row per run."""
+    session = ["--session", "60", "--session-repeat", "2"]
+    load("bench_step").main(["--sizes", "50,400", "--repeat", "5", *session, "--postgres-url", postgres_url])
     out = capsys.readouterr().out
     assert "ratio 400/50 messages: memory" in out
     rows = [line.split() for line in out.splitlines() if line.strip().startswith(("50 ", "400 "))]
     assert len(rows) == 2
-    assert "floor (tokenize each message once, measured right before and after each run)" in out
+    assert "2 runs each, the rows taking turns" in out
     for run in (
         "contextfold memory",
         "contextfold sqlite FULL",
@@ -51,8 +51,28 @@ def test_step_benchmark_prints_flat_ratios_and_the_whole_session_table(
         "langgraph, PostgresSaver",
     ):
         line = next(line for line in out.splitlines() if line.startswith(run))
-        ratio, floor_ms = line[len(run) :].split()[:2]
-        assert float(ratio) > 0 and float(floor_ms) >= 0
+        fields = line[len(run) :].split()
+        ratio, floor_ms, single = float(fields[0]), float(fields[1]), fields[-1]
+        assert ratio > 0 and floor_ms >= 0
+        low, high = (float(part) for part in single.split("-"))
+        # The row is one of its runs: its ratio lies in their range (all three rounded to 0.1).
+        assert 0 < low <= ratio <= high, line
+
+
+def test_step_benchmark_rows_are_the_run_with_the_median_ratio_to_its_own_floor() -> None:
+    """median_of: each run against the floors around it; the middle ratio stands, with the range kept."""
+    bench = load("bench_step")
+    runs = bench.Runs()
+    fastest = bench.SessionRow("r", hook=0.5, append=1.0, context=0.5, folds=3)  # 2.0 s
+    middle = bench.SessionRow("r", hook=1.0, append=1.5, context=0.5, folds=3)  # 3.0 s
+    slowest = bench.SessionRow("r", hook=1.0, append=2.0, context=1.0, folds=3)  # 4.0 s
+    # Each run's floor is the mean of the two around it: 0.4, 1.0 and 2.0 seconds.
+    runs.rows += [replace(fastest, floor=0.4), replace(middle, floor=1.0), replace(slowest, floor=2.0)]
+    row = bench.median_of(runs)
+    # Ratios 5.0, 3.0 and 2.0: the median is the middle run's own, not the fastest run's.
+    assert (row.hook, row.append, row.context, row.floor) == (1.0, 1.5, 0.5, 1.0)
+    assert row.ratio == pytest.approx(3.0)
+    assert row.spread == (pytest.approx(2.0), pytest.approx(5.0))
 
 
 def test_agents_benchmark_reports_latency_and_loop_lag_per_backend(
