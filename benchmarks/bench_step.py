@@ -36,7 +36,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -154,7 +154,7 @@ class SessionRow:
     context: float
     folds: int
     floor: float = 0.0
-    """The tokenize-once floor the run is set against (see :meth:`Runs.add` and :func:`median_of`)."""
+    """The tokenize-once floor of this run's own minutes (see :func:`floored`)."""
     spread: tuple[float, float] = (0.0, 0.0)
     """The lowest and highest ratio of the runs a row stands for (see :func:`median_of`)."""
 
@@ -187,37 +187,28 @@ def tokenize_once_floor(messages: Sequence[Message]) -> float:
             gc.enable()
 
 
-@dataclass
-class Runs:
-    """The runs of one row, each set against the floors measured around it, for :func:`median_of`."""
+def floored(row: SessionRow, before: float, messages: Sequence[Message]) -> SessionRow:
+    """``row`` against the mean of the floor measured ``before`` it and the floor measured now.
 
-    rows: list[SessionRow] = field(default_factory=list)
-    floors: list[float] = field(default_factory=list)
-
-    def add(self, row: SessionRow, before: float, messages: Sequence[Message]) -> None:
-        """Take a run measured after the floor ``before``; the floor after it is measured here.
-
-        On a shared machine the same loop's speed drifts by half within a minute,
-        more than the differences between runs, so a single run is set against
-        the floors of its own minutes, measured while nothing of the run is
-        still working (call this once its store is closed).
-        """
-        after = tokenize_once_floor(messages)
-        self.rows.append(replace(row, floor=(before + after) / 2))
-        self.floors += [before, after]
+    On a shared machine the same loop's speed drifts by half within a minute,
+    more than the differences between runs; each run is set against the floor
+    of its own minutes, measured while nothing of the run is still working
+    (call this once its store is closed).
+    """
+    return replace(row, floor=(before + tokenize_once_floor(messages)) / 2)
 
 
-def median_of(runs: Runs) -> SessionRow:
+def median_of(runs: Sequence[SessionRow]) -> SessionRow:
     """The run whose ratio to the floors right before and after it is the median of the runs'.
 
-    Each run is set against its own minutes' floor (see :meth:`Runs.add`), and
+    Each run is set against its own minutes' floor (see :func:`floored`), and
     the middle one stands for the row: one slow or fast minute of a shared
     machine moves a single run's ratio by a third, the median far less. Not
     the fastest run against the fastest floor: a floor takes a third of a
     second and a run seconds, so the least floor catches a quiet moment no
     run lasts through. The lowest and highest ratio stay in ``spread``.
     """
-    ranked = sorted(runs.rows, key=lambda row: row.ratio)
+    ranked = sorted(runs, key=lambda row: row.ratio)
     middle = ranked[len(ranked) // 2]  # of an even number, the higher of the two middle ones
     return replace(middle, spread=(ranked[0].ratio, ranked[-1].ratio))
 
@@ -355,12 +346,12 @@ def langgraph_runs(
     except ImportError:
         print("  (langgraph-checkpoint-sqlite missing: pip install 'contextfold[bench]')", file=sys.stderr)
     else:
-        runs = Runs()
+        runs: list[SessionRow] = []
         for n in range(repeat):
             before = tokenize_once_floor(messages)
             with SqliteSaver.from_conn_string(str(folder / f"langgraph-{n}.db")) as saver:
                 row = langgraph_session("langgraph, SqliteSaver", saver, messages)
-            runs.add(row, before, messages)
+            runs.append(floored(row, before, messages))
         rows.append(median_of(runs))
     if postgres_url is None:
         return rows
@@ -371,7 +362,7 @@ def langgraph_runs(
     except ImportError:
         print("  (langgraph-checkpoint-postgres missing: pip install 'contextfold[bench]')", file=sys.stderr)
         return rows
-    runs = Runs()
+    runs = []
     for _ in range(repeat):
         schema = f"bench_lg_{uuid.uuid4().hex[:10]}"
         with psycopg.connect(postgres_url, autocommit=True) as admin:
@@ -388,7 +379,7 @@ def langgraph_runs(
                 saver.setup()
                 before = tokenize_once_floor(messages)
                 row = langgraph_session("langgraph, PostgresSaver", saver, messages)
-                runs.add(row, before, messages)
+                runs.append(floored(row, before, messages))
         finally:
             with psycopg.connect(postgres_url, autocommit=True) as admin:
                 admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
@@ -406,7 +397,7 @@ async def contextfold_runs(
     """
     TiktokenCounter().count(messages[0])  # load the encoding before anything is timed
     backends = ["memory", "sqlite FULL", "sqlite NORMAL"] + (["postgres"] if postgres_url else [])
-    runs = {backend: Runs() for backend in backends}
+    runs: dict[str, list[SessionRow]] = {backend: [] for backend in backends}
     with tempfile.TemporaryDirectory() as folder:
         for n in range(repeat):
             round_folder = Path(folder) / f"round-{n}"
@@ -415,7 +406,7 @@ async def contextfold_runs(
                 before = tokenize_once_floor(messages)
                 async with open_backend(backend, round_folder, postgres_url) as store:
                     row = await contextfold_session(store, f"contextfold {backend}", messages)
-                runs[backend].add(row, before, messages)  # the store closed first
+                runs[backend].append(floored(row, before, messages))  # the store closed first
     return [median_of(runs[backend]) for backend in backends]
 
 
@@ -423,10 +414,10 @@ def peer_runs(messages: Sequence[Message], postgres_url: str | None, repeat: int
     """The same session through LangChain and LangGraph, on the main thread as ours ran (no event loop)."""
     try:
         with tempfile.TemporaryDirectory() as folder:
-            runs = Runs()
+            runs = []
             for _ in range(repeat):
                 before = tokenize_once_floor(messages)
-                runs.add(langchain_in_memory(messages), before, messages)
+                runs.append(floored(langchain_in_memory(messages), before, messages))
             return [median_of(runs), *langgraph_runs(messages, Path(folder), postgres_url, repeat)]
     except ImportError:
         print("  (LangChain missing: pip install 'contextfold[bench]' for its rows)", file=sys.stderr)

@@ -33,7 +33,7 @@ def load(name: str) -> ModuleType:
 def test_step_benchmark_prints_flat_ratios_and_the_whole_session_table(
     capsys: pytest.CaptureFixture[str], postgres_url: str
 ) -> None:
-    """bench_step reports per-size costs, the largest/smallest ratio and a best-of row per run."""
+    """bench_step reports per-size costs, the largest/smallest ratio and a median session row per run."""
     session = ["--session", "60", "--session-repeat", "2"]
     load("bench_step").main(["--sizes", "50,400", "--repeat", "5", *session, "--postgres-url", postgres_url])
     out = capsys.readouterr().out
@@ -62,12 +62,11 @@ def test_step_benchmark_prints_flat_ratios_and_the_whole_session_table(
 def test_step_benchmark_rows_are_the_run_with_the_median_ratio_to_its_own_floor() -> None:
     """median_of: each run against the floors around it; the middle ratio stands, with the range kept."""
     bench = load("bench_step")
-    runs = bench.Runs()
     fastest = bench.SessionRow("r", hook=0.5, append=1.0, context=0.5, folds=3)  # 2.0 s
     middle = bench.SessionRow("r", hook=1.0, append=1.5, context=0.5, folds=3)  # 3.0 s
     slowest = bench.SessionRow("r", hook=1.0, append=2.0, context=1.0, folds=3)  # 4.0 s
     # Each run's floor is the mean of the two around it: 0.4, 1.0 and 2.0 seconds.
-    runs.rows += [replace(fastest, floor=0.4), replace(middle, floor=1.0), replace(slowest, floor=2.0)]
+    runs = [replace(fastest, floor=0.4), replace(middle, floor=1.0), replace(slowest, floor=2.0)]
     row = bench.median_of(runs)
     # Ratios 5.0, 3.0 and 2.0: the median is the middle run's own, not the fastest run's.
     assert (row.hook, row.append, row.context, row.floor) == (1.0, 1.5, 0.5, 1.0)
