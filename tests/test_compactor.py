@@ -903,6 +903,42 @@ async def test_a_store_whose_record_and_append_is_replaced_gets_every_step_throu
     assert calls == [1]
 
 
+async def test_a_memory_step_of_one_message_is_stored_as_the_store_records_it_itself() -> None:
+    """``Compactor.append`` writes a one-message step to a ``MemoryStore`` by a path of its own: the
+    rows, stats, log and episodic counters it leaves are what ``record_and_append`` leaves."""
+    call = ToolCall(id="c1", name="read_file", arguments='{"path": "a.py"}')
+    steps = [
+        Message.system("You are terse."),
+        Message.user("read a.py", metadata={"turn": 1, "ok": True}),
+        Message.assistant(None, tool_calls=[call]),
+        Message.tool("c1", "print('a')"),
+        Message.tool("c9", "a result whose call was never made"),
+        Message.assistant("done"),
+        Message.user("thanks"),
+    ]
+    async with MemoryStore() as fast, _SpiedStore() as generic:
+        stores = [fast, generic]
+        compactors = [Compactor(store, options=options(), counter=ApproximateCounter()) for store in stores]
+        for message in steps:
+            for compactor in compactors:
+                await compactor.append(THREAD, [message])
+        assert len(generic.seen) == len(steps)  # every step took the store's own path there
+        tails = [await store.tail(THREAD, after_seq=0) for store in stores]
+        assert [row.model_dump() for row in tails[0].messages] == [
+            row.model_dump() for row in tails[1].messages
+        ]
+        assert [row.episode_seq for row in tails[0].messages] == [1, 2, 3, 4, 5, 6, 7]
+        assert await fast.stats(THREAD) == await generic.stats(THREAD)
+        logs = [
+            [(r.seq, r.episode.model_dump_json()) async for r in store.replay(THREAD)] for store in stores
+        ]
+        assert logs[0] == logs[1] and len(logs[0]) == len(steps)
+        pressures = [await store.pressure(THREAD) for store in stores]
+        assert pressures[0] == pressures[1] and pressures[0].total_user_messages == 2
+        steps[1].metadata["turn"] = 2  # the caller's message, edited afterwards, is not the stored one
+        assert (await fast.tail(THREAD, after_seq=1)).messages[0].message.metadata == {"turn": 1, "ok": True}
+
+
 class ThreadNoting(TiktokenCounter):
     """Counts as tiktoken does, noting the thread each message was measured in."""
 

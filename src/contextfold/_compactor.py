@@ -705,6 +705,11 @@ class Compactor:
         batch made before it while one with its id is unanswered there, else a
         call open in the context: only the latter results look at the context.
         """
+        if len(messages) == 1:  # the common step: one result, whose call this process saw made
+            cache = self._cache.get(thread)
+            if cache is not None and not cache.reused_open_id:
+                if messages[0].tool_call_id in cache.open_calls:
+                    return messages
         made: dict[str, int] = {}  # the batch's own calls not answered yet, by id
         from_context: list[int] = []  # the results no call of the batch answers
         for index, message in enumerate(messages):

@@ -400,13 +400,40 @@ class MemoryStore(AsyncResource):
         await self._enter()
         check_thread(thread)
         rows = recording.rows
-        total = self._total_after(thread, rows)  # before anything is written
+        if recording.encoded or recording.links != [0] or len(recording.episodes) != 1:
+            total = self._total_after(thread, rows)  # before anything is written
+            when = datetime.now(UTC)
+            copies = None if recording.encoded else [copy for _, _, copy in rows]
+            seqs = self._record_bodies(thread, recording.episodes, recording.bodies, when, copies)
+            links = [None if link is None else seqs[link] for link in recording.links]
+            return self._append_rows(thread, rows, links, total)
+        # The common step: one message ``Compactor.append`` checked without encoding it, recorded
+        # by its own episode, whose JSON is made when the episode is first read.
+        ((_, count, copy),) = rows
+        (episode,) = recording.episodes
+        context = self._contexts.get(thread, _NO_CONTEXT)
+        stats = context.stats
+        total = check_total(thread, stats.total_tokens + count)  # before anything is written
+        if context is _NO_CONTEXT:
+            context = self._contexts[thread] = _Context()
         when = datetime.now(UTC)
-        # A step ``Compactor.append`` checked without encoding it: each episode's JSON is made when read.
-        copies = None if recording.encoded else [copy for _, _, copy in rows]
-        seqs = self._record_bodies(thread, recording.episodes, recording.bodies, when, copies)
-        links = [None if link is None else seqs[link] for link in recording.links]
-        return self._append_rows(thread, rows, links, total)
+        log = self._logs.get(thread)
+        if log is None:
+            log = self._logs[thread] = _Log()
+        counters = log.counters = log.counters.after(episode, when)
+        log.unencoded[len(log.records)] = (when, recording.bodies[0])
+        log.records.append(copy)
+        seq = stats.last_seq + 1
+        stored = trusted(StoredMessage, seq=seq, message=copy, tokens=count, episode_seq=counters.last_seq)
+        context.messages.append(stored)
+        context.stats = trusted(
+            ThreadStats,
+            message_count=stats.message_count + 1,
+            total_tokens=total,
+            version=stats.version,
+            last_seq=seq,
+        )
+        return [stored]
 
     async def fold(
         self,
