@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from pydantic import ValidationError
 
 from contextfold import InvalidMessageError, Message, Role, ToolCall
+from contextfold._messages import check_role_fields
 from contextfold.messages import SUMMARY_METADATA_KEY, TOOL_ERROR_METADATA_KEY
 
 
@@ -164,3 +167,37 @@ def test_finite_floats_in_metadata_round_trip_through_json() -> None:
     parts = [{"type": "text", "text": "hi", "w": 0.5}]
     message = Message(role=Role.USER, content=parts, metadata={"t": 1e300})
     assert Message.model_validate_json(message.model_dump_json()) == message
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "reason"),
+    [
+        ({"role": "tool", "content": "x"}, "tool_call_id", "a tool message must name the call it answers"),
+        ({"role": "tool", "content": "x", "tool_call_id": ""}, "tool_call_id", "must name the call"),
+        ({"role": "user", "content": "x", "tool_call_id": "c1"}, "tool_call_id", "not user messages"),
+        (
+            {"role": "user", "content": "x", "tool_calls": [{"id": "c1", "name": "f"}]},
+            "tool_calls",
+            "only assistant messages call tools, not user messages",
+        ),
+        (
+            {"role": "assistant", "tool_calls": [{"id": "c1", "name": "f"}, {"id": "c1", "name": "g"}]},
+            "tool_calls",
+            "call ids must be unique within a message",
+        ),
+    ],
+)
+def test_a_tool_field_that_does_not_suit_the_role_is_refused(
+    fields: dict[str, Any], field: str, reason: str
+) -> None:
+    """Each role's tool fields are checked: by the constructor, and for a model_construct by the check."""
+    with pytest.raises(InvalidMessageError) as raised:
+        Message(**fields)
+    assert raised.value.field == field and reason in raised.value.reason
+    calls = tuple(ToolCall(**call) for call in fields.get("tool_calls", ()))
+    unchecked = Message.model_construct(**{**fields, "role": Role(fields["role"]), "tool_calls": calls})
+    with pytest.raises(InvalidMessageError, match=reason):
+        check_role_fields(unchecked)
+    Message(
+        **{**fields, "role": "assistant", "tool_call_id": None, "tool_calls": ()}
+    )  # the fields alone are fine
