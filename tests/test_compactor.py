@@ -903,9 +903,10 @@ async def test_a_store_whose_record_and_append_is_replaced_gets_every_step_throu
     assert calls == [1]
 
 
-async def test_a_memory_step_of_one_message_is_stored_as_the_store_records_it_itself() -> None:
-    """``Compactor.append`` writes a one-message step to a ``MemoryStore`` by a path of its own: the
-    rows, stats, log and episodic counters it leaves are what ``record_and_append`` leaves."""
+async def test_a_memory_step_is_stored_as_the_store_records_it_itself() -> None:
+    """``Compactor.append`` hands a ``MemoryStore`` its steps unencoded (the log keeps each message's
+    copy until first read): the rows, stats, log and episodic counters are what ``record_and_append``,
+    which encodes, leaves."""
     call = ToolCall(id="c1", name="read_file", arguments='{"path": "a.py"}')
     steps = [
         Message.system("You are terse."),

@@ -264,7 +264,7 @@ def check_role_fields(message: Message) -> None:
         return
     if role is not _ASSISTANT:
         raise InvalidMessageError(
-            "tool_calls", f"only assistant messages call tools, not {message.role.value} messages"
+            "tool_calls", f"only assistant messages call tools, not {role.value} messages"
         )
     ids = [call.id for call in message.tool_calls]
     if len(set(ids)) != len(ids):

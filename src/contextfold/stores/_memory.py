@@ -140,8 +140,10 @@ class MemoryStore(AsyncResource):
 
     def _total_after(self, thread: str, rows: list[_Row]) -> int:
         """The thread's token total once ``rows`` are appended, checked to fit every backend."""
-        stats = self._contexts.get(thread, _NO_CONTEXT).stats
-        return check_total(thread, stats.total_tokens + sum([count for _, count, _ in rows]))
+        total = self._contexts.get(thread, _NO_CONTEXT).stats.total_tokens
+        for _, count, _ in rows:  # loops, not comprehensions, here: a step has one or two rows
+            total += count
+        return check_total(thread, total)
 
     def _append_rows(
         self, thread: str, rows: list[_Row], episode_seqs: list[int | None], total: int
@@ -151,18 +153,18 @@ class MemoryStore(AsyncResource):
         if context is None:
             context = self._contexts[thread] = _Context()
         stats = context.stats
-        first = stats.last_seq + 1
-        stored = [
-            trusted(StoredMessage, seq=first + n, message=copy, tokens=count, episode_seq=link)
-            for n, ((_, count, copy), link) in enumerate(zip(rows, episode_seqs, strict=True))
-        ]
-        context.messages.extend(stored)
+        seq = stats.last_seq
+        stored: list[StoredMessage] = []
+        for (_, count, copy), link in zip(rows, episode_seqs, strict=True):
+            seq += 1
+            stored.append(trusted(StoredMessage, seq=seq, message=copy, tokens=count, episode_seq=link))
+        context.messages += stored
         context.stats = trusted(
             ThreadStats,
             message_count=stats.message_count + len(stored),
             total_tokens=total,
             version=stats.version,
-            last_seq=stats.last_seq + len(stored),
+            last_seq=seq,
         )
         return stored
 
@@ -172,11 +174,12 @@ class MemoryStore(AsyncResource):
         episodes: Sequence[Episode],
         bodies: Sequence[str],
         when: datetime,
-        messages: Sequence[Message] | None = None,
+        rows: Sequence[_Row] | None = None,
     ) -> list[int]:
         """Append the episodes' JSON to the thread's log; return their seqs.
 
-        With ``messages``, each body is the JSON before that message (``Recording.encoded``).
+        With ``rows``, each body is the JSON before that row's message, whose copy the log
+        keeps until the episode is first read (``Recording.encoded``).
         """
         log = self._logs.get(thread)
         if log is None:
@@ -186,12 +189,15 @@ class MemoryStore(AsyncResource):
         for episode in episodes:
             counters = counters.after(episode, when)
             seqs.append(counters.last_seq)
-        if messages is None:
-            log.records.extend([(when, body) for body in bodies])
+        records = log.records
+        if rows is None:
+            for body in bodies:
+                records.append((when, body))
         else:
-            start = len(log.records)
-            log.unencoded.update([(start + n, (when, head)) for n, head in enumerate(bodies)])
-            log.records.extend(messages)
+            unencoded = log.unencoded
+            for head, (_, _, copy) in zip(bodies, rows, strict=True):
+                unencoded[len(records)] = (when, head)
+                records.append(copy)
         log.counters = counters
         return seqs
 
@@ -400,40 +406,15 @@ class MemoryStore(AsyncResource):
         await self._enter()
         check_thread(thread)
         rows = recording.rows
-        if recording.encoded or recording.links != [0] or len(recording.episodes) != 1:
-            total = self._total_after(thread, rows)  # before anything is written
-            when = datetime.now(UTC)
-            copies = None if recording.encoded else [copy for _, _, copy in rows]
-            seqs = self._record_bodies(thread, recording.episodes, recording.bodies, when, copies)
-            links = [None if link is None else seqs[link] for link in recording.links]
-            return self._append_rows(thread, rows, links, total)
-        # The common step: one message ``Compactor.append`` checked without encoding it, recorded
-        # by its own episode, whose JSON is made when the episode is first read.
-        ((_, count, copy),) = rows
-        (episode,) = recording.episodes
-        context = self._contexts.get(thread, _NO_CONTEXT)
-        stats = context.stats
-        total = check_total(thread, stats.total_tokens + count)  # before anything is written
-        if context is _NO_CONTEXT:
-            context = self._contexts[thread] = _Context()
+        total = self._total_after(thread, rows)  # before anything is written
         when = datetime.now(UTC)
-        log = self._logs.get(thread)
-        if log is None:
-            log = self._logs[thread] = _Log()
-        counters = log.counters = log.counters.after(episode, when)
-        log.unencoded[len(log.records)] = (when, recording.bodies[0])
-        log.records.append(copy)
-        seq = stats.last_seq + 1
-        stored = trusted(StoredMessage, seq=seq, message=copy, tokens=count, episode_seq=counters.last_seq)
-        context.messages.append(stored)
-        context.stats = trusted(
-            ThreadStats,
-            message_count=stats.message_count + 1,
-            total_tokens=total,
-            version=stats.version,
-            last_seq=seq,
-        )
-        return [stored]
+        # A step ``Compactor.append`` checked without encoding it: each episode's JSON is made when read.
+        unencoded = None if recording.encoded else rows
+        seqs = self._record_bodies(thread, recording.episodes, recording.bodies, when, unencoded)
+        links: list[int | None] = []
+        for link in recording.links:
+            links.append(None if link is None else seqs[link])
+        return self._append_rows(thread, rows, links, total)
 
     async def fold(
         self,
