@@ -119,7 +119,7 @@ def _blocking_detector() -> BlockBuster:
     # loop through a WAL reader with busy_timeout 0: it never waits for a lock, and
     # any busy answer falls back to the worker thread (see the module's docstring).
     for name in ("sqlite3.Connection.execute", "sqlite3.Cursor.fetchall"):
-        functions[name].can_block_in("contextfold/stores/_sqlite.py", {"_read_on_loop"})
+        functions[name].can_block_in("contextfold/stores/_sqlite.py", {"_point_row"})
     # With synchronous=NORMAL a step's small write (at most 64 KiB) runs there too, on
     # that connection, and so does a fold or replacement that removes at most 1,000 rows
     # (its count read with fetchone; a larger one rolls back and goes to the thread): no

@@ -355,15 +355,11 @@ def _whole_numbers(thread: str, what: str, values: Sequence[object]) -> None:
         )
 
 
+_STATS_QUERY = "SELECT message_count, total_tokens, version, last_seq FROM threads WHERE thread = ?"
+
+
 def _read_stats(conn: sqlite3.Connection, thread: str) -> ThreadStats:
-    return _stats(
-        thread,
-        _one(
-            conn,
-            "SELECT message_count, total_tokens, version, last_seq FROM threads WHERE thread = ?",
-            (thread,),
-        ),
-    )
+    return _stats(thread, _one(conn, _STATS_QUERY, (thread,)))
 
 
 def _stats(thread: str, row: tuple[Any, ...] | None) -> ThreadStats:
@@ -444,9 +440,11 @@ def _parse_time(thread: str, what: str, text: str) -> datetime:
         raise StoreError(f"thread {thread!r}: {what} has an unreadable time {text!r}") from exc
 
 
+_COUNTERS_QUERY = f"SELECT {_COUNTERS} FROM threads WHERE thread = ?"
+
+
 def _read_counters(conn: sqlite3.Connection, thread: str) -> PressureCounters:
-    row = _one(conn, f"SELECT {_COUNTERS} FROM threads WHERE thread = ?", (thread,))
-    return _counters(thread, row)
+    return _counters(thread, _one(conn, _COUNTERS_QUERY, (thread,)))
 
 
 _COUNTERS_ROW = "the threads row's episode counters"
@@ -845,8 +843,7 @@ _STATE_QUERY = (
 )
 
 
-def _read_state(conn: sqlite3.Connection, thread: str) -> tuple[ThreadStats, PressureCounters]:
-    row = _one(conn, _STATE_QUERY, (thread,))
+def _state(thread: str, row: tuple[Any, ...] | None) -> tuple[ThreadStats, PressureCounters]:
     if row is None:
         return ThreadStats(), PressureCounters()
     return _stats(thread, row[:4]), _counters(thread, row[4:])
@@ -1454,27 +1451,24 @@ class SQLiteStore(AsyncResource):
             except sqlite3.Error as exc:
                 raise self._error(exc) from exc
 
-    async def _point_read(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
-        """A one-row read: on the event loop if SQLite answers at once, else as ``_read``."""
-        result = self._read_on_loop(fn)
-        if result is None:
-            return await self._read(fn)
-        return result
+    async def _point_row(self, query: str, thread: str) -> tuple[Any, ...] | None:
+        """The row ``query`` finds for ``thread``, or ``None``: on the event loop if SQLite answers at once.
 
-    def _read_on_loop(self, fn: Callable[[sqlite3.Connection], _T]) -> _T | None:
-        """``fn`` on the busy_timeout-0 connection, or ``None`` when the worker thread must do it.
-
-        ``fn`` must never return ``None`` itself. Any SQLite error (busy, locked
-        or worse) falls back: the worker-thread read waits as long as it may and
-        reports the error.
+        One statement on the busy_timeout-0 connection, run in place: the
+        step's check pays for the lookup, not for layers around it. When that
+        connection is not open, belongs to another thread, or answers any
+        SQLite error (busy, locked or worse), the read is done in a worker
+        thread, which waits as long as it may and reports the error.
         """
         reader = self._loop_reader
-        if reader is None or not self._on_loop_thread():
-            return None
-        try:
-            return fn(reader)
-        except sqlite3.Error:
-            return None
+        if reader is not None and self._on_loop_thread():
+            try:
+                rows = reader.execute(query, (thread,)).fetchall()
+            except sqlite3.Error:
+                pass
+            else:
+                return rows[0] if rows else None
+        return await self._read(partial(_one, query=query, params=(thread,)))
 
     # short-term -----------------------------------------------------------
 
@@ -1551,12 +1545,12 @@ class SQLiteStore(AsyncResource):
 
     async def stats(self, thread: str) -> ThreadStats:
         check_thread(thread)
-        return await self._point_read(partial(_read_stats, thread=thread))
+        return _stats(thread, await self._point_row(_STATS_QUERY, thread))
 
     async def state(self, thread: str, *, now: datetime | None = None) -> ThreadState:
         check_thread(thread)
         when = utc(now, "now")
-        stats, counters = await self._point_read(partial(_read_state, thread=thread))
+        stats, counters = _state(thread, await self._point_row(_STATE_QUERY, thread))
         return trusted(ThreadState, stats=stats, pressure=counters.pressure(when, stats.total_tokens))
 
     async def replace_prefix(
@@ -1658,7 +1652,7 @@ class SQLiteStore(AsyncResource):
     ) -> EpisodicCompactionPressure:
         check_thread(thread)
         when = utc(now, "now")
-        counters = await self._point_read(partial(_read_counters, thread=thread))
+        counters = _counters(thread, await self._point_row(_COUNTERS_QUERY, thread))
         return counters.pressure(when, estimated_context_tokens)
 
     async def latest_checkpoint(self, thread: str) -> EpisodeRecord | None:
