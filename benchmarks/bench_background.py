@@ -183,12 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     library.setLevel(logging.ERROR)  # restored below: a test calls main() in its own process
     try:
         with summarizer_process(args.summary_seconds) as url:
-            run = [url, args.steps, args.agent_seconds]
-            noop = anyio.run(session, *run, None, None, "no-op check (budget never reached)")
+            steps, agent_seconds = args.steps, args.agent_seconds
+            noop = anyio.run(
+                session, url, steps, agent_seconds, None, None, "no-op check (budget never reached)"
+            )
             runs = [
                 noop,
-                anyio.run(session, *run, args.budget, None, "summary in the step"),
-                anyio.run(session, *run, args.budget, 0.8, "background_at=0.8"),
+                anyio.run(session, url, steps, agent_seconds, args.budget, None, "summary in the step"),
+                anyio.run(session, url, steps, agent_seconds, args.budget, 0.8, "background_at=0.8"),
             ]
     finally:
         library.setLevel(level)

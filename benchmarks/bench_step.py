@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 
@@ -220,7 +220,7 @@ async def open_backend(name: str, folder: Path, postgres_url: str | None) -> Asy
         async with MemoryStore() as store:
             yield store
     elif name.startswith("sqlite"):
-        synchronous = "NORMAL" if name.endswith("NORMAL") else "FULL"
+        synchronous: Literal["NORMAL", "FULL"] = "NORMAL" if name.endswith("NORMAL") else "FULL"
         async with SQLiteStore(folder / f"{name}.db", synchronous=synchronous) as store:
             yield store
     else:
@@ -313,6 +313,7 @@ def langchain_in_memory(messages: Sequence[Message]) -> SessionRow:
 
 def langgraph_session(run: str, checkpointer: Any, messages: Sequence[Message]) -> SessionRow:
     """One graph step per message (the middleware as the node), its state in ``checkpointer``."""
+    from langchain_core.runnables import RunnableConfig
     from langgraph.graph import END, START, MessagesState, StateGraph
 
     middleware = langchain_middleware()
@@ -320,7 +321,7 @@ def langgraph_session(run: str, checkpointer: Any, messages: Sequence[Message]) 
 
     def summarize(state: MessagesState) -> dict[str, Any]:
         nonlocal folds
-        update = middleware.before_model(state, None)  # type: ignore[arg-type]
+        update = middleware.before_model(state, None)
         folds += update is not None
         return update or {}
 
@@ -329,7 +330,7 @@ def langgraph_session(run: str, checkpointer: Any, messages: Sequence[Message]) 
     graph.add_edge(START, "summarize")
     graph.add_edge("summarize", END)
     app = graph.compile(checkpointer=checkpointer)
-    config = {"configurable": {"thread_id": "session"}}
+    config: RunnableConfig = {"configurable": {"thread_id": "session"}}
     started = time.perf_counter()
     for message in to_langchain(messages):
         app.invoke({"messages": [message]}, config)  # loads the state, appends, runs the hook, saves
@@ -375,10 +376,10 @@ def langgraph_runs(
                 row_factory=dict_row,
                 options=f"-c search_path={schema}",
             ) as conn:
-                saver = PostgresSaver(conn)  # type: ignore[arg-type]
-                saver.setup()
+                pg_saver = PostgresSaver(conn)
+                pg_saver.setup()
                 before = tokenize_once_floor(messages)
-                row = langgraph_session("langgraph, PostgresSaver", saver, messages)
+                row = langgraph_session("langgraph, PostgresSaver", pg_saver, messages)
                 runs.append(floored(row, before, messages))
         finally:
             with psycopg.connect(postgres_url, autocommit=True) as admin:

@@ -40,7 +40,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 
@@ -222,7 +222,7 @@ async def _stores(
         async with MemoryStore() as memory:
             yield memory, memory
     elif backend.startswith("sqlite"):
-        synchronous = "NORMAL" if backend == "sqlite-normal" else "FULL"
+        synchronous: Literal["NORMAL", "FULL"] = "NORMAL" if backend == "sqlite-normal" else "FULL"
         with tempfile.TemporaryDirectory(prefix="contextfold-bench-") as folder:
             path = Path(folder) / "bench.db"
             async with (
