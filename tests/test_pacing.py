@@ -84,3 +84,40 @@ async def test_a_loop_of_memory_writes_lets_other_tasks_run() -> None:
     assert len(ticks) >= 10, f"{len(ticks)} turns for the other task in 0.1 s of writes"
     longest = max(b - a for a, b in itertools.pairwise(ticks))
     assert longest < 0.05, f"the other task waited {longest * 1e3:.1f} ms"
+
+
+async def test_a_task_whose_sleep_ended_waits_one_round_of_busy_paced_tasks_at_most() -> None:
+    """Busy tasks that yield through their pacers let a due sleeper run before any of them runs twice.
+
+    A plain yield on asyncio queues ahead of the timers that came due, and the
+    sleeper's wake-up then queues behind the busy tasks once more: it waited
+    for two rounds of all of them, and more (bench_agents' saturated lag).
+    """
+    busy = 20
+    turns: list[float] = []  # when each busy turn began
+    woke: list[float] = []
+
+    async def work() -> None:
+        pace = Pacer()
+        while not woke:
+            began = time.monotonic()
+            turns.append(began)
+            while time.monotonic() - began < 2 * PACE_SECONDS:  # every paced call yields
+                pass
+            await pace()
+
+    async def sleeper(due: list[float]) -> None:
+        await anyio.sleep(0.001)  # the busy tasks are running
+        due.append(time.monotonic() + 0.005)
+        await anyio.sleep(0.005)
+        woke.append(time.monotonic())
+
+    due: list[float] = []
+    async with anyio.create_task_group() as tg:
+        for _ in range(busy):
+            tg.start_soon(work)
+        tg.start_soon(sleeper, due)
+    waited = [began for began in turns if due[0] <= began < woke[0]]
+    assert len(waited) <= busy + 1, (
+        f"the sleeper waited for {len(waited)} turns of {busy} busy tasks, more than one round"
+    )

@@ -118,7 +118,7 @@ from .._episodes import (
 )
 from .._errors import ConfigError, StoreClosedError, StoreError
 from .._messages import Message
-from .._pacing import Pacer
+from .._pacing import Pacer, current_async_library
 from .._policy import EpisodicCompactionPressure
 from .._resource import AsyncResource
 from ._base import ContextWindow, StoredMessage, ThreadInfo, ThreadState, ThreadStats, Tombstone
@@ -150,14 +150,6 @@ from ._rows import (
     utc,
     version_conflict,
 )
-
-try:
-    from sniffio import current_async_library as _current_async_library
-except ModuleNotFoundError:  # pragma: no cover - trio requires sniffio: without it the loop is asyncio's
-
-    def _current_async_library() -> str:
-        return "asyncio"
-
 
 __all__ = ["SCHEMA_VERSION", "SQLiteStore"]
 
@@ -1011,7 +1003,7 @@ class _Worker:
         # before the caller's first checkpoint noticed the cancellation.
         await anyio.lowlevel.checkpoint_if_cancelled()
         job = _Job(fn)
-        if _current_async_library() == "asyncio":
+        if current_async_library() == "asyncio":
             loop = asyncio.get_running_loop()
             waiter = job.waiter = loop.create_future()
             job.notify = partial(_notify_loop, loop, job)
