@@ -38,17 +38,26 @@ class Pacer:
     loop round on every call.
     """
 
-    __slots__ = ("_due",)
+    __slots__ = ("_crowded", "_due")
 
     def __init__(self) -> None:
         self._due = 0.0
+        self._crowded = False
 
     async def __call__(self) -> None:
-        if time.monotonic() < self._due:
+        now = time.monotonic()
+        if now < self._due:
             await checkpoint_if_cancelled()
             return
-        await yield_behind_due_timers()
-        self._due = time.monotonic() + PACE_SECONDS
+        # While other tasks take turns (the last yield gave the loop away for a slice or
+        # more), a task whose timer came due goes first; alone, the plain yield is cheaper.
+        if self._crowded:
+            await yield_behind_due_timers()
+        else:
+            await checkpoint()
+        resumed = time.monotonic()
+        self._crowded = resumed - now >= PACE_SECONDS
+        self._due = resumed + PACE_SECONDS
 
 
 async def yield_behind_due_timers() -> None:
@@ -59,10 +68,12 @@ async def yield_behind_due_timers() -> None:
     never wait, a task whose ``sleep`` ended waited for two rounds of all of
     them (35-60 ms with 50 agents in ``benchmarks/bench_agents.py``). Resumed
     by a timer due now instead, the caller queues in due order with the other
-    timers, so a task due earlier waits one round at most. This costs about
-    3 µs more than a plain yield, at most once per ``PACE_SECONDS`` (under 2%
-    of a paced loop). trio runs a woken task in its next batch of all
-    runnable tasks: there it is ``checkpoint()``.
+    timers, so a task due earlier waits one round at most. It takes two
+    rounds of the loop where a plain yield takes one (5-10 µs more in a
+    session's loop, whose code the tokenizer keeps pushing out of the CPU's
+    caches), so ``Pacer`` uses it only while other tasks are taking turns.
+    trio runs a woken task in its next batch of all runnable tasks: there it
+    is ``checkpoint()``.
     """
     if current_async_library() != "asyncio":
         await checkpoint()
