@@ -103,6 +103,7 @@ async def test_a_task_whose_sleep_ended_waits_one_round_of_busy_paced_tasks_at_m
     """
     busy = 20
     turns: list[float] = []  # when each busy turn began
+    due: list[float] = []
     woke: list[float] = []
 
     async def work() -> None:
@@ -114,17 +115,16 @@ async def test_a_task_whose_sleep_ended_waits_one_round_of_busy_paced_tasks_at_m
                 pass
             await pace()
 
-    async def sleeper(due: list[float]) -> None:
+    async def sleeper() -> None:
         await anyio.sleep(0.001)  # the busy tasks are running
         due.append(time.monotonic() + 0.005)
         await anyio.sleep(0.005)
         woke.append(time.monotonic())
 
-    due: list[float] = []
     async with anyio.create_task_group() as tg:
         for _ in range(busy):
             tg.start_soon(work)
-        tg.start_soon(sleeper, due)
+        tg.start_soon(sleeper)
     waited = [began for began in turns if due[0] <= began < woke[0]]
     assert len(waited) <= busy + 1, (
         f"the sleeper waited for {len(waited)} turns of {busy} busy tasks, more than one round"
@@ -141,11 +141,11 @@ async def test_a_lone_task_yields_in_one_round_of_the_loop() -> None:
     rounds = 0
 
     def tick() -> None:
-        nonlocal rounds
+        nonlocal rounds, handle
         rounds += 1
-        handles.append(loop.call_soon(tick))
+        handle = loop.call_soon(tick)
 
-    handles = [loop.call_soon(tick)]
+    handle = loop.call_soon(tick)
     pace = Pacer()
     took: list[int] = []
     try:
@@ -155,7 +155,7 @@ async def test_a_lone_task_yields_in_one_round_of_the_loop() -> None:
             took.append(rounds - before)
             await anyio.sleep(2 * PACE_SECONDS)  # the next call yields again
     finally:
-        handles[-1].cancel()
+        handle.cancel()
     # A yield the machine stalled for 0.2 ms reads as a crowded loop, and the next one
     # takes two rounds: one such stall is allowed for.
     assert took.count(1) >= 4, f"rounds of the loop per yield: {took}"
