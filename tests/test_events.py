@@ -522,15 +522,29 @@ def gated_summarizer(gate: anyio.Event, started: anyio.Event) -> FunctionSummari
     return FunctionSummarizer(summarize, model="recorder")
 
 
+async def start_background_summary(
+    compactor: Compactor, seen: list[CompactionEvent], started: anyio.Event
+) -> None:
+    """Step until a step starts the background summary, then wait until it reaches the summarizer.
+
+    No step is taken after that one: while the summary's task makes its way to
+    the gated summarizer (it takes turns with the steps in a crowded loop), a
+    few more steps could reach the hard trigger, and that step would wait for
+    a summary held at a gate the test opens only afterwards.
+    """
+    while not seen:  # BackgroundSummaryStarted comes first, from the step that started it
+        await compactor.append(THREAD, [Message.user("word " * 150)])
+        assert await compactor.maybe_compact(THREAD) is None
+    await started.wait()
+
+
 async def test_a_background_summary_is_started_then_applied_as_a_fold(store: MemoryStore) -> None:
     """Crossing background_at emits BackgroundSummaryStarted; the fold that applies it is one FoldApplied."""
     gate, started = anyio.Event(), anyio.Event()
     seen: list[CompactionEvent] = []
     settings = {"options": background_options(), "summarizer": gated_summarizer(gate, started)}
     async with wired_compactor(store, seen, **settings) as compactor:
-        while not started.is_set():
-            await compactor.append(THREAD, [Message.user("word " * 150)])
-            assert await compactor.maybe_compact(THREAD) is None
+        await start_background_summary(compactor, seen, started)
         [begun] = seen
         assert isinstance(begun, BackgroundSummaryStarted) and begun.thread == THREAD
         gate.set()
@@ -552,9 +566,7 @@ async def test_a_background_summary_unapplied_at_close_is_discarded(store: Memor
     seen: list[CompactionEvent] = []
     settings = {"options": background_options(), "summarizer": gated_summarizer(gate, started)}
     async with wired_compactor(store, seen, **settings) as compactor:
-        while not started.is_set():
-            await compactor.append(THREAD, [Message.user("word " * 150)])
-            assert await compactor.maybe_compact(THREAD) is None
+        await start_background_summary(compactor, seen, started)
     begun, discarded = seen
     assert isinstance(begun, BackgroundSummaryStarted)
     assert isinstance(discarded, BackgroundSummaryDiscarded) and discarded.cause == "closed"
