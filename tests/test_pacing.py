@@ -9,10 +9,12 @@ import time
 
 import anyio
 import pytest
+from anyio.lowlevel import checkpoint
 
-from contextfold import Message, _pacing
-from contextfold._pacing import PACE_SECONDS, Pacer
+from contextfold import Compactor, Message, _pacing
+from contextfold._pacing import CROWDED_PACE_SECONDS, PACE_SECONDS, Pacer
 from contextfold.stores import MemoryStore
+from contextfold.tokens import ApproximateCounter
 
 
 class Clock:
@@ -62,6 +64,98 @@ async def test_a_pacer_call_that_does_not_yield_still_raises_a_cancellation(cloc
         await pace()
         pytest.fail("the paced call did not see the cancellation")
     assert scope.cancelled_caught
+
+
+async def _neighbour(clock: Clock, ran: list[float]) -> None:
+    """Another task that takes a millisecond every time it runs: the loop is crowded."""
+    while True:
+        ran.append(clock.now)
+        clock.now += 0.001
+        await checkpoint()
+
+
+async def test_while_other_tasks_take_turns_a_pacer_yields_after_a_short_slice(clock: Clock) -> None:
+    """Once a yield gave the loop away for a slice or more, the next comes after CROWDED_PACE_SECONDS.
+
+    A round of 50 busy agents is 50 of their slices: on ``PACE_SECONDS``
+    slices a ticker beside them waited 18-26 ms (``bench_agents.py``).
+    """
+    assert CROWDED_PACE_SECONDS < PACE_SECONDS / 2
+    pace = Pacer()
+    ran: list[float] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_neighbour, clock, ran)
+        await pace()  # the neighbour's millisecond passes meanwhile: the loop is crowded
+        assert len(ran) == 1
+        clock.now += CROWDED_PACE_SECONDS / 2
+        await pace()
+        assert len(ran) == 1, "a call within the short slice kept the loop"
+        clock.now += CROWDED_PACE_SECONDS
+        await pace()
+        assert len(ran) > 1, "a crowded slice lasted longer than CROWDED_PACE_SECONDS"
+        # A yield that returns at once (nobody else ran) ends the crowding: the long slice again.
+        tg.cancel_scope.cancel()
+    clock.now += PACE_SECONDS
+    await pace()
+    clock.now += 2 * CROWDED_PACE_SECONDS
+    ran.clear()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_neighbour, clock, ran)
+        await pace()
+        assert ran == [], "alone, the slice is PACE_SECONDS again"
+        tg.cancel_scope.cancel()
+
+
+async def test_a_turn_is_nothing_alone_and_a_paced_call_while_the_loop_is_crowded(clock: Clock) -> None:
+    """``turn`` neither yields nor reads the clock alone, and yields once the crowded slice is spent."""
+    pace = Pacer()
+    ran: list[float] = []
+    reads = 0
+
+    def counted() -> float:
+        nonlocal reads
+        reads += 1
+        return clock.now
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_neighbour, clock, ran)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(_pacing.time, "monotonic", counted)
+            await pace.turn()
+        assert (ran, reads) == ([], 0), "a lone task's turn did something"
+        await pace()  # the neighbour runs: the loop is crowded
+        assert len(ran) == 1
+        clock.now += CROWDED_PACE_SECONDS
+        await pace.turn()
+        assert len(ran) > 1, "a turn in a crowded loop kept the loop past its slice"
+        tg.cancel_scope.cancel()
+
+
+async def test_in_a_crowded_loop_a_step_takes_a_turn_before_it_is_counted(clock: Clock) -> None:
+    """``Compactor.append`` yields before counting, so the count and the write are a turn each.
+
+    Before, a step's only scheduling point was its write: the check, the
+    context, the count and the write of the step before all went in one slice.
+    """
+    ran: list[float] = []
+    counted_after: list[int] = []  # how many turns the neighbour had when each count began
+
+    class SlowCounter(ApproximateCounter):
+        def _measure(self, message: Message) -> int:
+            counted_after.append(len(ran))
+            clock.now += 0.0001  # a tokenizer's 100 µs
+            return super()._measure(message)
+
+    async with MemoryStore() as store, anyio.create_task_group() as tg:
+        compactor = Compactor(store, counter=SlowCounter())
+        tg.start_soon(_neighbour, clock, ran)
+        await compactor.append("t", [Message.user("one")])  # its write yields: the neighbour runs
+        assert counted_after == [0] and len(ran) == 1
+        clock.now += CROWDED_PACE_SECONDS  # the next step's check and context
+        await compactor.append("t", [Message.user("two")])
+        tg.cancel_scope.cancel()
+        assert [m.text for m in await compactor.context("t")] == ["one", "two"]
+    assert counted_after[1] > 1, "the step was counted before the other task had its turn"
 
 
 async def test_a_loop_of_memory_writes_lets_other_tasks_run() -> None:

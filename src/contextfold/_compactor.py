@@ -57,6 +57,7 @@ from ._events import (
     SummaryDegraded,
 )
 from ._messages import SUMMARY_METADATA_KEY, Message, Role, ToolCall
+from ._pacing import Pacer
 from ._policy import TOKEN_REASONS, EpisodicCompactionPressure, Pressure, Reason, Trigger
 from ._strategies import CompactionPlan, SlidingWindow, Strategy, unanswered_calls
 from ._telemetry import FoldSpan, Telemetry, error_type
@@ -395,6 +396,8 @@ class Compactor:
         """The bundled stores' write of a recording encoded here (see ``append``)."""
         self._encode_steps = not getattr(self._store, "_KEEPS_EPISODES", False)
         """Whether that write needs the step's JSON (a ``MemoryStore`` keeps the checked copies)."""
+        self._turn = _crowded_turn(short)
+        """The bundled store's ``Pacer.turn``, taken before a step is counted; ``None`` for other stores."""
         self._closed = False
         self._warned_background = False
 
@@ -476,6 +479,8 @@ class Compactor:
                 break
         if self._counter_ready is not self.counter:  # checked here: a step pays no extra await
             await self._ready_counter()
+        if self._turn is not None:  # in a crowded loop, the count below and the write are a turn each
+            await self._turn()
         call = _LlmCall(model, usage, request_messages, request_tokens)
         writer = self._writer
         # Counting a large batch, or a large tool result, would stall the loop: a worker thread does it.
@@ -1366,6 +1371,12 @@ def _recording_writer(
     writes = next(cls for cls in mro if "_write_recording" in vars(cls))
     records = next(cls for cls in mro if "record_and_append" in vars(cls))
     return write if writes is records else None
+
+
+def _crowded_turn(store: object) -> Callable[[], Awaitable[None]] | None:
+    """The store's pacer's ``turn`` (a bundled store paces its calls), or ``None`` for a store without one."""
+    pacer = getattr(store, "_pace", None)
+    return pacer.turn if isinstance(pacer, Pacer) else None
 
 
 def _step_episodes(

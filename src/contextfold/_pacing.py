@@ -15,15 +15,32 @@ except ModuleNotFoundError:  # pragma: no cover - trio requires sniffio: without
         return "asyncio"
 
 
-__all__ = ["PACE_SECONDS", "Pacer", "current_async_library", "yield_behind_due_timers"]
+__all__ = [
+    "CROWDED_PACE_SECONDS",
+    "PACE_SECONDS",
+    "Pacer",
+    "current_async_library",
+    "yield_behind_due_timers",
+]
 
 PACE_SECONDS = 0.0002
-"""The longest run of paced calls before they hand the event loop to other tasks.
+"""The longest run of paced calls before they hand the event loop to other tasks, when none waits.
 
-About two steps of an agent's work: a loop of steps pays for a round of the
-event loop once in a few steps, while with 50 agents that never wait the
-event loop's lag stays about one round of their slices, near 20 ms (a
-one-millisecond slice let it reach 160 ms in ``benchmarks/bench_agents.py``).
+About two steps of an agent's work: a lone agent's loop of steps pays for a
+round of the event loop once in a few steps. A yield that gave the loop away
+for this long or longer means other tasks are taking turns: the pacer then
+goes by ``CROWDED_PACE_SECONDS``.
+"""
+
+CROWDED_PACE_SECONDS = 0.00005
+"""The slice while other tasks are taking turns: a yield at the first paced call after it.
+
+With every agent busy, the event loop's lag is one round of their slices, so
+the slice is what the lag is made of: 50 agents on ``PACE_SECONDS`` slices
+(one step and a part of the next, about 0.3 ms) kept a ticker waiting 18-26 ms
+in ``benchmarks/bench_agents.py``, on these a step's count and its write
+each (see ``Pacer.turn``) about 10-15 ms. Not zero: a burst of tiny calls
+(a replay, a ``sync`` of many messages) still makes some of them per turn.
 """
 
 
@@ -35,7 +52,10 @@ class Pacer:
     looks for a cancellation costs about one. So a loop that only records and
     checks stops at once when cancelled, and lets other tasks (a background
     summary, a heartbeat) run at least every 0.2 ms, without paying a
-    loop round on every call.
+    loop round on every call. While other tasks are taking turns (the last
+    yield gave the loop away for ``PACE_SECONDS`` or more) the slice is
+    ``CROWDED_PACE_SECONDS``, and ``turn`` adds a scheduling point where a
+    caller's own work would make a long slice.
     """
 
     __slots__ = ("_crowded", "_due")
@@ -56,8 +76,19 @@ class Pacer:
         else:
             await checkpoint()
         resumed = time.monotonic()
-        self._crowded = resumed - now >= PACE_SECONDS
-        self._due = resumed + PACE_SECONDS
+        crowded = self._crowded = resumed - now >= PACE_SECONDS
+        self._due = resumed + (CROWDED_PACE_SECONDS if crowded else PACE_SECONDS)
+
+    async def turn(self) -> None:
+        """A paced call while other tasks are taking turns; alone, nothing at all (not even a clock read).
+
+        For a point between two paced calls where the caller's own work
+        begins: ``Compactor.append`` takes one before it counts a step, so in
+        a crowded loop the count and the write (with the check before it) are
+        a turn each, not one long slice, and a lone agent's step pays nothing.
+        """
+        if self._crowded:
+            await self()
 
 
 async def yield_behind_due_timers() -> None:
