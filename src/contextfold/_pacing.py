@@ -20,6 +20,7 @@ __all__ = [
     "PACE_SECONDS",
     "Pacer",
     "current_async_library",
+    "wake",
     "yield_behind_due_timers",
 ]
 
@@ -36,11 +37,12 @@ CROWDED_PACE_SECONDS = 0.00005
 """The slice while other tasks are taking turns: a yield at the first paced call after it.
 
 With every agent busy, the event loop's lag is one round of their slices, so
-the slice is what the lag is made of: 50 agents on ``PACE_SECONDS`` slices
-(one step and a part of the next, about 0.3 ms) kept a ticker waiting 18-26 ms
-in ``benchmarks/bench_agents.py``, on these a step's count and its write
-each (see ``Pacer.turn``) about 10-15 ms. Not zero: a burst of tiny calls
-(a replay, a ``sync`` of many messages) still makes some of them per turn.
+the slice is what the lag is made of. In ``benchmarks/bench_agents.py`` 50
+agents on ``PACE_SECONDS`` slices (one step and a part of the next, about
+0.3 ms) kept a ticker waiting 18-26 ms; on these slices, with a step's count
+and its write a turn each (see ``Pacer.turn``), about 10-15 ms. Not zero: a
+burst of tiny calls (a replay, a ``sync`` of many messages) still makes
+several of them per turn.
 """
 
 
@@ -111,10 +113,11 @@ async def yield_behind_due_timers() -> None:
         return
     loop = asyncio.get_running_loop()
     waiter = loop.create_future()
-    loop.call_at(loop.time(), _wake, waiter)
+    loop.call_at(loop.time(), wake, waiter)
     await waiter
 
 
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():  # cancelled meanwhile
+def wake(waiter: asyncio.Future[None]) -> None:
+    """Resolve ``waiter`` unless it is done already (its awaiting task was cancelled meanwhile)."""
+    if not waiter.done():
         waiter.set_result(None)

@@ -118,7 +118,7 @@ from .._episodes import (
 )
 from .._errors import ConfigError, StoreClosedError, StoreError
 from .._messages import Message
-from .._pacing import Pacer, current_async_library
+from .._pacing import Pacer, current_async_library, wake
 from .._policy import EpisodicCompactionPressure
 from .._resource import AsyncResource
 from ._base import ContextWindow, StoredMessage, ThreadInfo, ThreadState, ThreadStats, Tombstone
@@ -909,9 +909,8 @@ def _notify_trio(token: Any, task: Any) -> None:
 
 def _wake(job: _Job) -> None:
     """On the caller's loop: the call ended."""
-    waiter = job.waiter
-    if waiter is not None and not waiter.done():
-        waiter.set_result(None)
+    if job.waiter is not None:
+        wake(job.waiter)
 
 
 class _Worker:
