@@ -1377,6 +1377,31 @@ async def test_at_normal_the_loops_writes_go_on_beside_a_checkpoint(
         assert 0 < frames < 10  # the WAL started over: it holds the last write's pages alone
 
 
+def checkpoints_with_a_write_beside(monkeypatch: pytest.MonkeyPatch, stores: list[SQLiteStore]) -> list[bool]:
+    """Every checkpoint pass of ``stores[0]`` runs as if the loop wrote beside it, unless held.
+
+    Returns, per pass, whether the loop's writes were free to go on beside it
+    (``False``: a held pass).
+    """
+    from contextfold.stores import _sqlite
+
+    passes: list[bool] = []
+    checkpoint = _sqlite._checkpoint
+
+    def checkpoint_with_a_write_beside(conn: sqlite3.Connection) -> bool:
+        store = stores[0]
+        assert store._worker is not None
+        free = store._worker.free
+        passes.append(free)
+        copied = checkpoint(conn)
+        if free:
+            store._loop_commits += 1  # as if the loop wrote during the pass
+        return copied
+
+    monkeypatch.setattr(_sqlite, "_checkpoint", checkpoint_with_a_write_beside)
+    return passes
+
+
 async def test_writes_beside_checkpoints_are_held_only_once_they_left_enough_calls(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1391,23 +1416,10 @@ async def test_writes_beside_checkpoints_are_held_only_once_they_left_enough_cal
     """
     from contextfold.stores import _sqlite
 
-    passes: list[bool] = []  # per pass, whether the loop's writes were free to go on beside it
     stores: list[SQLiteStore] = []
-
-    def checkpoint_with_a_write_beside(conn: sqlite3.Connection) -> bool:
-        store = stores[0]
-        assert store._worker is not None
-        free = store._worker.free
-        passes.append(free)
-        copied = _sqlite_checkpoint(conn)
-        if free:
-            store._loop_commits += 1  # as if the loop wrote during the pass
-        return copied
-
-    _sqlite_checkpoint = _sqlite._checkpoint
+    passes = checkpoints_with_a_write_beside(monkeypatch, stores)
     monkeypatch.setattr(_sqlite, "_CHECKPOINT_EVERY", 2)
     monkeypatch.setattr(_sqlite, "_SECOND_PASS_AFTER", 4, raising=False)  # 8 calls left over
-    monkeypatch.setattr(_sqlite, "_checkpoint", checkpoint_with_a_write_beside)
     async with SQLiteStore(tmp_path / "held.db", synchronous="NORMAL") as store:
         stores.append(store)
         await thread_settled(store)  # the open's call
@@ -1432,23 +1444,8 @@ async def test_a_writer_that_never_pauses_waits_for_a_held_checkpoint_once_in_a_
     beside it, as in such a session; 1,200 writes leave one held pass (four
     before).
     """
-    from contextfold.stores import _sqlite
-
-    held: list[bool] = []  # per pass, whether the loop's writes were waiting for it
     stores: list[SQLiteStore] = []
-
-    def checkpoint_with_a_write_beside(conn: sqlite3.Connection) -> bool:
-        store = stores[0]
-        assert store._worker is not None
-        free = store._worker.free
-        held.append(not free)
-        copied = _sqlite_checkpoint(conn)
-        if free:
-            store._loop_commits += 1  # as if the loop wrote during the pass
-        return copied
-
-    _sqlite_checkpoint = _sqlite._checkpoint
-    monkeypatch.setattr(_sqlite, "_checkpoint", checkpoint_with_a_write_beside)
+    passes = checkpoints_with_a_write_beside(monkeypatch, stores)
     async with SQLiteStore(tmp_path / "busy.db", synchronous="NORMAL") as store:
         stores.append(store)
         await thread_settled(store)  # the open's call
@@ -1457,8 +1454,8 @@ async def test_a_writer_that_never_pauses_waits_for_a_held_checkpoint_once_in_a_
             if n % 25 == 24:  # each checkpoint runs when due, whatever the machine's load
                 await thread_settled(store)
         assert (await store.stats("t")).message_count == 1_200
-    assert len(held) >= 11, "a checkpoint every 100 calls"
-    assert held.count(True) == 1
+    assert len(passes) >= 11, "a checkpoint every 100 calls"
+    assert passes.count(False) == 1, "one held pass"
 
 
 async def test_the_loops_writes_wait_once_a_checkpoint_that_cannot_run_leaves_the_wal_full(
