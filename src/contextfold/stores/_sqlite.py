@@ -294,8 +294,8 @@ them may keep from copying the whole WAL before one copies the rest with the wri
 thread's WAL holds about this many intervals' calls at most, and a write waits for a checkpoint
 this many times less often. A held pass costs the waiting write the checkpoint's two syncs (about
 1.5 ms here, whatever it copies); at 3, a 5,000-step session that never paused waited 17 times,
-4% of its time on SQLite, for a WAL of at most about 5 MB. At 10 it waits 4-5 times, and its WAL
-reaches about 18 MB (four or five pages a step) before it starts over. An agent that waits for a
+4% of its time on SQLite, for a WAL of at most about 6 MB. At 10 it waits 4-5 times, and its WAL
+reaches about 19 MB (four or five pages a step) before it starts over. An agent that waits for a
 model between steps gives every checkpoint the pause it needs, and never waits."""
 
 _WRITE_ON_LOOP_BYTES = 64 * 1024
