@@ -358,11 +358,68 @@ async def test_a_recorded_step_writes_each_row_once_and_reads_none(tmp_path: Pat
             "INSERT INTO messages",
             "COMMIT",
         ]
+        # The row ends where this store's last step left it: the new seqs need no RETURNING.
+        assert not [statement for statement in statements if "RETURNING" in statement]
         assert [(row.seq, row.episode_seq, row.tokens) for row in stored] == [(13, 3, 2), (14, 4, 3)]
         state = await store.state("t")
         assert (state.stats.message_count, state.stats.total_tokens, state.stats.last_seq) == (14, 17, 14)
         assert state.pressure.total_user_messages == state.pressure.user_messages_since_boundary == 4
         assert [r.seq async for r in store.replay("t")] == [1, 2, 3, 4]
+
+
+def user_step(text: str) -> tuple[list[UserMessageEpisode], list[Message]]:
+    episode = UserMessageEpisode(message=Message.user(text))
+    return [episode], [episode.message]
+
+
+async def test_two_stores_taking_turns_on_a_thread_give_every_step_the_next_seqs(tmp_path: Path) -> None:
+    """A store's memory of its last step is stale once the other wrote: the row decides the seqs."""
+    path = tmp_path / "turns.db"
+    async with (
+        SQLiteStore(path, synchronous="NORMAL") as first,
+        SQLiteStore(path, synchronous="NORMAL") as second,
+    ):
+        seqs = []
+        for n in range(8):
+            store = (first, first, second)[n % 3]  # twice in a row, then the other
+            episodes, messages = user_step(f"m{n}")
+            stored = await store.record_and_append("t", episodes, messages, [n + 1], message_episodes=[0])
+            seqs.append((stored[0].seq, stored[0].episode_seq, stored[0].message.text))
+        assert seqs == [(n + 1, n + 1, f"m{n}") for n in range(8)]
+        for store in (first, second):
+            state = await store.state("t")
+            assert (state.stats.message_count, state.stats.total_tokens, state.stats.last_seq) == (8, 36, 8)
+            assert state.pressure.total_user_messages == 8
+            assert [r.episode.message.text async for r in store.replay("t")] == [f"m{n}" for n in range(8)]
+
+
+async def test_a_step_after_an_episode_recorded_alone_takes_the_seq_after_it(tmp_path: Path) -> None:
+    """An episode recorded between two steps moves the log's seq; the next step's episode comes after it."""
+    async with SQLiteStore(tmp_path / "record.db", synchronous="NORMAL") as store:
+        for text in ("a", "b"):
+            await store.record_and_append("t", *user_step(text), [1], message_episodes=[0])
+        await store.record("t", UserMessageEpisode(message=Message.user("logged only")))
+        stored = await store.record_and_append("t", *user_step("c"), [1], message_episodes=[0])
+        assert (stored[0].seq, stored[0].episode_seq) == (3, 4)
+        assert [r.seq async for r in store.replay("t")] == [1, 2, 3, 4]
+        assert (await store.stats("t")).last_seq == 3
+
+
+async def test_a_step_that_rolled_back_leaves_the_next_step_its_own_seqs(tmp_path: Path) -> None:
+    """A step counted, then rolled back (its row's seq was taken): the next one takes the seqs it left."""
+    path = tmp_path / "rollback.db"
+    async with SQLiteStore(path, synchronous="NORMAL") as store:
+        for text in ("a", "b"):
+            await store.record_and_append("t", *user_step(text), [1], message_episodes=[0])
+        query(path, "INSERT INTO messages (thread, seq, tokens, body) VALUES ('t', 3, 1, '{}')")
+        with pytest.raises(StoreError):
+            await store.record_and_append("t", *user_step("lost"), [1], message_episodes=[0])
+        query(path, "DELETE FROM messages WHERE thread = 't' AND seq = 3")
+        stored = await store.record_and_append("t", *user_step("c"), [5], message_episodes=[0])
+        assert (stored[0].seq, stored[0].episode_seq) == (3, 3)
+        assert [r.episode.message.text async for r in store.replay("t")] == ["a", "b", "c"]
+        stats = await store.stats("t")
+        assert (stats.message_count, stats.total_tokens, stats.last_seq) == (3, 7, 3)
 
 
 async def test_state_does_the_same_work_whatever_the_thread_length(tmp_path: Path) -> None:
@@ -616,14 +673,20 @@ async def test_a_row_of_the_wrong_type_is_a_store_error_naming_the_thread(
     ],
     ids=["threads-tokens", "threads-seq", "counters", "boundary"],
 )
+@pytest.mark.parametrize("steps_before", [1, 2], ids=["first-step", "after-a-step"])
 async def test_a_step_written_over_a_row_of_the_wrong_type_reports_it_and_writes_nothing(
-    tmp_path: Path, statement: str, names: str
+    tmp_path: Path, statement: str, names: str, steps_before: int
 ) -> None:
-    """A recorded step adds to the thread's rows in place, but never to a mistyped one: that is reported."""
+    """A recorded step adds to the thread's rows in place, but never to a mistyped one: that is reported.
+
+    Also when the store's last step left the row's seqs where they still are
+    (``after-a-step``), so the step takes the statement without ``RETURNING``.
+    """
     path = tmp_path / "typed.db"
     async with SQLiteStore(path) as store:
-        episode = UserMessageEpisode(message=Message.user("a"))
-        await store.record_and_append("t", [episode], [episode.message], [1], message_episodes=[0])
+        for n in range(steps_before):
+            episode = UserMessageEpisode(message=Message.user(f"a{n}"))
+            await store.record_and_append("t", [episode], [episode.message], [1], message_episodes=[0])
         query(path, statement)
         before = [query(path, f"SELECT * FROM {table} ORDER BY 1, 2") for table in ("messages", "episodes")]
         step = UserMessageEpisode(message=Message.user("b"))

@@ -536,17 +536,22 @@ def _record_step(
     rows: list[tuple[str, int]],
     links: Sequence[int | None],
     shared: Sequence[bool],
+    ends: dict[str, tuple[int, int]],
 ) -> tuple[int, list[int | None]]:
     """Record the episodes and append the rows linked to them: the first row's seq and each row's link.
 
     A step of message episodes on a sound threads row updates its counters and
-    its stats in one statement; anything else goes the long way, by the parts.
+    its stats in one statement (see ``_count_step`` for ``ends``); anything
+    else goes the long way, by the parts.
     """
-    counted = _count_step(conn, thread, episodes, len(rows), sum([count for _, count in rows]))
+    counted = _count_step(conn, thread, episodes, len(rows), sum([count for _, count in rows]), ends)
     if counted is None:
         seqs = _record_rows(conn, thread, episodes, bodies, when)
         linked = [None if link is None else seqs[link] for link in links]
-        return _append_rows(conn, thread, rows, linked, shared), linked
+        first = _append_rows(conn, thread, rows, linked, shared)
+        if seqs and rows:  # the row is sound now, and ends there
+            _left_at(ends, thread, seqs[-1], first + len(rows) - 1)
+        return first, linked
     last_episode, last_row = counted
     seqs = _seqs_through(last_episode, len(episodes))
     _insert_episodes(conn, thread, seqs, episodes, bodies, when)
@@ -557,7 +562,11 @@ def _record_step(
 
 
 def _record_own_messages(
-    conn: sqlite3.Connection, thread: str, recording: Recording, at: str
+    conn: sqlite3.Connection,
+    thread: str,
+    recording: Recording,
+    at: str,
+    ends: dict[str, tuple[int, int]],
 ) -> tuple[int, list[int | None]] | None:
     """A step of messages each recorded by its own episode, in three statements; ``None`` if not that step.
 
@@ -573,7 +582,7 @@ def _record_own_messages(
     n = len(rows)
     if len(episodes) != n or links != list(range(n)) or not all(shared):
         return None
-    counted = _count_step(conn, thread, episodes, n, sum([count for _, count, _ in rows]))
+    counted = _count_step(conn, thread, episodes, n, sum([count for _, count, _ in rows]), ends)
     if counted is None:
         return None
     last_episode, last_row = counted
@@ -633,6 +642,18 @@ WHERE thread = ? AND {_COUNTERS_SOUND} AND {_STATS_SOUND} AND {_EPISODES_IN_RANG
 RETURNING last_episode_seq, last_seq"""
 """Both updates of a recorded step in one statement: ``_COUNT_MESSAGES`` and ``_COUNT_ROWS`` at once."""
 
+_COUNT_STEP_FROM = f"""UPDATE threads SET {_ADD_MESSAGE_EPISODES}, {_ADD_ROWS}
+WHERE thread = ? AND last_episode_seq = ? AND last_seq = ?
+    AND {_COUNTERS_SOUND} AND {_STATS_SOUND} AND {_EPISODES_IN_RANGE} AND {_ROWS_IN_RANGE}"""
+"""``_COUNT_STEP`` on a row that ends at the given seqs: the new ones are those plus the step's.
+
+Without ``RETURNING``, which SQLite runs as a trigger filling a temporary
+table: about 40% of the statement's cost (7.7 µs against 4.4 in a tight loop).
+"""
+
+_ENDS_KEPT = 1_024
+"""The threads whose last written seqs a store keeps (see ``_count_step``); past that it starts over."""
+
 _STEP_EPISODES = frozenset(
     {UserMessageEpisode, SystemMessageEpisode, ToolResultEpisode, LlmCallEpisode, ToolCallEpisode}
 )
@@ -681,20 +702,44 @@ def _row_limits(n: int, tokens: int) -> tuple[int, int, int]:
 
 
 def _count_step(
-    conn: sqlite3.Connection, thread: str, episodes: Sequence[Episode], m: int, tokens: int
+    conn: sqlite3.Connection,
+    thread: str,
+    episodes: Sequence[Episode],
+    m: int,
+    tokens: int,
+    ends: dict[str, tuple[int, int]],
 ) -> tuple[int, int] | None:
     """``_COUNT_STEP`` for ``m`` rows of ``tokens``: the new ``last_episode_seq`` and ``last_seq``.
 
     ``None``, with nothing written, unless every episode is a step's (by exact
     type, see ``_STEP_EPISODES``), and the threads row is sound and stays in range.
+    ``ends`` holds the seqs this store's last step left on each thread's row: a
+    row still ending there takes ``_COUNT_STEP_FROM``, which needs no
+    ``RETURNING``. The row itself says whether it does (another writer, a
+    fold or a record moved them, or the step rolled back), so a stale entry
+    costs one statement that changes nothing, never a wrong seq.
     """
     adds = _message_episodes(episodes)
     if adds is None or not m or tokens > INT64_MAX:
         return None
     n, users = adds
     limits = (*_episode_limits(n, users), *_row_limits(m, tokens))
+    known = ends.get(thread)
+    if known is not None:
+        episode_seq, seq = known
+        params = (n, users, users, users, m, tokens, m, thread, episode_seq, seq, *limits)
+        if conn.execute(_COUNT_STEP_FROM, params).rowcount == 1:
+            return _left_at(ends, thread, episode_seq + n, seq + m)
     row = _one(conn, _COUNT_STEP, (n, users, users, users, m, tokens, m, thread, *limits))
-    return None if row is None else (int(row[0]), int(row[1]))
+    return None if row is None else _left_at(ends, thread, int(row[0]), int(row[1]))
+
+
+def _left_at(ends: dict[str, tuple[int, int]], thread: str, episode_seq: int, seq: int) -> tuple[int, int]:
+    """Note in ``ends`` that a step left ``thread``'s row at these seqs, and return them."""
+    if thread not in ends and len(ends) >= _ENDS_KEPT:
+        ends.clear()
+    ends[thread] = (episode_seq, seq)
+    return episode_seq, seq
 
 
 def _append_rows(
@@ -790,16 +835,20 @@ about a millisecond of SQLite; one that finds more is rolled back and made in th
 
 
 def _write_step(
-    conn: sqlite3.Connection, thread: str, recording: Recording, when: datetime
+    conn: sqlite3.Connection,
+    thread: str,
+    recording: Recording,
+    when: datetime,
+    ends: dict[str, tuple[int, int]],
 ) -> tuple[int, list[int | None]]:
     """A recorded step's one transaction: the first row's seq and each row's episode seq."""
     with _transaction(conn, "IMMEDIATE"):
-        own = _record_own_messages(conn, thread, recording, when.isoformat())
+        own = _record_own_messages(conn, thread, recording, when.isoformat(), ends)
         if own is not None:
             return own
         episodes, bodies, encoded, links, shared, _ = recording
         rows = [(body, count) for body, count, _ in encoded]
-        return _record_step(conn, thread, episodes, bodies, when, rows, links, shared)
+        return _record_step(conn, thread, episodes, bodies, when, rows, links, shared, ends)
 
 
 _Encoded = tuple[str, int, Message]
@@ -1123,6 +1172,8 @@ class SQLiteStore(AsyncResource):
         # since kept them from copying it all (the thread's).
         self._calls_left_over = 0
         self._checkpoint_posted = False  # set by the loop, cleared by the thread
+        # Per thread, the last_episode_seq and last_seq this store's last step left (see _count_step).
+        self._ends: dict[str, tuple[int, int]] = {}
 
     def __repr__(self) -> str:
         return f"SQLiteStore({str(self.path)!r})"
@@ -1681,7 +1732,7 @@ class SQLiteStore(AsyncResource):
         if heavy_batch(messages):
             when = datetime.now(UTC)
             recording, (first, linked) = await self._encoded_in_thread(
-                encode, lambda conn, recording: _write_step(conn, thread, recording, when)
+                encode, lambda conn, recording: _write_step(conn, thread, recording, when, self._ends)
             )
             return _stored(first, recording.rows, linked)
         return await self._write_recording(thread, encode())
@@ -1694,7 +1745,8 @@ class SQLiteStore(AsyncResource):
         for (body, _, _), share in zip(encoded, shared, strict=True):
             size += 0 if share else len(body)
         first, linked = await self._write(
-            partial(_write_step, thread=thread, recording=recording, when=datetime.now(UTC)), size
+            partial(_write_step, thread=thread, recording=recording, when=datetime.now(UTC), ends=self._ends),
+            size,
         )
         return _stored(first, encoded, linked)
 
