@@ -25,7 +25,7 @@ from contextfold._errors import StoreClosedError
 from contextfold._pacing import PACE_SECONDS
 from contextfold.episodes import SummaryCheckpoint, UserMessageEpisode, episode_for
 from contextfold.stores import SQLiteStore, ThreadStats
-from contextfold.stores._sqlite import _BODY, _MIGRATIONS, _WITH_EPISODES, SCHEMA_VERSION, _Worker
+from contextfold.stores._sqlite import _BODY, _ENDS_KEPT, _MIGRATIONS, _WITH_EPISODES, SCHEMA_VERSION, _Worker
 
 
 def query(path: Path, statement: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -420,6 +420,24 @@ async def test_a_step_that_rolled_back_leaves_the_next_step_its_own_seqs(tmp_pat
         assert [r.episode.message.text async for r in store.replay("t")] == ["a", "b", "c"]
         stats = await store.stats("t")
         assert (stats.message_count, stats.total_tokens, stats.last_seq) == (3, 7, 3)
+
+
+async def test_a_store_writing_to_many_threads_keeps_a_bounded_memory_of_their_last_steps(
+    tmp_path: Path,
+) -> None:
+    """A store's memory of each thread's last step starts over past its bound; every step stays right."""
+    async with SQLiteStore(tmp_path / "many.db", synchronous="NORMAL") as store:
+        threads = [f"t{n}" for n in range(_ENDS_KEPT + 6)]
+        for text in ("a", "b"):
+            for thread in threads:
+                await store.record_and_append(thread, *user_step(text), [1], message_episodes=[0])
+                assert len(store._ends) <= _ENDS_KEPT
+        for thread in (threads[0], threads[-1]):
+            assert [(r.seq, r.message.text) for r in (await store.load(thread)).messages] == [
+                (1, "a"),
+                (2, "b"),
+            ]
+            assert [r.seq async for r in store.replay(thread)] == [1, 2]
 
 
 async def test_state_does_the_same_work_whatever_the_thread_length(tmp_path: Path) -> None:
