@@ -662,6 +662,10 @@ class Compactor:
         self._seen[thread] = stats
         return stats, episodic if settings.episodic else None
 
+    def _forget_seen(self, thread: str) -> None:
+        """Drop the stats the last check saw: the caller wrote to the store past this compactor."""
+        self._seen.pop(thread, None)
+
     async def _fresh_cache(self, thread: str) -> _Cache | None:
         """The thread's cached context brought up to date; ``None`` without a ``Store``."""
         store = self._store

@@ -17,6 +17,14 @@ A message is known by a key:
   follows it is new. So a repeated "continue" is recorded again, while a list
   that carries the whole history again is not.
 
+A framework's id is not always unique: some providers number tool calls per
+reply (``call_0`` again in the next turn), and pydantic-ai's test model names
+every call after its tool. So the list is first laid against the end of the
+log, each message by its id or else its content: when the longest run of the
+list that repeats the log's end is followed by a message whose id the log
+already holds, that message reuses the id and is new, as is all that follows
+the run (a list only ever adds at its end).
+
 What was recorded is read from the episodic log (once per thread and process,
 then only the episodes added since), so a restarted process resumes a thread
 without recording anything twice. A summary coming back from the framework
@@ -30,6 +38,7 @@ import hashlib
 import json
 import uuid
 import weakref
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -50,7 +59,7 @@ from ._episodes import (
 from ._errors import ConfigError
 from ._messages import SUMMARY_METADATA_KEY, Message
 
-__all__ = ["KEY_METADATA_KEY", "SUMMARY_KEY_PREFIX", "content_hash", "message_key", "sync"]
+__all__ = ["KEY_METADATA_KEY", "SUMMARY_KEY_PREFIX", "append", "content_hash", "message_key", "sync"]
 
 KEY_METADATA_KEY = "contextfold.key"
 """Metadata key under which a synced message keeps the key it is known by."""
@@ -95,15 +104,24 @@ class _Seen:
     next_seq: int = 0
     keys: list[str] = field(default_factory=list)
     hashes: list[str] = field(default_factory=list)
+    marks: list[str] = field(default_factory=list)
+    """Each message as the log is laid against a list by: its framework id, else its content."""
 
     def add(self, message: Message) -> None:
         digest = content_hash(message)
-        self.keys.append(message_key(message) or f"c:{digest}")
+        key = message_key(message) or f"c:{digest}"
+        self.keys.append(key)
         self.hashes.append(digest)
+        self.marks.append(f"h:{digest}" if _by_content(key) else key)
 
     def retract(self, count: int) -> None:
         keep = max(0, len(self.keys) - count)
-        del self.keys[keep:], self.hashes[keep:]
+        del self.keys[keep:], self.hashes[keep:], self.marks[keep:]
+
+
+def _by_content(key: str) -> bool:
+    """Whether a key is one ``sync`` made (``c:``, for a message that came without an id)."""
+    return key.startswith("c:")
 
 
 _SEEN: weakref.WeakKeyDictionary[Compactor, dict[str, _Seen]] = weakref.WeakKeyDictionary()
@@ -156,10 +174,45 @@ def _overlap(head: list[str], tail: list[str]) -> int:
     return border[-1] if joined else 0
 
 
-def _new_messages(seen: _Seen, messages: Sequence[Message], keys: Sequence[str | None]) -> list[int]:
-    """Indexes of the messages the log does not hold yet, in order."""
+@dataclass(slots=True)
+class _Reused:
+    """A list that may reuse ids the log holds: what is new either way, until the context decides."""
+
+    after: list[int]
+    """The messages after the list's longest run that repeats the log's end: new if the ids are reused."""
+    usual: list[int]
+    """What is new if they are not (the messages known by id are old)."""
+    run: Counter[str]
+    """Each id that may be reused, and how often it occurs in that run (zero included)."""
+
+    def new(self, context: Sequence[Message]) -> list[int]:
+        """``after`` if the run holds every message of the context known by a reused id, else ``usual``.
+
+        An id the run does not account for is on a message the context still
+        holds, so the list carries that old message again (in another order, say).
+        """
+        held = Counter(key for key in map(message_key, context) if key is not None and key in self.run)
+        return self.after if all(self.run[key] >= count for key, count in held.items()) else self.usual
+
+
+def _new_messages(
+    seen: _Seen, messages: Sequence[Message], keys: Sequence[str | None]
+) -> list[int] | _Reused:
+    """Indexes of the messages the log does not hold yet, in order; ``_Reused`` when the context decides."""
     known = set(seen.keys)
     position = {key: n for n, key in enumerate(seen.keys)}
+    usual = _usual(seen, messages, keys, known, position)
+    return _reused(seen, messages, keys, known, position, usual) or usual
+
+
+def _usual(
+    seen: _Seen,
+    messages: Sequence[Message],
+    keys: Sequence[str | None],
+    known: set[str],
+    position: dict[str, int],
+) -> list[int]:
+    """The new messages when every id is the message's own: a known id is an old message."""
     anchor_index = -1  # in ``messages``: the newest message shared by key
     anchor_position = -1  # in the log
     for index, key in enumerate(keys):
@@ -183,6 +236,40 @@ def _new_messages(seen: _Seen, messages: Sequence[Message], keys: Sequence[str |
     return sorted(fresh + loose[old:])
 
 
+def _reused(
+    seen: _Seen,
+    messages: Sequence[Message],
+    keys: Sequence[str | None],
+    known: set[str],
+    position: dict[str, int],
+    usual: list[int],
+) -> _Reused | None:
+    """Whether the list may reuse an id the log holds (see the module's docstring); ``None`` if not.
+
+    The list's longest run that repeats the log's end is old. A message after
+    it that the log knows by a framework's id may reuse that id, and then it
+    and everything after the run is new. ``None`` (decided the usual way) when
+    no message after the run has a known id, or one has a key ``sync`` itself
+    gave: such a message is old, so the list is not the log's end plus new ones.
+    """
+    order = [index for index in range(len(messages)) if not _is_summary(messages[index], keys[index])]
+    marks: list[str] = []
+    for index in order:
+        key = keys[index]
+        if key is None or not _by_content(key):
+            marks.append(key or f"h:{content_hash(messages[index])}")
+        else:  # a message the context handed back: laid by what the log holds for it
+            at = position.get(key)
+            marks.append(seen.marks[at] if at is not None else f"h:{content_hash(messages[index])}")
+    old = _overlap(marks, seen.marks)
+    after = order[old:]
+    follows = [key for key in (keys[index] for index in after) if key is not None and key in known]
+    if not old or not follows or any(_by_content(key) for key in follows) or after == usual:
+        return None
+    in_run = Counter(keys[index] for index in order[:old])
+    return _Reused(after, usual, Counter({key: in_run[key] for key in follows}))
+
+
 async def sync(
     compactor: Compactor,
     thread: str,
@@ -190,6 +277,7 @@ async def sync(
     *,
     ids: Sequence[str | None] | None = None,
     compact: bool = True,
+    recorded: list[Message] | None = None,
 ) -> list[Message] | None:
     """Record the messages of ``messages`` not yet recorded, compact if due, return the changed context.
 
@@ -199,40 +287,72 @@ async def sync(
     fold, say), ``None`` when the framework's list already is the context.
     Every message returned carries its key under ``contextfold.key``; a
     summary's key starts with ``contextfold.summary:``. With ``compact=False``
-    the messages are only recorded (at the end of a run, say).
+    the messages are only recorded (at the end of a run, say). ``recorded``,
+    when given, receives the messages this call recorded.
     """
+    keys = _keys(messages, ids)
+    seen = _seen(compactor, thread)
+    async with seen.lock:
+        await _catch_up(compactor, thread, seen)
+        found = await _off_loop(len(messages), _new_messages, seen, messages, keys)
+        fresh = found.new(await compactor.context(thread)) if isinstance(found, _Reused) else found
+        new = [_with_key(messages[index], keys[index]) for index in fresh]
+        await _record(compactor, thread, seen, new, compact)
+        context = [_keyed(message) for message in await compactor.context(thread)]
+    if recorded is not None:
+        recorded += new
+    same = await _off_loop(len(messages), _same_content, context, messages)
+    return None if same else context
+
+
+async def append(
+    compactor: Compactor, thread: str, messages: Sequence[Message], *, ids: Sequence[str | None]
+) -> None:
+    """Record every message of ``messages`` after what ``thread`` holds, then compact if due.
+
+    What a session's ``add_items`` is: the messages are new by the caller's
+    word, so none is matched against the log (two tasks adding the same text
+    at once record it twice). Each is keyed as ``sync`` keys it, under the
+    same per-thread lock, so a later ``sync`` knows them.
+    """
+    keys = _keys(messages, ids)
+    seen = _seen(compactor, thread)
+    async with seen.lock:
+        await _catch_up(compactor, thread, seen)
+        new = [_with_key(message, key) for message, key in zip(messages, keys, strict=True)]
+        await _record(compactor, thread, seen, new, compact=True)
+        # No context is loaded after this check: what it saw must not stand in for the store's
+        # state at the session's next read, which may come after other workers wrote.
+        compactor._forget_seen(thread)
+
+
+def _keys(messages: Sequence[Message], ids: Sequence[str | None] | None) -> list[str | None]:
+    """Each message's key: the framework's id, else the key ``sync`` gave it earlier, else ``None``."""
     if ids is not None and len(ids) != len(messages):
         raise ConfigError(
             "ids",
             f"must hold one id (or None) per message: got {len(ids)} ids for {len(messages)} messages",
         )
-    keys: list[str | None] = [
+    return [
         (ids[index] if ids is not None and ids[index] else None) or message_key(message)
         for index, message in enumerate(messages)
     ]
-    seen = _seen(compactor, thread)
-    async with seen.lock:
+
+
+def _with_key(message: Message, key: str | None) -> Message:
+    """A copy of ``message`` to record, its key (a new one when it has none) in its metadata."""
+    return message.model_copy(
+        update={"metadata": {**message.metadata, KEY_METADATA_KEY: key or f"c:{uuid.uuid4().hex}"}}
+    )
+
+
+async def _record(compactor: Compactor, thread: str, seen: _Seen, new: list[Message], compact: bool) -> None:
+    """Append ``new`` (with the thread's lock held), note them as seen, and compact if asked."""
+    if new:
+        await compactor.append(thread, new)
         await _catch_up(compactor, thread, seen)
-        fresh = await _off_loop(len(messages), _new_messages, seen, messages, keys)
-        new = [
-            messages[index].model_copy(
-                update={
-                    "metadata": {
-                        **messages[index].metadata,
-                        KEY_METADATA_KEY: keys[index] or f"c:{uuid.uuid4().hex}",
-                    }
-                }
-            )
-            for index in fresh
-        ]
-        if new:
-            await compactor.append(thread, new)
-            await _catch_up(compactor, thread, seen)
-        if compact:
-            await compactor.maybe_compact(thread)
-        context = [_keyed(message) for message in await compactor.context(thread)]
-    same = await _off_loop(len(messages), _same_content, context, messages)
-    return None if same else context
+    if compact:
+        await compactor.maybe_compact(thread)
 
 
 def _same_content(first: Sequence[Message], second: Sequence[Message]) -> bool:

@@ -133,6 +133,13 @@ def check_requests(requests: Sequence[Sequence[Message]]) -> None:
     assert sum(COUNTER.count(m) for m in last) <= BUDGET
 
 
+def check_requests_whole(requests: Sequence[Sequence[Message]]) -> None:
+    """Every request holds each tool call's result and each result's call, whatever the budget."""
+    for request in requests:
+        calls = sorted(call.id for m in request for call in m.tool_calls)
+        assert calls == sorted(m.tool_call_id for m in request if m.tool_call_id)
+
+
 @dataclass
 class FakeProvider:
     """A chat model served over HTTP on 127.0.0.1, in OpenAI or Anthropic form, playing :func:`agent`.

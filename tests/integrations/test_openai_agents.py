@@ -6,6 +6,7 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from pytest_httpserver import HTTPServer
 
@@ -22,9 +23,12 @@ from .scenario import (
     agent,
     check_log,
     check_requests,
+    check_requests_whole,
     compactor,
     question,
     record_text,
+    text_of,
+    transcript,
 )
 
 pytest.importorskip("agents")
@@ -191,7 +195,101 @@ async def test_the_filter_keeps_a_long_run_under_budget(httpserver: HTTPServer, 
     check_requests_whole(provider.requests)
 
 
-def check_requests_whole(requests: Any) -> None:
-    for request in requests:
-        calls = sorted(call.id for m in request for call in m.tool_calls)
-        assert calls == sorted(m.tool_call_id for m in request if m.tool_call_id)
+def numbered_per_reply(messages: Any) -> Message:
+    """The scenario's model, from a provider that numbers tool calls per reply: every call is ``call_0``."""
+    reply = agent(messages)
+    calls = tuple(call.model_copy(update={"id": "call_0"}) for call in reply.tool_calls)
+    return reply.model_copy(update={"tool_calls": calls})
+
+
+@pytest.mark.parametrize("per_call", [True, False], ids=["filter", "no-filter"])
+async def test_a_call_id_the_provider_gives_again_is_a_new_call(
+    httpserver: HTTPServer, per_call: bool
+) -> None:
+    """Every turn's call is ``call_0``: each run still takes two model calls, and the log holds every turn.
+
+    Before, the reused id made the later turns' calls and results look recorded: they were dropped from
+    the log and, with the filter, from what the model was sent, so it called its tool until max_turns.
+    """
+    provider = serve(httpserver, numbered_per_reply)
+    async with MemoryStore() as store:
+        c = compactor(store)
+        session = CompactingSession("s", c)
+        await run_turns(session, httpserver, range(12), per_call=per_call)
+        texts = [text_of(m) for m in conversation([r async for r in c.episodic.replay("s")])]
+        items = await session.get_items()
+    assert len(provider.requests) == 2 * 12
+    assert texts == [
+        t if t != f"call_{n}" else "call_0" for n in range(12) for t in transcript(range(n, n + 1))
+    ]
+    tail = [item.get("arguments") or item.get("output") or item.get("content") for item in items[-4:]]
+    assert tail[:3] == [question(11), '{"n": 11}', record_text(11)]
+
+
+async def test_items_added_at_once_are_all_recorded(tmp_path: Path) -> None:
+    """As the SDK's own sessions: concurrent add_items keep every item, the same text included."""
+    async with SQLiteStore(tmp_path / "s.db") as store:
+        session = CompactingSession("s", compactor(store))
+        async with anyio.create_task_group() as group:
+            for _ in range(4):
+                group.start_soon(session.add_items, [{"role": "user", "content": "ping"}])
+        assert [item.get("content") for item in await session.get_items()] == ["ping"] * 4
+        other = CompactingSession("o", compactor(store))
+        async with anyio.create_task_group() as group:
+            group.start_soon(other.add_items, [{"role": "user", "content": "ok"}])
+            group.start_soon(
+                other.add_items, [{"role": "user", "content": "ok"}, {"role": "user", "content": "then"}]
+            )
+        assert sorted(item.get("content") for item in await other.get_items()) == ["ok", "ok", "then"]
+
+
+async def test_get_items_limit_is_the_sdks() -> None:
+    """``limit``: the newest N; 0 gives none, a negative one (SQLite's LIMIT -1) and None give all."""
+    async with MemoryStore() as store:
+        session = CompactingSession("s", compactor(store))
+        items: list[Any] = [{"role": "user", "content": text} for text in ("a", "b", "c")]
+        await session.add_items(items)
+        assert await session.get_items(limit=2) == items[1:]
+        assert await session.get_items(limit=5) == items
+        assert await session.get_items(limit=0) == []
+        assert await session.get_items(limit=-1) == items
+        assert await session.get_items() == items
+
+
+async def test_pop_item_empties_a_folded_session(httpserver: HTTPServer) -> None:
+    """pop_item returns None only once get_items is empty, also when a summary is all that is left.
+
+    Each pop returns the newest item; once the session is empty, replaying the log gives it back: empty.
+    """
+    serve(httpserver)
+    async with MemoryStore() as store:
+        c = compactor(store)
+        session = CompactingSession("s", c)
+        await run_turns(session, httpserver, range(12))
+        items = await session.get_items()
+        assert "Codes seen:" in str(items[0].get("content"))
+        while items:
+            assert await session.pop_item() == items[-1]
+            items = await session.get_items()
+        assert await session.pop_item() is None
+        assert conversation([r async for r in c.episodic.replay("s")]) == []
+
+
+async def test_a_session_reads_what_another_worker_added(tmp_path: Path) -> None:
+    """Two workers, each with its own compactor on one file: each sees the other's items at its next read.
+
+    add_items checks the thread and loads no context after: what that check saw must not stand in for
+    the thread at the next get_items, after the other worker wrote.
+    """
+    path = tmp_path / "shared.db"
+    async with SQLiteStore(path) as first_store, SQLiteStore(path) as second_store:
+        first = CompactingSession("s", compactor(first_store))
+        second = CompactingSession("s", compactor(second_store))
+        await first.add_items([{"role": "user", "content": "one"}])
+        assert [item.get("content") for item in await first.get_items()] == ["one"]
+        await first.add_items([])  # its check sees the thread as the context above holds it
+        await second.add_items([{"role": "user", "content": "two"}])
+        assert [item.get("content") for item in await first.get_items()] == ["one", "two"]
+        await first.clear_session()
+        await second.add_items([{"role": "user", "content": "three"}])
+        assert [item.get("content") for item in await first.get_items()] == ["three"]

@@ -8,10 +8,22 @@ from typing import Any
 
 import pytest
 
-from contextfold import Message
+from contextfold import Message, conversation
+from contextfold.episodes import SummaryCheckpoint
 from contextfold.stores import MemoryStore, SQLiteStore
 
-from .scenario import TURNS, agent, check_log, check_requests, compactor, question, record_text
+from .scenario import (
+    TURNS,
+    agent,
+    check_log,
+    check_requests,
+    check_requests_whole,
+    compactor,
+    question,
+    record_text,
+    text_of,
+    transcript,
+)
 
 pytest.importorskip("pydantic_ai")
 
@@ -162,3 +174,42 @@ def test_the_summary_goes_back_as_a_marked_compaction_part() -> None:
     assert isinstance(request, ModelRequest) and isinstance(request.parts[0], CompactionPart)
     back, _ = from_pydantic_ai([request])
     assert back[0].is_summary and back[0].text == summary.text
+
+
+class SameIds(Scripted):
+    """The scenario's model, naming every tool call as pydantic-ai's TestModel does: after its tool."""
+
+    def __call__(self, messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        response = super().__call__(messages, info)
+        for part in response.parts:
+            if isinstance(part, ToolCallPart):
+                part.tool_call_id = "pyd_ai_tool_call_id__lookup"
+        return response
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["no-fold", "fold"])
+async def test_a_tool_call_id_the_model_gives_every_run_is_a_new_call(fold: bool) -> None:
+    """Every run's call has the same id: each run still takes two requests, and the log holds every turn.
+
+    Before, the later runs' calls and results were taken for recorded ones and left out of the requests:
+    the model never saw its call answered and called again until the request limit.
+    """
+    turns = 12 if fold else 4
+    async with MemoryStore() as store:
+        script = SameIds()
+        bot = make_agent(store, script)
+        history: list[ModelMessage] = []
+        for n in range(turns):
+            history = (
+                await bot.run(question(n), message_history=history, conversation_id="c")
+            ).all_messages()
+        assert len(script.requests) == 2 * turns
+        c = compactor(store)
+        records = [r async for r in c.episodic.replay("c")]
+        texts = [text_of(m) for m in conversation(records)]
+        assert texts == [
+            "pyd_ai_tool_call_id__lookup" if text.startswith("call_") else text
+            for text in transcript(range(turns))
+        ]
+        assert any(isinstance(r.episode, SummaryCheckpoint) for r in records) is fold
+    check_requests_whole(script.requests)

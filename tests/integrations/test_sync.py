@@ -173,3 +173,56 @@ async def test_a_long_list_is_matched_off_the_event_loop(store: Any) -> None:
     await sync(c, "t", history)
     await sync(c, "t", [*history, *turn(100)])
     assert [m.text for m in await logged(c, "t")] == [m.text for m in [*history, *turn(100)]]
+
+
+def same_ids_turn(n: int, filler: int = 0) -> tuple[list[Message], list[str | None]]:
+    """Turn ``n`` of a provider that numbers tool calls per reply: every call is ``call_0``."""
+    call = ToolCall(id="call_0", name="lookup", arguments=f'{{"n": {n}}}')
+    messages = [
+        Message.user(f"question {n}"),
+        Message.assistant(None, tool_calls=[call]),
+        Message.tool("call_0", f"answer {n}" + " data" * filler),
+        Message.assistant(f"done {n}"),
+    ]
+    return messages, [None, "calls:call_0", "result:call_0", None]
+
+
+async def test_an_id_reused_in_a_later_turn_is_a_new_message(store: Any) -> None:
+    """A call id the provider gives again in the next turn is a new call: its turn is recorded and sent."""
+    c = compactor(store)
+    history: list[Message] = []
+    ids: list[str | None] = []
+    for n in range(3):
+        messages, turn_ids = same_ids_turn(n)
+        for end in (2, 3, 4):  # as a framework syncs: before each model call, then at the end
+            assert await sync(c, "t", history + messages[:end], ids=ids + turn_ids[:end]) is None
+        history, ids = history + messages, ids + turn_ids
+    assert [m.text or m.tool_calls[0].arguments for m in await logged(c, "t")] == [
+        text for n in range(3) for text in (f"question {n}", f'{{"n": {n}}}', f"answer {n}", f"done {n}")
+    ]
+    assert [m.text for m in await c.context("t")][-2:] == ["answer 2", "done 2"]
+
+
+async def test_an_id_reused_after_its_first_use_folded_away_is_new(store: Any) -> None:
+    """After a fold the framework holds the context: a reused id in it, or after it, is still new."""
+    c = compactor(store, SMALL)
+    held: list[Message] = []  # what the framework holds: its list, replaced by the context after a fold
+    held_ids: list[str | None] = []
+    folds = 0
+    for n in range(12):
+        full, full_ids = same_ids_turn(n, filler=60)
+        done = 0  # of this turn's messages, how many the framework's list holds
+        for end in (1, 2, 3, 4):
+            context = await sync(c, "t", held + full[done:end], ids=held_ids + full_ids[done:end])
+            if context is None:
+                continue
+            folds += 1  # the framework now holds the context, known by the keys it carries
+            held, held_ids, done = context, [None] * len(context), end
+        held, held_ids = held + full[done:], held_ids + full_ids[done:]
+        sent = [m.text.split(" data")[0] for m in await c.context("t")]
+        assert sent[-2:] == [f"answer {n}", f"done {n}"], n
+    texts = [(m.text or m.tool_calls[0].arguments).split(" data")[0] for m in await logged(c, "t")]
+    assert texts == [
+        text for n in range(12) for text in (f"question {n}", f'{{"n": {n}}}', f"answer {n}", f"done {n}")
+    ]
+    assert folds >= 3

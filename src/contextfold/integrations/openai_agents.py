@@ -33,6 +33,7 @@ from .._compactor import TRUNCATED_METADATA_KEY, Compactor
 from .._episodes import HistoryClearedEpisode, MessagesRetractedEpisode, episode_for
 from .._errors import ConfigError
 from .._messages import Message, Role, ToolCall
+from .._sync import append, content_hash, sync
 
 __all__ = ["CompactingSession", "from_items", "to_items"]
 
@@ -179,26 +180,62 @@ class CompactingSession:
             raise ConfigError("compactor", "must be a contextfold.Compactor", value=compactor)
         self.session_id = session_id
         self.compactor = compactor
+        self._filter_recorded: list[str] = []
+        """Content hashes of what ``model_input_filter`` recorded, in order, until ``add_items`` comes."""
 
     async def get_items(self, limit: int | None = None) -> list[TResponseInputItem]:
-        """The working context as items (the newest ``limit`` of them when given)."""
+        """The working context as items: the newest ``limit`` of them when given (a negative one: all)."""
         items = to_items(await self.compactor.context(self.session_id))
-        return items[-limit:] if limit else items
+        if limit is None or limit < 0:  # as the SDK's SQLiteSession, whose SQL LIMIT -1 means none
+            return items
+        return items[-limit:] if limit else []
 
     async def add_items(self, items: list[TResponseInputItem]) -> None:
-        """Record the items not yet recorded (a model input filter may have recorded some), then compact."""
-        context = await self.compactor.context(self.session_id)
+        """Record the items after the session's, then compact if due.
+
+        Every item is recorded, as every session of the SDK does, but for those
+        ``model_input_filter`` recorded first (the SDK saves a run's items after
+        its model calls saw them): they are skipped, in order.
+        """
         new, new_ids = from_items(items)
-        await self.compactor.sync(self.session_id, [*context, *new], ids=[None] * len(context) + new_ids)
+        keep = [n for n, message in enumerate(new) if not self._recorded_by_filter(message)]
+        self._filter_recorded.clear()
+        await append(self.compactor, self.session_id, [new[n] for n in keep], ids=[new_ids[n] for n in keep])
+
+    def _recorded_by_filter(self, message: Message) -> bool:
+        """Whether ``message`` is the oldest one the filter recorded that ``add_items`` has not seen."""
+        if self._filter_recorded and self._filter_recorded[0] == content_hash(message):
+            del self._filter_recorded[0]
+            return True
+        return False
 
     async def pop_item(self) -> TResponseInputItem | None:
-        """Remove the newest item; the log records the retraction."""
+        """Remove the newest item; the log records the retraction. ``None`` only when the session is empty.
+
+        A summary as the newest item (all that was before it folded away) is
+        removed as well: the log records the session cleared and what stays
+        recorded again, so a replay gives back exactly the session.
+        """
         await self.compactor._ready_counter()  # it counts what stays: no tokenizer load on the loop
         window = await self.compactor.short_term.load(self.session_id)
-        if not window.messages or window.messages[-1].message.is_summary:
+        if not window.messages:
             return None
         last = window.messages[-1]
         items = to_items([last.message])
+        if last.message.is_summary:
+            kept = window.messages[:-1]
+            await self.compactor.episodic.record(self.session_id, HistoryClearedEpisode())
+            for stored in kept:
+                await self.compactor.episodic.record(self.session_id, episode_for(stored.message))
+            await self.compactor.short_term.replace_prefix(
+                self.session_id,
+                through_seq=last.seq,
+                expected_version=window.version,
+                replacement=[stored.message for stored in kept],
+                tokens=[stored.tokens for stored in kept],
+            )
+            self.compactor._forget_seen(self.session_id)
+            return items[-1]
         if not items:
             return None
         popped = items[-1]
@@ -214,6 +251,7 @@ class CompactingSession:
             tokens=[stored.tokens for stored in window.messages[:-1]]
             + [self.compactor.counter.count(m) for m in rest],
         )
+        self.compactor._forget_seen(self.session_id)
         return popped
 
     async def clear_session(self) -> None:
@@ -228,11 +266,14 @@ class CompactingSession:
                 replacement=[],
                 tokens=[],
             )
+        self.compactor._forget_seen(self.session_id)
 
     async def model_input_filter(self, data: CallModelData[Any]) -> ModelInputData:
         """For ``RunConfig(call_model_input_filter=...)``: record the input, compact, send the context."""
         messages, ids = from_items(data.model_data.input)
-        context = await self.compactor.sync(self.session_id, messages, ids=ids)
+        recorded: list[Message] = []
+        context = await sync(self.compactor, self.session_id, messages, ids=ids, recorded=recorded)
+        self._filter_recorded += [content_hash(message) for message in recorded]
         if context is None:
             return data.model_data
         return ModelInputData(input=to_items(context), instructions=data.model_data.instructions)
