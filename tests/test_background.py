@@ -373,3 +373,30 @@ def test_a_process_killed_mid_summary_leaves_no_fold_and_its_lease_expires(tmp_p
             assert result is not None and result.compacted
 
     anyio.run(check)
+
+
+async def test_a_step_on_another_threads_event_loop_folds_in_the_step(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A framework's synchronous call runs its own event loop in a worker thread: its steps fold in the step.
+
+    Before, the background fold was started in the entered compactor's task group from that other loop;
+    it died with that loop, and the task group's cancellation reached the host as a bare CancelledError.
+    """
+    async with (
+        MemoryStore() as store,
+        Compactor(store, options=options(), counter=ApproximateCounter()) as compactor,
+    ):
+
+        async def step(n: int) -> CompactionResult | None:
+            await compactor.append(THREAD, turn(n))
+            return await compactor.maybe_compact(THREAD)
+
+        results = [await anyio.to_thread.run_sync(anyio.run, step, n) for n in range(24)]
+        await anyio.sleep(0.05)  # a task started in the group from the other loop would fail by now
+        records = [r async for r in store.replay(THREAD)]
+    folded = [r for r in results if r is not None and r.compacted]
+    assert folded and not any(r.background for r in folded)
+    assert sum(isinstance(r.episode, SummaryCheckpoint) for r in records) == len(folded)
+    warnings = [r.message for r in caplog.records if "another event loop" in r.message]
+    assert len(warnings) == 1 and repr(THREAD) in warnings[0]

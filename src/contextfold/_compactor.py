@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -400,6 +401,8 @@ class Compactor:
         """The bundled store's ``Pacer.turn``, taken before a step is counted; ``None`` for other stores."""
         self._closed = False
         self._warned_background = False
+        self._group_thread = 0
+        """The OS thread whose event loop entered this compactor: its background folds run there."""
 
     def subscribe(self, subscriber: Subscriber) -> Callable[[], None]:
         """Deliver every compaction event to ``subscriber`` (sync or async); returns its unsubscribe."""
@@ -416,6 +419,7 @@ class Compactor:
         group = anyio.create_task_group()
         await group.__aenter__()
         self._task_group = group
+        self._group_thread = threading.get_ident()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -1284,16 +1288,33 @@ class Compactor:
     def _start_background(self, thread: str, settings: Settings) -> None:
         group = self._task_group
         if group is None or self._closed:
-            if not self._warned_background:
-                self._warned_background = True
-                logger.warning(
-                    "background_at is set but the Compactor is not entered; folds run in the step. "
-                    "Use 'async with Compactor(...) as compactor:' to fold in the background"
-                )
+            self._warn_in_the_step(
+                thread,
+                "the Compactor is not entered",
+                "Use 'async with Compactor(...) as compactor:' to fold in the background",
+            )
+            return
+        if threading.get_ident() != self._group_thread:
+            # Another thread's event loop (a framework's synchronous call runs its own): the task
+            # group is not its to start tasks in, and a task started there would die with that loop.
+            self._warn_in_the_step(
+                thread,
+                "this step runs on another event loop than the one that entered the Compactor "
+                "(a framework's synchronous call, such as LangChain's invoke, runs its own)",
+                "Use the framework's async call (ainvoke) to fold in the background",
+            )
             return
         job = _Background()
         self._background[thread] = job
         group.start_soon(self._run_background, thread, settings, job, name=f"contextfold fold {thread}")
+
+    def _warn_in_the_step(self, thread: str, why: str, fix: str) -> None:
+        """Warn, once per compactor, that background folds run in the step: why, and what to do."""
+        if not self._warned_background:
+            self._warned_background = True
+            logger.warning(
+                "thread %r: background_at is set but %s; folds run in the step. %s", thread, why, fix
+            )
 
     async def _run_background(self, thread: str, settings: Settings, job: _Background) -> None:
         """Summarize and write the fold while the agent works; a later step returns its result.
