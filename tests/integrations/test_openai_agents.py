@@ -293,3 +293,20 @@ async def test_a_session_reads_what_another_worker_added(tmp_path: Path) -> None
         await first.clear_session()
         await second.add_items([{"role": "user", "content": "three"}])
         assert [item.get("content") for item in await first.get_items()] == ["three"]
+
+
+async def test_the_filter_never_sends_a_call_that_pop_item_left_open(httpserver: HTTPServer) -> None:
+    """pop_item can leave a call without its output in the session; the filter does not send it, as the SDK.
+
+    Before, the model got the open call (which the Responses API rejects); the session keeps it.
+    """
+    provider = serve(httpserver)
+    async with MemoryStore() as store:
+        session = CompactingSession("s", compactor(store))
+        await run_turns(session, httpserver, range(1))
+        await session.pop_item()  # the answer
+        await session.pop_item()  # the tool's output: its call stays, unanswered
+        assert [item.get("type") for item in await session.get_items()][-1] == "function_call"
+        await run_turns(session, httpserver, range(1, 3))
+    check_requests_whole(provider.requests)
+    assert "call_0" not in [text_of(m) for request in provider.requests[2:] for m in request]

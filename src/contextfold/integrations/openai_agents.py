@@ -276,4 +276,33 @@ class CompactingSession:
         self._filter_recorded += [content_hash(message) for message in recorded]
         if context is None:
             return data.model_data
-        return ModelInputData(input=to_items(context), instructions=data.model_data.instructions)
+        return ModelInputData(input=_answered(to_items(context)), instructions=data.model_data.instructions)
+
+
+def _answered(items: list[TResponseInputItem]) -> list[TResponseInputItem]:
+    """``items`` without the calls no output answers, nor the reasoning right before one.
+
+    What the SDK does to the items it sends itself: the model is only ever
+    sent calls with their outputs (a call left open by ``pop_item``, say, or
+    by a run that stopped mid-tool, stays in the session). Outputs answer
+    calls of their ``call_id`` in order, so a provider's reused ids pair up.
+    """
+    waiting: dict[str, list[int]] = {}
+    for index, item in enumerate(cast(list[dict[str, Any]], items)):
+        call_id = item.get("call_id")
+        if not isinstance(call_id, str):
+            continue
+        if _is_output(item):
+            if waiting.get(call_id):
+                waiting[call_id].pop(0)
+        elif _is_model_output(item):
+            waiting.setdefault(call_id, []).append(index)
+    unanswered = {index for indexes in waiting.values() for index in indexes}
+    if not unanswered:
+        return items
+    dropped = unanswered | {
+        index - 1
+        for index in unanswered
+        if index and _kind(cast(dict[str, Any], items[index - 1])) == "reasoning"
+    }
+    return [item for index, item in enumerate(items) if index not in dropped]
