@@ -6,7 +6,7 @@ import gc
 import logging
 import subprocess
 import sys
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import aclosing, contextmanager
 from functools import partial
 from pathlib import Path
@@ -563,3 +563,173 @@ async def test_a_step_sends_the_compactors_context() -> None:
     assert [m.text for m in sent] == ["You are terse.", "hi"]
     assert step.request_tokens == sum(ApproximateCounter().count(m) for m in sent)
     assert [m.text for m in after] == ["You are terse.", "hi", "hello"]
+
+
+async def test_a_sync_tool_is_refused_before_the_run_starts() -> None:
+    """A plain-def tool is a ConfigError naming it, before anything is recorded or the model is called.
+
+    It used to reach the model as the result "error: TypeError: object str can't be used in 'await'".
+    """
+
+    def ls() -> str:
+        return "a.txt"
+
+    model = ScriptedModel([tool_step("ls", "{}", call_id="s1"), Message.assistant("done")])
+    async with MemoryStore() as store:
+        loop = make_loop(store)
+        with pytest.raises(ConfigError) as info:
+            await loop.run("t", "hi", llm=model, tools={"ls": ls})
+        recorded = (await store.stats("t")).message_count
+    assert info.value.key == "tools['ls']" and info.value.value is ls
+    assert "is not async" in info.value.reason and "async def ls(...)" in info.value.reason
+    assert model.calls == 0 and recorded == 0
+
+
+async def test_a_sync_tool_in_a_list_is_refused_by_name_in_stream_too() -> None:
+    def ls() -> str:
+        return "a.txt"
+
+    model = ScriptedModel([Message.assistant("done")])
+    async with MemoryStore() as store:
+        loop = make_loop(store)
+        with pytest.raises(ConfigError) as info:
+            [e async for e in loop.stream("t", "hi", llm=model.stream, tools=[fetch, ls])]
+    assert info.value.key == "tools['ls']" and info.value.value is ls
+    assert model.calls == 0
+
+
+async def test_a_lambda_tool_is_run_when_it_returns_a_coroutine_and_refused_when_it_does_not() -> None:
+    """Python has no async lambda: a lambda's result is checked when called; a bare value names the tool."""
+    model = ScriptedModel(agent)
+    async with MemoryStore() as store:
+        loop = make_loop(store)
+        result = await loop.run("ok", "hi", llm=model, tools={"fetch": lambda url: fetch(url)})
+        assert result.reply.text.startswith("answered")
+        sync_lambda = lambda url: "payload"  # noqa: E731
+        with pytest.raises(ConfigError) as info:
+            await loop.run("bad", "hi", llm=ScriptedModel(agent), tools={"fetch": sync_lambda})
+        context = await loop.compactor.context("bad")
+    assert info.value.key == "tools['fetch']" and info.value.value is sync_lambda
+    assert "returned a str rather than an awaitable" in info.value.reason
+    assert not any(m.role.value == "tool" for m in context)  # the model never got it as a result
+
+
+async def test_a_tool_called_with_arguments_it_does_not_take_is_still_an_error_result() -> None:
+    """A TypeError from the call itself (the model's arguments) reaches the model, as before."""
+    calls = [ToolCall(id="x1", name="fetch", arguments='{"uri": "u"}')]
+    model = ScriptedModel([Message.assistant(None, tool_calls=calls), Message.assistant("sorry")])
+    async with MemoryStore() as store:
+        loop = make_loop(store)
+        events = [e async for e in loop.stream("t", "go", llm=model.stream, tools={"fetch": fetch})]
+    [finished] = [e.result for e in events if isinstance(e, ToolFinished)]
+    assert finished.text.startswith("error: TypeError:") and "uri" in finished.text
+
+
+async def test_a_sync_llm_is_refused_before_the_run_starts() -> None:
+    """A plain-def llm is a ConfigError naming llm and the fix, not a raw TypeError at the first call."""
+
+    def llm(messages: list[Message]) -> Message:
+        return Message.assistant("sync reply")
+
+    async with MemoryStore() as store:
+        loop = make_loop(store)
+        with pytest.raises(ConfigError) as info:
+            await loop.run("t", "hi", llm=llm)  # type: ignore[arg-type]
+        recorded = (await store.stats("t")).message_count
+    assert info.value.key == "llm" and info.value.value is llm
+    assert "is not async" in info.value.reason and "async def llm(messages)" in info.value.reason
+    assert recorded == 0
+
+
+async def test_run_and_stream_each_refuse_the_others_model() -> None:
+    """run() given llm.stream, or stream() given the blocking llm, says which one to use."""
+    model = ScriptedModel([Message.assistant("hello")])
+    async with MemoryStore() as store:
+        loop = make_loop(store)
+        with pytest.raises(ConfigError) as to_run:
+            await loop.run("t", "hi", llm=model.stream)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError) as to_stream:
+            [e async for e in loop.stream("t", "hi", llm=model)]  # type: ignore[arg-type]
+        recorded = (await store.stats("t")).message_count
+    assert to_run.value.key == "llm" and "pass it to loop.stream(...)" in to_run.value.reason
+    assert to_stream.value.key == "llm" and "call loop.run(...) with this one" in to_stream.value.reason
+    assert model.calls == 0 and recorded == 0
+
+
+async def test_a_lambda_llm_works_and_a_stream_from_a_plain_def_works() -> None:
+    """A lambda returning a coroutine is a blocking llm; a def returning an async iterator a streaming one."""
+    model = ScriptedModel([Message.assistant("hello"), Message.assistant("streamed")], chunk_size=4)
+
+    def streaming(messages: list[Message]) -> AsyncIterator[str | ToolCall]:
+        return model.stream(messages)
+
+    async with MemoryStore() as store:
+        loop = make_loop(store)
+        result = await loop.run("t", "hi", llm=lambda messages: model(messages))
+        events = [e async for e in loop.stream("t", "again", llm=streaming)]
+        with pytest.raises(ConfigError) as info:
+            await loop.run("t", "more", llm=lambda messages: Message.assistant("no"))  # type: ignore[arg-type,return-value]
+    assert result.reply.text == "hello"
+    assert isinstance(events[-1], RunFinished) and events[-1].reply.text == "streamed"
+    assert info.value.key == "llm" and "returned a Message rather than an awaitable" in info.value.reason
+
+
+async def test_tools_given_as_a_list_like_chat_llm_takes_them_run_by_name() -> None:
+    """loop.run accepts the list of functions chat_llm accepts, each tool named as chat_llm names it."""
+    from contextfold.integrations._tools import tool_specs
+
+    async def grep(pattern: str) -> str:
+        return f"no match for {pattern}"
+
+    tools = [fetch, grep]
+    calls = [
+        ToolCall(id="a", name="fetch", arguments='{"url": "u"}'),
+        ToolCall(id="b", name="grep", arguments='{"pattern": "x"}'),
+    ]
+    model = ScriptedModel([Message.assistant(None, tool_calls=calls), Message.assistant("done")])
+    async with MemoryStore() as store:
+        loop = make_loop(store)
+        result = await loop.run("t", "hi", llm=model, tools=tools)
+        context = await loop.compactor.context("t")
+    results = [m for m in context if m.role.value == "tool"]
+    assert result.reply.text == "done"
+    assert [m.text.splitlines()[0] for m in results] == ["u", "no match for x"]
+    assert [spec.name for spec in tool_specs(tools)] == ["fetch", "grep"]
+
+
+async def named_fetch(url: str) -> str:
+    return url
+
+
+named_fetch.__name__ = "fetch"
+
+
+WHOLE: Callable[[Any], Any] = lambda tools: tools  # noqa: E731
+FIRST: Callable[[Any], Any] = lambda tools: tools[0]  # noqa: E731
+SECOND: Callable[[Any], Any] = lambda tools: tools[1]  # noqa: E731
+
+
+@pytest.mark.parametrize(
+    ("tools", "key", "entry", "why"),
+    [
+        ("fetch", "tools", WHOLE, "or a list of async functions, not a str"),
+        ([{"type": "function", "function": {"name": "fetch"}}], "tools[0]", FIRST, "is a tool schema"),
+        ([fetch, partial(fetch, "u")], "tools[1]", SECOND, "has no name of its own"),
+        ([fetch, lambda url: fetch(url)], "tools[1]", SECOND, "has no name of its own"),
+        ([fetch, named_fetch], "tools[1]", SECOND, "is named 'fetch' like another tool"),
+        ([fetch, "grep"], "tools[1]", SECOND, "must be an async function"),
+        ({"fetch": "fetch"}, "tools['fetch']", lambda tools: tools["fetch"], "must be an async function"),
+    ],
+    ids=["str", "schema", "partial", "lambda", "duplicate", "not-callable", "mapping-of-str"],
+)
+async def test_tools_that_cannot_be_run_by_name_are_refused_naming_the_entry(
+    tools: Any, key: str, entry: Callable[[Any], Any], why: str
+) -> None:
+    """A ConfigError names the entry (or tools itself), shows its value and says why, before the run."""
+    async with MemoryStore() as store:
+        loop = make_loop(store)
+        with pytest.raises(ConfigError) as info:
+            await loop.run("t", "hi", llm=ScriptedModel([Message.assistant("x")]), tools=tools)
+        recorded = (await store.stats("t")).message_count
+    assert info.value.key == key and info.value.value is entry(tools) and why in info.value.reason
+    assert recorded == 0

@@ -378,6 +378,9 @@ class Compactor:
         self.fallback: Summarizer = (
             fallback if fallback is not None else ExtractiveSummarizer(counter=self.counter)
         )
+        from .summarizers._checks import check_summarizers
+
+        check_summarizers(summarizer=summarizer, fallback=fallback)
         self.summarizer: Summarizer = summarizer if summarizer is not None else self.fallback
         self.events = EventDispatcher(subscribers, log_events=log_events)
         self.telemetry = telemetry if telemetry is not None else Telemetry.create()

@@ -18,12 +18,21 @@ There are three ways in:
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Mapping,
+    Sequence,
+)
 from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar, cast
 
 import anyio
 
@@ -32,6 +41,7 @@ from ._episodes import ToolCallEpisode, Usage
 from ._errors import ConfigError
 from ._events import CompactionEvent
 from ._messages import Message, Role, ToolCall
+from .summarizers._checks import returns_awaitable, unwrapped
 
 __all__ = [
     "LLM",
@@ -79,6 +89,12 @@ StreamingLLM: TypeAlias = Callable[[list[Message]], AsyncIterator["str | ToolCal
 
 Tool: TypeAlias = Callable[..., Awaitable[Any]]
 """A tool: called with the call's JSON arguments as keyword arguments; its result becomes text."""
+
+Tools: TypeAlias = Mapping[str, Tool] | Sequence[Tool]
+"""The tools of a driven run: ``{name: async function}``, or a list of async functions named by ``__name__``.
+
+The list is the shape ``chat_llm`` also takes, so one ``tools`` serves both.
+"""
 
 
 class Hook:
@@ -259,13 +275,28 @@ class StepLoop:
         user: str | Message | None,
         *,
         llm: LLM,
-        tools: Mapping[str, Tool] | None = None,
+        tools: Tools | None = None,
         max_steps: int = 16,
     ) -> RunResult:
-        """Drive ``llm`` and ``tools`` until the assistant answers without calling a tool."""
+        """Drive ``llm`` and ``tools`` until the assistant answers without calling a tool.
+
+        ``llm`` is an async callable, ``async def llm(messages) -> Message | Reply``;
+        ``tools`` maps each tool's name to an async function, or lists async
+        functions named by their ``__name__`` (as ``chat_llm`` takes them). A
+        plain ``def`` for either is a :class:`ConfigError` before the run starts.
+        """
+        _check_blocking_llm(llm)
 
         async def as_stream(messages: list[Message]) -> AsyncIterator[Message | Reply]:
-            yield await llm(messages)
+            pending = llm(messages)
+            if not inspect.isawaitable(pending):  # a lambda: Python has no async one, so it is checked here
+                raise ConfigError(
+                    "llm",
+                    f"returned a {type(pending).__name__} rather than an awaitable; "
+                    "define it as 'async def llm(messages) -> Message | Reply'",
+                    value=llm,
+                )
+            yield await pending
 
         compactions: list[CompactionResult] = []
         events = self.stream(thread, user, llm=as_stream, tools=tools, max_steps=max_steps)
@@ -283,10 +314,14 @@ class StepLoop:
         user: str | Message | None,
         *,
         llm: StreamingLLM,
-        tools: Mapping[str, Tool] | None = None,
+        tools: Tools | None = None,
         max_steps: int = 16,
     ) -> AsyncGenerator[StepEvent, None]:
         """Like :meth:`run`, yielding events as they happen (text deltas included).
+
+        ``llm`` returns an async iterator of text deltas and tool calls (or one
+        whole ``Message`` or ``Reply``): an async generator function, such as
+        ``chat_llm(...).stream``. ``tools`` is as for :meth:`run`.
 
         To stop early, consume it inside ``async with contextlib.aclosing(loop.stream(...))``:
         leaving that block closes the model's stream before it returns, so the
@@ -294,7 +329,8 @@ class StepLoop:
         """
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
             raise ConfigError("max_steps", "must be a whole number >= 1", value=max_steps)
-        tools = tools or {}
+        _check_streaming_llm(llm)
+        runnable = _tool_mapping(tools)
         if user is not None:
             await self.append(thread, Message.user(user) if isinstance(user, str) else user)
         reply = Message.assistant("")
@@ -307,7 +343,7 @@ class StepLoop:
                 whole: Message | None = None
                 model: str | None = None
                 usage: Usage | None = None
-                async with _closing(llm(step.messages)) as chunks:
+                async with _closing(_stream_of(llm, step.messages)) as chunks:
                     async for chunk in chunks:
                         if isinstance(chunk, str):
                             text.append(chunk)
@@ -330,7 +366,7 @@ class StepLoop:
                     for call in reply.tool_calls:
                         yield ToolStarted(call)
                         started.append(call)
-                        results.append(await _run_tool(tools, call))
+                        results.append(await _run_tool(runnable, call))
                         yield ToolFinished(results[-1])
                 except BaseException:
                     # Cut short (cancelled, or its consumer stopped): what the step had is kept.
@@ -365,6 +401,114 @@ async def _request(compactor: Compactor, thread: str) -> tuple[list[Message], in
     return await compactor.context_tokens(thread)
 
 
+_BLOCKING_SHAPE = "async def llm(messages) -> Message | Reply"
+_STREAMING_SHAPE = "an async generator function, async def llm(messages): yield text deltas and tool calls"
+
+
+def _check_blocking_llm(llm: object) -> None:
+    """Refuse an ``llm`` that ``run`` cannot await: not callable, a plain ``def``, or a streaming model."""
+    if not callable(llm):
+        raise ConfigError("llm", f"must be an async function, {_BLOCKING_SHAPE}", value=llm)
+    if returns_awaitable(llm) is False:
+        if inspect.isasyncgenfunction(unwrapped(llm)):
+            reason = (
+                "is a streaming model (an async generator); run() awaits one reply: "
+                "pass it to loop.stream(...), or pass the blocking callable (llm, not llm.stream)"
+            )
+        else:
+            reason = (
+                f"is not async, but run() awaits it: define it as {_BLOCKING_SHAPE} "
+                "(run a blocking client with anyio.to_thread.run_sync inside it)"
+            )
+        raise ConfigError("llm", reason, value=llm)
+
+
+def _check_streaming_llm(llm: object) -> None:
+    """Refuse an ``llm`` that ``stream`` cannot iterate: not callable, or an ``async def`` of one reply."""
+    if not callable(llm):
+        raise ConfigError("llm", f"must be a streaming model, {_STREAMING_SHAPE}", value=llm)
+    if returns_awaitable(llm) is True:
+        raise ConfigError(
+            "llm",
+            f"returns one awaited reply, but stream() iterates the model's output: pass {_STREAMING_SHAPE} "
+            "(chat_llm(...).stream, ScriptedModel(...).stream), or call loop.run(...) with this one",
+            value=llm,
+        )
+
+
+def _stream_of(llm: StreamingLLM, messages: list[Message]) -> AsyncIterator[str | ToolCall | Message | Reply]:
+    """``llm(messages)``, checked to be an async iterator (a plain ``def`` may return one)."""
+    chunks: object = llm(messages)
+    if not isinstance(chunks, AsyncIterable):
+        if inspect.iscoroutine(chunks):
+            chunks.close()  # never awaited: closed here rather than warned about by the collector
+        raise ConfigError(
+            "llm",
+            f"returned a {type(chunks).__name__} rather than an async iterator; pass {_STREAMING_SHAPE}",
+            value=llm,
+        )
+    return cast("AsyncIterator[str | ToolCall | Message | Reply]", chunks)
+
+
+def _tool_mapping(tools: object) -> Mapping[str, Tool]:
+    """``tools`` as ``{name: async function}``; a list of functions is keyed by their ``__name__``."""
+    if tools is None:
+        return {}
+    if isinstance(tools, Mapping):
+        named: dict[str, Any] = {}
+        for name, tool in tools.items():
+            if not isinstance(name, str):
+                raise ConfigError(
+                    "tools", f"must map tool names (str) to async functions, not {name!r}", value=tools
+                )
+            named[name] = tool
+    elif isinstance(tools, Sequence) and not isinstance(tools, str | bytes):
+        named = {}
+        for index, tool in enumerate(tools):
+            name = getattr(tool, "__name__", None)
+            if isinstance(tool, Mapping):
+                raise ConfigError(
+                    f"tools[{index}]",
+                    "is a tool schema, but the step loop runs the tools: pass the async functions "
+                    "(a list of them, or {name: function}); schemas go to chat_llm only",
+                    value=tool,
+                )
+            if not callable(tool):
+                raise ConfigError(f"tools[{index}]", "must be an async function", value=tool)
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ConfigError(
+                    f"tools[{index}]",
+                    "has no name of its own (a partial or a lambda): "
+                    "name it with a mapping, {'name': function}",
+                    value=tool,
+                )
+            if name in named:
+                raise ConfigError(
+                    f"tools[{index}]",
+                    f"is named {name!r} like another tool in the list: name them apart with a mapping, "
+                    "{'name': function}",
+                    value=tool,
+                )
+            named[name] = tool
+    else:
+        raise ConfigError(
+            "tools",
+            f"must be {{name: async function}} or a list of async functions, not a {type(tools).__name__}",
+            value=tools,
+        )
+    for name, tool in named.items():
+        if not callable(tool):
+            raise ConfigError(f"tools[{name!r}]", "must be an async function", value=tool)
+        if returns_awaitable(tool) is False:
+            raise ConfigError(
+                f"tools[{name!r}]",
+                f"is not async, but the step loop awaits its tools: define it as 'async def {name}(...)' "
+                "(run blocking work with anyio.to_thread.run_sync inside it)",
+                value=tool,
+            )
+    return named
+
+
 def _closing(stream: AsyncIterator[_T]) -> AbstractAsyncContextManager[AsyncIterator[_T]]:
     """Close a model's stream on the way out when it can be closed (async generators can)."""
     if isinstance(stream, AsyncGenerator):
@@ -380,14 +524,29 @@ async def _run_tool(tools: Mapping[str, Tool], call: ToolCall) -> Message:
         return Message.tool(call.id, f"error: no tool named {call.name!r} (known: {known})", is_error=True)
     arguments = call.parsed_arguments()
     try:
-        output = await (tool(**arguments) if isinstance(arguments, dict) else tool(arguments))
-    except Exception as exc:
-        # The model gets the error as the tool's result; the traceback is for whoever runs the agent.
-        logger.warning(
-            "tool %r (call %s) failed; the model gets an error result", call.name, call.id, exc_info=True
+        pending = tool(**arguments) if isinstance(arguments, dict) else tool(arguments)
+    except Exception as exc:  # arguments the tool does not take, say
+        return _tool_failed(call, exc)
+    if not inspect.isawaitable(pending):  # a lambda: Python has no async one, so it is checked here
+        raise ConfigError(
+            f"tools[{call.name!r}]",
+            f"returned a {type(pending).__name__} rather than an awaitable: "
+            f"define it as 'async def {call.name}(...)'",
+            value=tool,
         )
-        return Message.tool(call.id, f"error: {type(exc).__name__}: {exc}", is_error=True)
+    try:
+        output = await pending
+    except Exception as exc:
+        return _tool_failed(call, exc)
     if isinstance(output, Message):
         return output
     text = output if isinstance(output, str) else json.dumps(output, ensure_ascii=False, default=str)
     return Message.tool(call.id, text)
+
+
+def _tool_failed(call: ToolCall, exc: Exception) -> Message:
+    """A tool's exception as its result: the model gets the error, the log the traceback."""
+    logger.warning(
+        "tool %r (call %s) failed; the model gets an error result", call.name, call.id, exc_info=exc
+    )
+    return Message.tool(call.id, f"error: {type(exc).__name__}: {exc}", is_error=True)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import pytest
 
@@ -105,3 +107,112 @@ def test_keep_calls_must_be_a_whole_number(bad: object) -> None:
         FunctionSummarizer(fn, keep_calls=bad)  # type: ignore[arg-type]
     assert info.value.key == "keep_calls" and info.value.value == bad
     assert "for example 32" in info.value.reason
+
+
+def synchronous(messages: Sequence[Message], previous: str | None, budget: int) -> str:
+    return "summary"
+
+
+async def one_argument(messages: Sequence[Message]) -> str:
+    return "summary"
+
+
+def test_a_function_that_is_not_async_is_refused_when_built() -> None:
+    """A plain def is a ConfigError naming fn, its value and the fix, not a TypeError at the first fold."""
+    with pytest.raises(ConfigError) as info:
+        FunctionSummarizer(synchronous)  # type: ignore[arg-type]
+    assert info.value.key == "fn" and info.value.value is synchronous
+    assert "synchronous is not async" in info.value.reason
+    assert "async def fn(messages, previous_summary, max_tokens)" in info.value.reason
+
+
+def test_an_async_generator_function_is_refused_when_built() -> None:
+    """An async generator is not awaitable either; the error says what it is."""
+
+    async def streams(messages: Sequence[Message], previous: str | None, budget: int) -> AsyncIterator[str]:
+        yield "summary"
+
+    with pytest.raises(ConfigError) as info:
+        FunctionSummarizer(streams)  # type: ignore[arg-type]
+    assert info.value.key == "fn" and info.value.value is streams
+    assert "async generator function" in info.value.reason
+
+
+def test_a_function_that_cannot_take_the_three_arguments_is_refused_when_built() -> None:
+    """fn(messages, previous_summary, max_tokens) is checked against the signature, naming fn and the fix."""
+    with pytest.raises(ConfigError) as info:
+        FunctionSummarizer(one_argument)  # type: ignore[arg-type]
+    assert info.value.key == "fn" and info.value.value is one_argument
+    assert "one_argument(messages, previous_summary, max_tokens)" in info.value.reason
+    assert "(messages: 'Sequence[Message]') -> 'str'" in info.value.reason
+    assert "too many positional arguments" in info.value.reason
+
+
+class AsyncCallable:
+    """An object whose __call__ is async: an async callable as much as a function."""
+
+    async def __call__(self, messages: Sequence[Message], previous: str | None, budget: int) -> str:
+        return f"object summary of {len(messages)}"
+
+
+class OpaqueSignature(AsyncCallable):
+    """An async callable whose signature cannot be read (as a builtin's may not be): accepted."""
+
+    __signature__ = "unreadable"
+
+
+async def four_arguments(style: str, messages: Sequence[Message], previous: str | None, budget: int) -> str:
+    return f"{style} summary of {len(messages)}"
+
+
+def wrapped(fn: Any) -> Any:
+    """A sync functools.wraps wrapper around an async function, as decorators make them."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any) -> Any:
+        return fn(*args)
+
+    return wrapper
+
+
+async def plain(messages: Sequence[Message], previous: str | None, budget: int) -> str:
+    return f"summary of {len(messages)}"
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        plain,
+        AsyncCallable(),
+        OpaqueSignature(),
+        functools.partial(four_arguments, "terse"),
+        functools.partial(AsyncCallable()),
+        wrapped(plain),
+        lambda messages, previous, budget: plain(messages, previous, budget),
+    ],
+    ids=[
+        "async-def",
+        "async-call",
+        "unreadable-signature",
+        "partial",
+        "partial-of-object",
+        "wraps",
+        "lambda",
+    ],
+)
+async def test_async_callables_of_every_kind_are_accepted(fn: Any) -> None:
+    """Coroutine functions, async __call__, partials, wrappers and lambdas returning a coroutine all work."""
+    summary = await FunctionSummarizer(fn).summarize(
+        [Message.user("a")], previous_summary=None, max_summary_tokens=8
+    )
+    assert summary.text.endswith("summary of 1")
+
+
+async def test_a_lambda_that_returns_no_awaitable_is_a_config_error_when_called() -> None:
+    """A lambda cannot be async, so it passes the build; a result that cannot be awaited names fn."""
+    fn = lambda messages, previous, budget: "summary"  # noqa: E731
+    summarizer = FunctionSummarizer(fn)
+    with pytest.raises(ConfigError) as info:
+        await summarizer.summarize([Message.user("a")], previous_summary=None, max_summary_tokens=8)
+    assert info.value.key == "fn" and info.value.value is fn
+    assert "returned a str rather than an awaitable" in info.value.reason

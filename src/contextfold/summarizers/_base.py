@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -10,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .._episodes import Usage
 from .._errors import ConfigError, SummarizerError
 from .._messages import Message
+from ._checks import FUNCTION_SHAPE, check_summarizer_function
 
 __all__ = ["FunctionSummarizer", "Summarizer", "Summary"]
 
@@ -51,6 +53,12 @@ SummarizeFn = Callable[[Sequence[Message], str | None, int], Awaitable[Summary |
 class FunctionSummarizer:
     """A summarizer backed by any async callable ``fn(messages, previous_summary, max_tokens)``.
 
+    ``fn`` is checked when the summarizer is built: a function that is not
+    async (``def`` rather than ``async def``) or that cannot be called with
+    those three arguments is a :class:`ConfigError` naming ``fn``, rather than a
+    ``TypeError`` at the first fold. An object whose ``__call__`` is async, and
+    a ``functools.partial`` of either, are async callables too.
+
     Keeps the last ``keep_calls`` calls (32 by default, 0 for none) in
     ``calls``, oldest first, so tests can assert exactly what was sent; a
     long-running agent does not hold every folded message for the life of the
@@ -66,6 +74,7 @@ class FunctionSummarizer:
                 "must be a whole number >= 0 of recent calls to keep, for example 32, or 0 for none",
                 value=keep_calls,
             )
+        check_summarizer_function(fn)
         self.fn = fn
         self.model = model
         self.keep_calls = keep_calls
@@ -82,7 +91,15 @@ class FunctionSummarizer:
             self.calls.append((tuple(messages), previous_summary, max_summary_tokens))
             if len(self.calls) > self.keep_calls:
                 del self.calls[0]
-        result = await self.fn(messages, previous_summary, max_summary_tokens)
+        pending = self.fn(messages, previous_summary, max_summary_tokens)
+        if not inspect.isawaitable(pending):  # a lambda: Python has no async one, so it is checked here
+            raise ConfigError(
+                "fn",
+                f"returned a {type(pending).__name__} rather than an awaitable; "
+                f"define it as {FUNCTION_SHAPE}",
+                value=self.fn,
+            )
+        result = await pending
         summary = result if isinstance(result, Summary) else Summary(text=result, model=self.model)
         if not summary.text.strip():
             raise SummarizerError(
