@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import uuid
 import weakref
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
@@ -100,7 +102,8 @@ def _is_summary(message: Message, key: str | None) -> bool:
 class _Seen:
     """What one thread's log holds, as far as this process has read it."""
 
-    lock: anyio.Lock = field(default_factory=anyio.Lock)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held by one ``sync`` or ``append`` of the thread at a time (see ``_holding``)."""
     next_seq: int = 0
     keys: list[str] = field(default_factory=list)
     hashes: list[str] = field(default_factory=list)
@@ -125,6 +128,25 @@ def _by_content(key: str) -> bool:
 
 
 _SEEN: weakref.WeakKeyDictionary[Compactor, dict[str, _Seen]] = weakref.WeakKeyDictionary()
+
+
+@asynccontextmanager
+async def _holding(lock: threading.Lock) -> AsyncIterator[None]:
+    """Hold ``lock`` for the block, waiting for it in a worker thread when another holds it.
+
+    A thread lock rather than anyio's, which belongs to one event loop: a
+    framework's synchronous calls run their own loops in other OS threads
+    (LangChain's ``invoke``), and two of them on one thread would otherwise wait
+    for each other forever. A cancelled waiter takes the lock and gives it back
+    at once (the wait is shielded), so it is never left held.
+    """
+    if not lock.acquire(blocking=False):
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(lock.acquire)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _seen(compactor: Compactor, thread: str) -> _Seen:
@@ -292,7 +314,7 @@ async def sync(
     """
     keys = _keys(messages, ids)
     seen = _seen(compactor, thread)
-    async with seen.lock:
+    async with _holding(seen.lock):
         await _catch_up(compactor, thread, seen)
         found = await _off_loop(len(messages), _new_messages, seen, messages, keys)
         fresh = found.new(await compactor.context(thread)) if isinstance(found, _Reused) else found
@@ -317,7 +339,7 @@ async def append(
     """
     keys = _keys(messages, ids)
     seen = _seen(compactor, thread)
-    async with seen.lock:
+    async with _holding(seen.lock):
         await _catch_up(compactor, thread, seen)
         new = [_with_key(message, key) for message, key in zip(messages, keys, strict=True)]
         await _record(compactor, thread, seen, new, compact=True)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from contextfold import Compactor, ConfigError, Message, RunOptions, SummarizeOptions, ToolCall, conversation
@@ -226,3 +230,51 @@ async def test_an_id_reused_after_its_first_use_folded_away_is_new(store: Any) -
         text for n in range(12) for text in (f"question {n}", f'{{"n": {n}}}', f"answer {n}", f"done {n}")
     ]
     assert folds >= 3
+
+
+def test_two_event_loops_in_two_os_threads_sync_one_thread() -> None:
+    """A framework's synchronous calls each run an event loop of their own (LangChain's invoke in a threaded
+    server): two of them syncing one thread at once both finish, and each message is recorded once.
+
+    Before, the thread's lock was anyio's, which belongs to one event loop: the second call waited for it,
+    and the first one's release never woke the other loop.
+    """
+    holding = threading.Event()
+    release = threading.Event()
+
+    class Slow(Compactor):
+        async def maybe_compact(self, thread: str, *, now: Any = None) -> Any:
+            if threading.current_thread().name == "first" and not holding.is_set():
+                holding.set()  # the first call holds the thread's lock until the second one waits
+                await anyio.to_thread.run_sync(release.wait)
+            return await super().maybe_compact(thread, now=now)
+
+    store = MemoryStore()
+    c = Slow(store, options=QUIET, counter=ApproximateCounter())
+    history = turn(0)
+    failures: list[BaseException] = []
+
+    def call(messages: list[Message]) -> None:
+        try:
+            anyio.run(partial(sync, c, "t", messages))
+        except BaseException as exc:  # reported below
+            failures.append(exc)
+
+    first = threading.Thread(target=call, args=(history[:2],), name="first", daemon=True)
+    second = threading.Thread(target=call, args=(history,), name="second", daemon=True)
+    first.start()
+    assert holding.wait(10)
+    second.start()
+    time.sleep(0.2)  # the second call is now waiting for the lock
+    release.set()
+    for worker in (first, second):
+        worker.join(10)
+        assert not worker.is_alive(), f"the {worker.name} call never finished"
+    assert failures == []
+    records = anyio.run(partial(logged, c, "t"))
+    assert [(m.text or m.tool_calls[0].id).strip() for m in records] == [
+        "question 0",
+        "call-0",
+        "answer 0",
+        "done 0",
+    ]
