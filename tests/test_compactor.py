@@ -976,3 +976,30 @@ async def test_a_large_tool_result_is_counted_in_a_worker_thread_not_on_the_loop
     assert stored[0].message == big and stored[0].tokens == TiktokenCounter().count(big)
     context = await compactor.context(THREAD)
     assert context[-1] == big
+
+
+@pytest.mark.parametrize(("kept_words", "level"), [(260, "INFO"), (600, "WARNING")])
+async def test_a_fold_left_over_its_target_warns_only_when_over_the_budget(
+    caplog: pytest.LogCaptureFixture, kept_words: int, level: str
+) -> None:
+    """Kept turns over the target are routine (INFO); over the trigger budget no fold can help (WARNING)."""
+    options = RunOptions(
+        max_history_tokens=4_000,
+        compaction=SummarizeOptions(trigger_token_budget=1_000, min_recent_messages=2, max_summary_tokens=50),
+    )
+    async with MemoryStore() as store:
+        compactor = Compactor(store, options=options, counter=ApproximateCounter())
+        for n in range(16):
+            await compactor.append(
+                "t", [Message.user(f"q{n} " + "word " * 30), Message.assistant("ok " * 30)]
+            )
+        await compactor.append(
+            "t", [Message.user("big " * kept_words), Message.assistant("big " * kept_words)]
+        )
+        caplog.set_level("INFO", logger="contextfold")
+        result = await compactor.maybe_compact("t")
+        _, tokens = await compactor.context_tokens("t")
+    assert result is not None and result.compacted and tokens > 500  # over the 500-token target
+    assert (tokens > 1_000) is (level == "WARNING")
+    records = [r for r in caplog.records if "over the 500-token target" in r.getMessage()]
+    assert [r.levelname for r in records] == [level]

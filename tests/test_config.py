@@ -407,3 +407,25 @@ def test_own_rules_say_which_value_would_work() -> None:
     with pytest.raises(ConfigError) as info:
         SummarizeOptions(trigger_token_budget=-1)
     assert "positive" in info.value.reason
+
+
+@pytest.mark.parametrize(
+    ("given", "meant"),
+    [
+        ("trigger_tokens", "trigger_token_budget"),
+        ("min_recent_msgs", "min_recent_messages"),
+        ("targettokens", "target_tokens"),
+    ],
+)
+def test_a_misspelt_option_is_named_with_the_option_it_misspells(given: str, meant: str) -> None:
+    """A misspelling is the error, not the required option it leaves missing; the fix is named."""
+    with pytest.raises(ConfigError) as caught:
+        SummarizeOptions(**{given: 3_000})
+    assert caught.value.key == f"compaction.{given}"
+    assert f"did you mean {meant}?" in str(caught.value) and "3000" in str(caught.value)
+
+
+def test_an_option_like_none_gets_no_guess() -> None:
+    with pytest.raises(ConfigError) as caught:
+        SummarizeOptions(trigger_token_budget=3_000, zzz=1)
+    assert "did you mean" not in str(caught.value) and caught.value.key == "compaction.zzz"

@@ -1131,7 +1131,10 @@ class Compactor:
             # Over the target (the protected turns are large): hold the next token fold back
             # until budget - target new tokens arrived, so folds stay amortized.
             self._next_fold_at[thread] = after + (budget - target)
-            logger.warning(
+            # Routine while the kept turns are large (INFO); a warning once they hold more than the
+            # trigger budget itself, when the next fold can do no better.
+            logger.log(
+                logging.WARNING if after > budget else logging.INFO,
                 "thread %r: after the fold the context holds %d tokens, over the %d-token target "
                 "(the protected recent turns are large); the next fold waits for %d tokens",
                 thread,

@@ -7,6 +7,7 @@ bad value and a value that would work.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
@@ -125,8 +126,27 @@ _TYPE_ERRORS = {
 }
 
 
+def _words(key: str) -> set[str]:
+    return {word.rstrip("s") for word in key.lower().split("_") if word}
+
+
+def _closest(key: str, known: Sequence[str]) -> str | None:
+    """The option ``key`` most likely misspells: most words shared, then most alike; ``None`` if none is."""
+    ranked = max(
+        known,
+        key=lambda name: (len(_words(key) & _words(name)), difflib.SequenceMatcher(None, key, name).ratio()),
+        default=None,
+    )
+    if ranked is None:
+        return None
+    alike = difflib.SequenceMatcher(None, key, ranked).ratio()
+    return ranked if _words(key) & _words(ranked) or alike >= 0.75 else None
+
+
 def _config_error(exc: ValidationError, cls: type[_Options]) -> ConfigError:
-    first = exc.errors()[0]
+    errors = exc.errors()
+    # A misspelt option is what a "required" error beside it comes from: name the misspelling.
+    first = next((error for error in errors if error["type"] == "extra_forbidden"), errors[0])
     loc = tuple(first["loc"])
     prefix = cls._key_prefix
     path = ".".join([prefix, *map(str, loc)] if prefix else map(str, loc)) or prefix or "options"
@@ -139,7 +159,9 @@ def _config_error(exc: ValidationError, cls: type[_Options]) -> ConfigError:
         return ConfigError(path, f"is required{hint}")
     if kind == "extra_forbidden":
         known = sorted(cls.model_fields)  # a nested model reports its own unknown keys
-        return ConfigError(path, f"is not an option; the options are {', '.join(known)}", value=given)
+        close = _closest(str(loc[-1]), known)
+        guess = f"did you mean {close}? " if close else ""
+        return ConfigError(path, f"is not an option; {guess}the options are {', '.join(known)}", value=given)
     if kind == "json_invalid":
         return ConfigError(path, f"{reason}; pass a JSON object of options", value=given)
     if kind in _TYPE_ERRORS:
