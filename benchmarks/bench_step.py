@@ -50,7 +50,7 @@ from contextfold.tokens import TiktokenCounter
 
 DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 
-NEVER = RunOptions(max_history_tokens=100_000, compaction=SummarizeOptions(trigger_token_budget=10**12))
+NEVER = RunOptions(max_history_tokens=10**12, compaction=SummarizeOptions(trigger_token_budget=10**12))
 
 
 def history(size: int) -> list[Message]:

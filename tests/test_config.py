@@ -429,3 +429,13 @@ def test_an_option_like_none_gets_no_guess() -> None:
     with pytest.raises(ConfigError) as caught:
         SummarizeOptions(trigger_token_budget=3_000, zzz=1)
     assert "did you mean" not in str(caught.value) and caught.value.key == "compaction.zzz"
+
+
+def test_a_trigger_budget_above_the_history_limit_is_refused() -> None:
+    """Requests would grow past max_history_tokens before any fold: the error says which way to fix it."""
+    with pytest.raises(ConfigError) as caught:
+        RunOptions(max_history_tokens=1_000, compaction=SummarizeOptions(trigger_token_budget=3_000))
+    assert caught.value.key == "compaction.trigger_token_budget"
+    text = str(caught.value)
+    assert "3000" in text and "max_history_tokens = 1000" in text and "1000 or less" in text
+    RunOptions(max_history_tokens=3_000, compaction=SummarizeOptions(trigger_token_budget=3_000))

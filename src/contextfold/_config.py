@@ -374,6 +374,15 @@ class RunOptions(_Options):
         opts = self.compaction
         if opts is None:
             return
+        if opts.trigger_token_budget > self.max_history_tokens:
+            raise ConfigError(
+                "compaction.trigger_token_budget",
+                f"is above max_history_tokens = {self.max_history_tokens}, so requests would grow past "
+                "that limit before any fold. Lower compaction.trigger_token_budget to "
+                f"{self.max_history_tokens} or less, or raise max_history_tokens to at least "
+                f"{opts.trigger_token_budget}",
+                value=opts.trigger_token_budget,
+            )
         window = opts.window_tokens
         if window < self.max_history_tokens:
             minimum = -(-self.max_history_tokens // WINDOW_MULTIPLE_OF_TRIGGER)
