@@ -475,3 +475,18 @@ async def test_a_fold_before_any_append_loads_the_tokenizer_in_a_worker_thread(
         context = await compactor.context(THREAD)
         assert context[0].is_summary and [m.text for m in context[1:]] == ["question 4", "question 5"]
         assert list(tokens_module._LOADED) == [("o200k_base", False)]
+
+
+async def test_a_result_for_a_call_never_made_is_a_note_and_a_warning(
+    store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A mistyped call id: the model gets a note that says so, and the log a warning naming thread and id."""
+    compactor = Compactor(store, options=RunOptions(max_history_tokens=8_000), counter=ApproximateCounter())
+    made = ToolCall(id="call_1", name="lookup", arguments="{}")
+    await compactor.append(THREAD, [Message.user("go"), Message.assistant(None, tool_calls=[made])])
+    await compactor.append(THREAD, [Message.tool("call_l", "42")])
+    note = (await compactor.context(THREAD))[-1]
+    assert note.role.value == "user" and note.metadata[LATE_RESULT_METADATA_KEY] == "call_l"
+    assert note.text.startswith("[a result arrived for tool call 'call_l', which is not open here")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(repr(THREAD) in w and "'call_l'" in w and "answers no call open" in w for w in warnings)

@@ -746,6 +746,12 @@ class Compactor:
         sent = list(messages)
         for index in late:
             sent[index] = _late_note(messages[index])
+            logger.warning(
+                "thread %r: the tool result for call %r answers no call open in the context (never made, "
+                "or closed as abandoned); the model gets it as a note, and the log keeps it as it came",
+                thread,
+                messages[index].tool_call_id,
+            )
         return sent
 
     async def _open_calls(self, thread: str, wanted: set[str]) -> dict[str, int]:
@@ -1446,8 +1452,8 @@ def _answer(open_calls: dict[str, int], result: Message) -> bool:
 def _late_note(message: Message) -> Message:
     """A tool result whose call was closed, as a note the model can read without an orphaned tool message."""
     return Message.user(
-        f"[a late result arrived for tool call {message.tool_call_id!r}, "
-        f"which had been closed as abandoned]\n{message.text}",
+        f"[a result arrived for tool call {message.tool_call_id!r}, which is not open here "
+        f"(never made, or closed as abandoned)]\n{message.text}",
         metadata={LATE_RESULT_METADATA_KEY: message.tool_call_id},
     )
 
