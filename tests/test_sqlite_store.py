@@ -11,8 +11,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -824,6 +825,150 @@ async def test_an_unused_store_closes_without_a_thread(tmp_path: Path) -> None:
     await store.aclose()
     assert store_threads(path) == []
     assert not path.exists()
+
+
+LOOP_LIMIT = 10.0
+"""Seconds the loops of ``loops_in_threads`` get for all their calls (well under one): past it, one hung."""
+
+
+@contextlib.contextmanager
+def loops_in_threads(count: int, serve: Callable[[int], None]) -> Iterator[list[BaseException]]:
+    """``serve(n)`` in ``count`` threads started together; yields their errors, filled in once they ended.
+
+    Each ``serve`` runs its calls in event loops of its own (``anyio.run``), as
+    LangChain's sync ``invoke`` does in a threaded server. On exit the threads
+    are waited for, up to ``LOOP_LIMIT``: one still running fails the test
+    (its loop waits for a wake-up that never comes) instead of hanging it.
+    """
+    errors: list[BaseException] = []
+    together = threading.Barrier(count)
+
+    def run(n: int) -> None:
+        try:
+            together.wait(LOOP_LIMIT)
+            serve(n)
+        except BaseException as exc:  # reported by the test's own thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(n,), daemon=True) for n in range(count)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + LOOP_LIMIT
+    yield errors
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    stuck = [n for n, thread in enumerate(threads) if thread.is_alive()]
+    assert not stuck, f"the event loops of threads {stuck} never finished: a call of theirs hung"
+
+
+async def loop_step(store: SQLiteStore, who: int, n: int) -> None:
+    """A step of loop ``who`` on its own thread and a shared one, with the reads of every kind."""
+    with anyio.fail_after(LOOP_LIMIT):
+        own = f"loop {who}"
+        await store.append(own, [Message.user(f"{who}.{n}")], [1])
+        await store.append("shared", [Message.user(f"{who}.{n}")], [1])
+        await store.record(own, UserMessageEpisode(message=Message.user(f"{who}.{n}")))
+        assert (await store.stats(own)).message_count == n + 1
+        assert [stored.seq for stored in (await store.load(own)).messages] == list(range(1, n + 2))
+        assert [stored.seq for stored in (await store.tail(own, after_seq=n)).messages] == [n + 1]
+        assert len([record async for record in store.replay(own)]) == n + 1
+        assert len(await store.threads()) >= 2
+
+
+@pytest.mark.parametrize("loop_backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("synchronous", ["FULL", "NORMAL"])
+def test_event_loops_in_several_threads_share_the_store_and_its_one_thread(
+    tmp_path: Path, synchronous: Any, loop_backend: str
+) -> None:
+    """Loops in three threads use a store none of them opened, at once, a fresh loop per call.
+
+    Every call completes, with what it wrote there once; the store starts one
+    thread however many loops make its first call together, and a loop of
+    yet another thread closes it.
+    """
+    path = tmp_path / "loops.db"
+    store = SQLiteStore(path, synchronous=synchronous)
+    steps = 8
+
+    def serve(who: int) -> None:
+        for n in range(steps):
+            anyio.run(partial(loop_step, store, who, n), backend=loop_backend)
+
+    with loops_in_threads(3, serve) as errors:
+        pass
+    assert not errors, errors
+    assert len(store_threads(path)) == 1
+    anyio.run(store.aclose, backend=loop_backend)
+    assert store_threads(path) == []
+    said = sorted(text for (text,) in query(path, "SELECT body FROM messages WHERE thread = 'shared'"))
+    assert len(said) == 3 * steps
+    assert query(
+        path, "SELECT min(seq), max(seq), count(DISTINCT seq) FROM messages WHERE thread = 'shared'"
+    ) == [(1, 3 * steps, 3 * steps)]
+    for who in range(3):
+        assert query(path, "SELECT count(*) FROM episodes WHERE thread = ?", (f"loop {who}",)) == [(steps,)]
+
+
+@pytest.mark.parametrize("loop_backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("synchronous", ["FULL", "NORMAL"])
+def test_a_store_closed_by_one_loop_ends_the_calls_of_the_others(
+    tmp_path: Path, synchronous: Any, loop_backend: str
+) -> None:
+    """Loops of other threads still calling the store when one closes it get StoreClosedError, at once.
+
+    A call either completes (its write is there) or raises ``StoreClosedError``
+    (it wrote nothing): none waits for a thread that has ended, and none
+    opens the file again.
+    """
+    path = tmp_path / "closing.db"
+    store = SQLiteStore(path, synchronous=synchronous)
+    anyio.run(store.__aenter__, backend=loop_backend)
+    appended = [0, 0, 0]
+
+    async def use(who: int) -> None:
+        own = f"loop {who}"
+        with anyio.fail_after(LOOP_LIMIT):
+            while True:
+                try:
+                    await store.append(own, [Message.user("x")], [1])
+                    appended[who] += 1
+                    await store.load(own)
+                    await store.stats(own)
+                except StoreClosedError:
+                    return
+
+    with loops_in_threads(3, lambda who: anyio.run(use, who, backend=loop_backend)) as errors:
+        deadline = time.monotonic() + LOOP_LIMIT
+        while min(appended) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        anyio.run(store.aclose, backend=loop_backend)
+    assert not errors, errors
+    assert store_threads(path) == []
+    for who in range(3):
+        assert query(path, "SELECT count(*) FROM messages WHERE thread = ?", (f"loop {who}",)) == [
+            (appended[who],)
+        ]
+
+
+async def test_a_call_racing_aclose_from_another_thread_raises_closed(tmp_path: Path) -> None:
+    """The two races a loop of another thread can run against aclose() end in StoreClosedError.
+
+    A call that found the store open just before it closed reaches the
+    worker after its end was queued: it raises instead of waiting for a
+    thread that has ended. One that came in between the thread closing the
+    connections and ending runs there, and finds them closed: it raises
+    instead of opening the file again.
+    """
+    store = SQLiteStore(tmp_path / "race.db")
+    await store.__aenter__()
+    worker = store._worker
+    await store.aclose()
+    store._closed, store._worker = False, worker  # what that call saw
+    with anyio.fail_after(5), pytest.raises(StoreClosedError):
+        await store._call(lambda conn: None)
+    with pytest.raises(StoreClosedError):
+        store._writer()
+    assert (store._conn, store._reader, store._loop_conn) == (None, None, None)
 
 
 @contextlib.contextmanager

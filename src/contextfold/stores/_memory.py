@@ -2,11 +2,15 @@
 
 Each method runs without awaiting in between its reads and writes, so on one
 event loop every operation is atomic: a ``fold`` checks the guard, records the
-checkpoint and swaps the prefix with nothing else running in between. Messages are copied through their JSON
-on the way in, exactly as the SQL backends store them, so what a caller reads
-back never aliases what it appended. The episodic log keeps each episode as its
-JSON text and decodes it when replayed: a long log is a list of strings, not
-objects the garbage collector walks on every full pass.
+checkpoint and swaps the prefix with nothing else running in between. Nothing
+in it belongs to an event loop, so loops in several threads may share one (a
+sync framework's calls, each in a loop of its own); but two threads writing
+the same conversation thread at the same moment are not kept apart. Messages
+are copied through their JSON on the way in, exactly as the SQL backends
+store them, so what a caller reads back never aliases what it appended. The
+episodic log keeps each episode as its JSON text and decodes it when
+replayed: a long log is a list of strings, not objects the garbage collector
+walks on every full pass.
 
 Every call but the per-step point reads is a cancellation point. Those reads
 (``state``, ``stats``, ``pressure``: a dictionary lookup) neither yield to

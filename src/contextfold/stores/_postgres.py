@@ -22,19 +22,29 @@ operation is one statement, or one short transaction, on a pooled connection:
   compaction runs, so a crashed holder's lease simply runs out.
 * Every pooled session has a ``statement_timeout`` (30 s by default), and
   every section shielded from cancellation ends by a deadline.
+* The pool belongs to the event loop that opened the store (psycopg_pool wakes
+  only that loop's tasks). A call made on another loop, in another thread (a
+  sync framework runs each call in a loop of its own), takes its connection
+  from a second pool (of up to ``max_size`` more connections, opened as such
+  calls need them) that lives on a loop in a thread of its own (``_Away``),
+  and runs its statements on its own loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 import hashlib
 import math
 import os
+import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from functools import partial
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import anyio
 import psycopg
@@ -51,6 +61,7 @@ from .._episodes import (
 )
 from .._errors import ConfigError, ConflictError, StoreClosedError, StoreError
 from .._messages import Message
+from .._pacing import wake
 from .._policy import EpisodicCompactionPressure
 from .._resource import AsyncResource
 from ._base import ContextWindow, StoredMessage, ThreadInfo, ThreadState, ThreadStats, Tombstone
@@ -223,6 +234,112 @@ def _key(*parts: str) -> int:
     """A stable signed 64-bit advisory-lock key (Python's ``hash`` differs per process)."""
     digest = hashlib.blake2b("\x00".join(parts).encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "big", signed=True)
+
+
+_T = TypeVar("_T")
+
+_Pool = AsyncConnectionPool[psycopg.AsyncConnection[Any]]
+_Conn = psycopg.AsyncConnection[Any]
+
+
+async def _outcome(done: concurrent.futures.Future[_T]) -> _T:
+    """What ``done`` (a call running on another thread's event loop) returns, awaited on this loop.
+
+    A cancelled caller stops waiting; the call itself goes on to its end.
+    """
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def notify(_: object) -> None:
+        with contextlib.suppress(RuntimeError):  # this loop closed: nobody waits any more
+            loop.call_soon_threadsafe(wake, waiter)
+
+    done.add_done_callback(notify)
+    await waiter
+    return done.result()
+
+
+class _Away:
+    """The pool of the calls made on event loops other than the one that opened the store.
+
+    ``AsyncConnectionPool`` belongs to the loop it was opened on: its lock, its
+    waiting clients and its maintenance queue wake only that loop's tasks, so
+    a task of a loop in another thread that waits there is never woken. This
+    pool lives on an event loop in a thread of its own that runs nothing else,
+    so no caller's code ever blocks it (a sync call made on the opening loop's
+    thread blocks that loop). A caller takes a connection from it and puts it
+    back through that loop, and runs its statements on its own loop in
+    between: a psycopg connection waits on whichever loop awaits it.
+    """
+
+    def __init__(self, make_pool: Callable[[], _Pool], name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+        self._pool = self._submit(self._open(make_pool))
+
+    def _serve(self) -> None:
+        loop = self.loop
+        try:
+            loop.run_forever()
+            # Calls submitted before the stop may not have ended: each does now (the pool
+            # is closed, so at once), and what is left after the grace is cancelled.
+            pending = asyncio.all_tasks(loop)
+            if pending:
+                loop.run_until_complete(asyncio.wait(pending, timeout=_CLOSE_SECONDS))
+                for task in pending:
+                    task.cancel()
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        finally:
+            loop.close()
+
+    def _submit(self, call: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
+        with self._lock:  # so none comes in after the stop, which would never run it
+            if not self._stopped:
+                return asyncio.run_coroutine_threadsafe(call, self.loop)
+        call.close()
+        raise PoolClosed("the pool of the calls made on other event loops is closed")
+
+    @staticmethod
+    async def _open(make_pool: Callable[[], _Pool]) -> _Pool:
+        pool = make_pool()
+        await pool.open()  # connects as calls ask, in its background tasks
+        return pool
+
+    def _run(self, call: Callable[[_Pool], Coroutine[Any, Any, _T]]) -> concurrent.futures.Future[_T]:
+        async def run() -> _T:
+            return await call(await asyncio.wrap_future(self._pool))
+
+        return self._submit(run())
+
+    async def getconn(self) -> _Conn:
+        done = self._run(lambda pool: pool.getconn())
+        try:
+            return await _outcome(done)
+        except BaseException:
+            done.add_done_callback(self._give_back)  # a connection it still gets goes back
+            raise
+
+    def _give_back(self, done: concurrent.futures.Future[_Conn]) -> None:
+        if not done.cancelled() and done.exception() is None:
+            conn = done.result()
+            with contextlib.suppress(PoolClosed):  # closed meanwhile: so is the connection, on its end
+                self._run(lambda pool: pool.putconn(conn))
+
+    async def putconn(self, conn: _Conn) -> None:
+        await _outcome(self._run(lambda pool: pool.putconn(conn)))
+
+    async def aclose(self) -> None:
+        """Close the pool, then end the loop and its thread."""
+        try:
+            await _outcome(self._run(lambda pool: pool.close(timeout=_CLOSE_SECONDS)))
+        finally:
+            with self._lock:
+                self._stopped = True
+                self.loop.call_soon_threadsafe(self.loop.stop)
+            await anyio.to_thread.run_sync(self._thread.join, 2 * _CLOSE_SECONDS)
 
 
 def _where(dsn: str) -> str:
@@ -442,8 +559,14 @@ class PostgresStore(AsyncResource):
         self._schema = schema
         self._s = sql.Identifier(schema)
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
+        # The loop that opened the pool, whose calls use it; any other loop's use _away.
+        self._home: asyncio.AbstractEventLoop | None = None
+        self._away: _Away | None = None
         self._closed = False
-        self._opening = anyio.Lock()
+        # Held while the store opens or closes: a threading lock, waited for in a worker
+        # thread, since open() and aclose() may come from different event loops and threads.
+        self._opening = threading.Lock()
+        self._away_lock = threading.Lock()
         self._queries: dict[str, sql.Composed] = {}
 
     def __repr__(self) -> str:
@@ -453,11 +576,22 @@ class PostgresStore(AsyncResource):
 
     async def open(self) -> None:
         """Connect, create or migrate the schema, and start the pool; a second call does nothing."""
-        async with self._opening:
+        async with self._opening_held():
             if self._closed:
                 raise StoreClosedError(f"{self!r} was closed; create a new PostgresStore")
             if self._pool is None:
                 await self._open()
+
+    @asynccontextmanager
+    async def _opening_held(self) -> AsyncIterator[None]:
+        """``_opening``, taken at once if free, else waited for in a worker thread (never on the loop)."""
+        if not self._opening.acquire(blocking=False):
+            # Not abandoned when cancelled: it returns holding the lock, released below.
+            await anyio.to_thread.run_sync(self._opening.acquire)
+        try:
+            yield
+        finally:
+            self._opening.release()
 
     async def _open(self) -> None:
         try:
@@ -494,7 +628,28 @@ class PostgresStore(AsyncResource):
                 f"PostgreSQL at {_where(self._dsn)} did not accept {self._min_size} pooled connections "
                 f"within {_CONNECT_TIMEOUT_SECONDS} s; lower min_size or raise the server's max_connections"
             ) from exc
+        self._home = asyncio.get_running_loop()
         self._pool = pool
+
+    def _away_pool(self) -> _Away:
+        """The pool of the calls made on other event loops than the pool's, started on first use."""
+        with self._away_lock:
+            if self._closed:
+                raise StoreClosedError(f"{self!r} was closed; create a new PostgresStore")
+            away = self._away
+            if away is None:
+                make = partial(
+                    AsyncConnectionPool,
+                    self._dsn,
+                    min_size=0,
+                    max_size=self._max_size,
+                    kwargs={"autocommit": True, **self._connect_options},
+                    configure=self._configure,
+                    open=False,
+                    name=f"contextfold-{self._schema}-away",
+                )
+                away = self._away = _Away(make, f"contextfold-postgres {self._schema}")
+            return away
 
     async def _configure(self, conn: psycopg.AsyncConnection[Any]) -> None:
         # Session settings, so they hold for every statement the pool runs on the connection.
@@ -513,10 +668,36 @@ class PostgresStore(AsyncResource):
         """
         with anyio.CancelScope(shield=True, deadline=anyio.current_time() + _CONNECT_TIMEOUT_SECONDS * 3):
             self._closed = True
-            async with self._opening:
+            async with self._opening_held():
+                with self._away_lock:
+                    away, self._away = self._away, None
                 pool, self._pool = self._pool, None
-                if pool is not None:
-                    await pool.close(timeout=_CLOSE_SECONDS)
+                try:
+                    if away is not None:
+                        await away.aclose()
+                finally:
+                    if pool is not None:
+                        await self._close_home(pool)
+
+    async def _close_home(self, pool: _Pool) -> None:
+        """Close the pool on the loop that opened it, or here once that loop has stopped."""
+        home = self._home
+        if home is None or home is asyncio.get_running_loop():
+            await pool.close(timeout=_CLOSE_SECONDS)
+            return
+        if home.is_running():
+            closing = pool.close(timeout=_CLOSE_SECONDS)
+            try:
+                done = asyncio.run_coroutine_threadsafe(closing, home)
+            except RuntimeError:  # it closed just now: closed here, below
+                closing.close()
+            else:
+                await _outcome(done)
+                return
+        # Its background tasks ended with it: the close still closes the connections, then
+        # fails to wait for those tasks on a closed loop.
+        with contextlib.suppress(RuntimeError):
+            await pool.close(timeout=_CLOSE_SECONDS)
 
     async def __aenter__(self) -> Self:
         await self.open()
@@ -603,9 +784,10 @@ class PostgresStore(AsyncResource):
         # The pool hands out an idle connection without yielding, so this is where a
         # caller cancelled before the call began is stopped before anything is sent.
         await checkpoint()
+        away = None if asyncio.get_running_loop() is self._home else self._away_pool()
         try:
             try:
-                conn = await pool.getconn()
+                conn = await (pool.getconn() if away is None else away.getconn())
             except PoolClosed as exc:
                 raise StoreClosedError(f"{self!r} was closed during {action} of thread {thread!r}") from exc
             except PoolTimeout as exc:
@@ -628,7 +810,7 @@ class PostgresStore(AsyncResource):
                 # back would leave it neither pooled nor closed, a pool slot lost for good.
                 # The pool rolls back an open transaction and replaces a broken connection.
                 with anyio.CancelScope(shield=True, deadline=anyio.current_time() + _GRACE_SECONDS):
-                    await pool.putconn(conn)
+                    await (pool.putconn(conn) if away is None else away.putconn(conn))
         except psycopg.errors.NumericValueOutOfRange:
             # Token counts are the only sums the statements can take past 64 bits.
             raise ConfigError(

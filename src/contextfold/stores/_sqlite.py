@@ -15,6 +15,15 @@ result, and its cancelled scope raises at its next checkpoint; a call whose
 caller was cancelled before it started is skipped, so nothing runs on the
 connection for a caller that already returned.
 
+Several event loops, in several threads, may use one store at once (a sync
+framework runs each call in a loop of its own in the caller's thread: two
+requests served at once are two loops). Nothing the store waits on belongs to
+a loop: each call's result goes back to the loop that made it (above), the
+worker thread starts under a ``threading.Lock`` (one per store, whichever loop
+calls first), the reads take turns on their connection under another, taken
+in the thread that reads, and a call that reaches the worker after another
+loop closed the store raises ``StoreClosedError``.
+
 The file is in WAL mode, so readers do not block the writer, and several
 processes may open it at once: ``BEGIN IMMEDIATE`` serializes their writes and
 ``busy_timeout`` makes them queue instead of failing. Reads that decode rows
@@ -969,6 +978,10 @@ def _wake(job: _Job) -> None:
         wake(job.waiter)
 
 
+class _Stopped(Exception):
+    """A call made to a worker thread after it was told to end (the store was closed meanwhile)."""
+
+
 class _Worker:
     """The thread that runs a store's calls on its writing connection, in order, one at a time.
 
@@ -983,6 +996,7 @@ class _Worker:
         # calls not yet handed back (posted upkeep is none): written under the lock.
         self._pending = 0
         self._calls = 0
+        self._stopped = False
         self._pending_lock = threading.Lock()
         self.hold = False
         """Set by ``after`` for upkeep that the event loop's own writes must wait for."""
@@ -1024,11 +1038,16 @@ class _Worker:
         with self._pending_lock:
             self._pending -= 1
 
-    def _submit(self, job: _Job) -> None:
+    def _submit(self, job: _Job) -> bool:
+        """Queue ``job``; false (nothing queued) once ``stop`` was called: the thread would never run it."""
         with self._pending_lock:
+            if self._stopped:
+                return False
             self._pending += 1
             self._calls += not job.upkeep
-        self._jobs.put(job)
+            # Under the lock: a job that ``stop`` does not see stopped is queued before its end.
+            self._jobs.put(job)
+        return True
 
     @property
     def idle(self) -> bool:
@@ -1049,8 +1068,10 @@ class _Worker:
         self._submit(_Job(fn, upkeep=True))
 
     def stop(self) -> None:
-        """End the thread after the calls already submitted."""
-        self._jobs.put(None)
+        """End the thread after the calls already submitted; a call submitted later raises ``_Stopped``."""
+        with self._pending_lock:
+            self._stopped = True
+            self._jobs.put(None)
 
     async def run(self, fn: Callable[[], _T]) -> _T:
         """``fn()`` in the thread, with ``anyio.to_thread.run_sync``'s cancellation (never abandoned)."""
@@ -1062,7 +1083,8 @@ class _Worker:
             loop = asyncio.get_running_loop()
             waiter = job.waiter = loop.create_future()
             job.notify = partial(_notify_loop, loop, job)
-            self._submit(job)
+            if not self._submit(job):
+                raise _Stopped
             try:
                 await waiter
             except asyncio.CancelledError:
@@ -1079,7 +1101,8 @@ class _Worker:
 
             lowlevel = trio.lowlevel
             job.notify = partial(_notify_trio, lowlevel.current_trio_token(), lowlevel.current_task())
-            self._submit(job)
+            if not self._submit(job):
+                raise _Stopped
 
             def abort(raise_cancel: object) -> trio.lowlevel.Abort:
                 if job.take():  # not started: it never runs, and the cancellation is raised now
@@ -1155,7 +1178,13 @@ class SQLiteStore(AsyncResource):
         self._lease_seconds = check_seconds("lease_seconds", lease_seconds, example=300, maximum=_MAX_LEASE)
         self._synchronous = check_choice("synchronous", synchronous, ("FULL", "NORMAL"))
         # The worker thread opens, uses and closes the connections; it starts on first use.
+        # Several event loops, in several threads, may use one store at once (a sync
+        # framework runs each call in a loop of its own): it starts, and ends, under a
+        # threading lock, so they share one thread. _closing is the one aclose ended.
         self._worker: _Worker | None = None
+        self._worker_lock = threading.Lock()
+        self._closing: _Worker | None = None
+        self._shut = False  # set by the thread once it closed the connections
         self._conn: sqlite3.Connection | None = None
         self._reader: sqlite3.Connection | None = None
         # The point reads' connection (busy_timeout 0), used on the event loop only,
@@ -1163,7 +1192,13 @@ class SQLiteStore(AsyncResource):
         self._loop_conn: sqlite3.Connection | None = None
         self._loop_reader: sqlite3.Connection | None = None
         self._loop_thread: dict[int, int] = {}
-        self._read_lock = anyio.Lock()
+        # One read at a time on the read-only connection, taken in the worker thread that
+        # reads (see _read_in_thread): a threading lock, not an anyio one, which belongs to
+        # one event loop and would never wake a waiter of another loop in another thread.
+        self._read_lock = threading.Lock()
+        # Each event loop's reads also take turns on the loop (anyio's lock, one per OS thread,
+        # so one per loop), so a loop's waiting reads hold no worker thread.
+        self._read_turns = threading.local()
         self._pace = Pacer()
         self._closed = False
         self._leases: set[tuple[str, str]] = set()
@@ -1198,26 +1233,44 @@ class SQLiteStore(AsyncResource):
         """
         self._closed = True
         self._loop_reader = None
+        with self._worker_lock:
+            worker, self._worker = self._worker, None
+            if worker is not None:
+                self._closing = worker
+            closing = self._closing
+        if closing is None:
+            return
         with anyio.move_on_after(self._busy_timeout + _CLOSE_GRACE, shield=True):
-            async with self._read_lock:
-                worker, self._worker = self._worker, None
-                if worker is None:
-                    return
+            if worker is not None:  # this call ends it; another one (any loop's) waits for its end
+                # The on-loop connection's thread is this one, or none, or busy on it right now.
+                me = threading.get_ident()
+                owned = self._loop_thread.get(0, me) == me
                 try:
-                    await worker.run(self._close)
+                    await worker.run(partial(self._close, loop_conn_idle=owned))
                 finally:
                     worker.stop()
-                await to_thread.run_sync(worker.thread.join)
+            if closing.thread.is_alive():
+                await to_thread.run_sync(closing.thread.join)
 
-    def _close(self) -> None:
-        """In the worker thread: close the connections, releasing the leases first."""
+    def _close(self, *, loop_conn_idle: bool = True) -> None:
+        """In the worker thread: close the connections, releasing the leases first.
+
+        Unless ``loop_conn_idle`` (the store was closed by a loop of another
+        thread than the on-loop connection's), that connection may be in use in
+        its thread at this moment: it is only let go of here, and closes when
+        that call lets go of it too (at once when none holds it).
+        """
+        self._shut = True
         conn, self._conn = self._conn, None
-        reader, self._reader = self._reader, None
+        with self._read_lock:  # once the read in progress, if any, has ended
+            reader, self._reader = self._reader, None
         loop_conn, self._loop_conn = self._loop_conn, None
         self._loop_reader = None
-        for other in (loop_conn, reader):
-            if other is not None:
-                other.close()
+        if loop_conn is not None and loop_conn_idle:
+            loop_conn.close()
+        del loop_conn
+        if reader is not None:
+            reader.close()
         if conn is None:
             return
         try:
@@ -1235,6 +1288,8 @@ class SQLiteStore(AsyncResource):
     def _writer(self) -> sqlite3.Connection:
         """In the worker thread: the writing connection, opening all three on first use."""
         if self._conn is None:
+            if self._shut:  # a call another thread's loop made as the store closed: never reopened
+                raise self._closed_error()
             conn, reader, loop_conn = self._connect()
             self._conn, self._reader, self._loop_conn = conn, reader, loop_conn
             if not self._closed:
@@ -1314,11 +1369,23 @@ class SQLiteStore(AsyncResource):
             raise self._closed_error()
         worker = self._worker
         if worker is None:
-            worker = self._worker = _Worker(f"contextfold-sqlite {self.path}", self._after_call)
+            worker = self._start_worker()
         try:
             return await worker.run(lambda: fn(self._writer()))
         except sqlite3.Error as exc:
             raise self._error(exc) from exc
+        except _Stopped:  # closed (by another thread's loop) since the check above
+            raise self._closed_error() from None
+
+    def _start_worker(self) -> _Worker:
+        """The store's worker thread, started unless another thread just did; never once it closed."""
+        with self._worker_lock:
+            if self._closed:
+                raise self._closed_error()
+            worker = self._worker
+            if worker is None:
+                worker = self._worker = _Worker(f"contextfold-sqlite {self.path}", self._after_call)
+            return worker
 
     async def _encoded_in_thread(
         self, encode: Callable[[], _E], write: Callable[[sqlite3.Connection, _E], _T]
@@ -1492,13 +1559,29 @@ class SQLiteStore(AsyncResource):
         """Run ``fn`` on the read-only connection in a worker thread, beside the writes."""
         if self._reader is None:
             await self._call(lambda conn: None)  # opens the file
-        async with self._read_lock:
-            if self._closed or self._reader is None:
-                raise self._closed_error()
+        turns: anyio.Lock | None = getattr(self._read_turns, "lock", None)
+        if turns is None:
+            turns = self._read_turns.lock = anyio.Lock()
+        async with turns:
             try:
-                return await to_thread.run_sync(fn, self._reader)
+                return await to_thread.run_sync(self._read_in_thread, fn)
             except sqlite3.Error as exc:
                 raise self._error(exc) from exc
+
+    def _read_in_thread(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        """In a worker thread: ``fn`` on the read-only connection, which serves one read at a time.
+
+        The lock is taken here, in the thread, rather than on the event loop: a
+        ``threading.Lock`` serves every loop and thread that uses the store
+        (an anyio lock belongs to one loop, and a waiter of another loop, in
+        another thread, is never woken), and the thread, not the loop, waits
+        for the read before it.
+        """
+        with self._read_lock:
+            reader = self._reader
+            if self._closed or reader is None:
+                raise self._closed_error()
+            return fn(reader)
 
     async def _point_row(self, query: str, thread: str) -> tuple[Any, ...] | None:
         """The row ``query`` finds for ``thread``, or ``None``: on the event loop if SQLite answers at once.
