@@ -400,3 +400,35 @@ async def test_a_step_on_another_threads_event_loop_folds_in_the_step(
     assert sum(isinstance(r.episode, SummaryCheckpoint) for r in records) == len(folded)
     warnings = [r.message for r in caplog.records if "another event loop" in r.message]
     assert len(warnings) == 1 and repr(THREAD) in warnings[0]
+
+
+async def test_the_hard_trigger_on_another_threads_loop_waits_for_the_background_summary() -> None:
+    """A step on another thread's event loop that reaches the budget waits for the summary under way.
+
+    Before, it waited on the summary's anyio event, which the entered loop set without ever waking it.
+    """
+    summarizer = SlowSummarizer(0.05)
+    summarizer.gate = anyio.Event()
+    async with (
+        MemoryStore() as store,
+        Compactor(store, options=options(), summarizer=summarizer, counter=ApproximateCounter()) as compactor,
+    ):
+        n = await grow_until_started(compactor, summarizer.started)
+
+        async def step() -> CompactionResult | None:
+            for k in range(6):  # well past the budget while the summarizer is held at its gate
+                await compactor.append(THREAD, turn(n + k))
+            return await compactor.maybe_compact(THREAD)
+
+        results: list[CompactionResult | None] = []
+
+        async def in_another_thread() -> None:
+            results.append(await anyio.to_thread.run_sync(anyio.run, step, abandon_on_cancel=True))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as group:
+                group.start_soon(in_another_thread)
+                await anyio.sleep(0.2)
+                assert not results  # it waits for the summary
+                summarizer.gate.set()
+    assert results and results[0] is not None and results[0].compacted and results[0].background

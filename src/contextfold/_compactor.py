@@ -311,6 +311,8 @@ class _Background:
     """A fold being summarized, and written, ahead of the hard trigger for one thread."""
 
     done: anyio.Event = field(default_factory=anyio.Event)
+    ended: threading.Event = field(default_factory=threading.Event)
+    """Set with ``done``, for a step on another thread's event loop (see ``_background_done``)."""
     result: CompactionResult | None = None
     error: Exception | None = None
 
@@ -607,7 +609,7 @@ class Compactor:
             return None
         if running is not None:
             # The hard trigger fired while the summary is on its way: wait for that one.
-            await running.done.wait()
+            await self._background_done(running)
             return self._take_background(thread, running)
         return await self._compact(thread, settings, reason, episodic=episodic)
 
@@ -1320,6 +1322,18 @@ class Compactor:
         self._background[thread] = job
         group.start_soon(self._run_background, thread, settings, job, name=f"contextfold fold {thread}")
 
+    async def _background_done(self, running: _Background) -> None:
+        """Wait for a background summary to end; in a worker thread from another thread's event loop.
+
+        Its event belongs to the loop that entered the compactor, whose ``set``
+        would never wake a task of a loop in another thread (a framework's
+        synchronous call runs one).
+        """
+        if threading.get_ident() == self._group_thread:
+            await running.done.wait()
+        else:
+            await anyio.to_thread.run_sync(running.ended.wait)
+
     def _warn_in_the_step(self, thread: str, why: str, fix: str) -> None:
         """Warn, once per compactor, that background folds run in the step: why, and what to do."""
         if not self._warned_background:
@@ -1368,6 +1382,7 @@ class Compactor:
                         job.error = exc
                     finished = True
         finally:
+            job.ended.set()
             job.done.set()
             if not finished:
                 # Cancelled before its fold was written: the owner closed.
