@@ -298,7 +298,8 @@ async def test_a_session_reads_what_another_worker_added(tmp_path: Path) -> None
 async def test_the_filter_never_sends_a_call_that_pop_item_left_open(httpserver: HTTPServer) -> None:
     """pop_item can leave a call without its output in the session; the filter does not send it, as the SDK.
 
-    Before, the model got the open call (which the Responses API rejects); the session keeps it.
+    Before, the model got the open call (which the Responses API rejects); the session keeps it. The
+    SDK's input then lacks that call, and the filter still records nothing of it again.
     """
     provider = serve(httpserver)
     async with MemoryStore() as store:
@@ -308,5 +309,7 @@ async def test_the_filter_never_sends_a_call_that_pop_item_left_open(httpserver:
         await session.pop_item()  # the tool's output: its call stays, unanswered
         assert [item.get("type") for item in await session.get_items()][-1] == "function_call"
         await run_turns(session, httpserver, range(1, 3))
+        users = [item.get("content") for item in await session.get_items() if item.get("role") == "user"]
     check_requests_whole(provider.requests)
     assert "call_0" not in [text_of(m) for request in provider.requests[2:] for m in request]
+    assert users == [question(0), question(1), question(2)]  # nothing recorded twice

@@ -270,13 +270,32 @@ class CompactingSession:
 
     async def model_input_filter(self, data: CallModelData[Any]) -> ModelInputData:
         """For ``RunConfig(call_model_input_filter=...)``: record the input, compact, send the context."""
-        messages, ids = from_items(data.model_data.input)
+        messages, ids = await self._input(list(data.model_data.input))
         recorded: list[Message] = []
         context = await sync(self.compactor, self.session_id, messages, ids=ids, recorded=recorded)
         self._filter_recorded += [content_hash(message) for message in recorded]
         if context is None:
             return data.model_data
         return ModelInputData(input=_answered(to_items(context)), instructions=data.model_data.instructions)
+
+    async def _input(self, given: list[TResponseInputItem]) -> tuple[list[Message], list[str | None]]:
+        """The model input as messages to sync, and their ids.
+
+        The SDK builds the input from ``get_items`` without the calls no output
+        answers (``pop_item`` can leave one). Then the input is not the log's
+        end plus new items, and matching it by content would record the history
+        again: when it starts with the session's items less those calls, the
+        session's own messages stand for that part.
+        """
+        cache = self.compactor._cache.get(self.session_id)
+        if cache is None or cache.open_calls:
+            context = await self.compactor.context(self.session_id)
+            items = to_items(context)
+            held = _answered(items)
+            if len(held) < len(items) and [_plain(item) for item in given[: len(held)]] == held:
+                new, new_ids = from_items(given[len(held) :])
+                return [*context, *new], [None] * len(context) + new_ids
+        return from_items(given)
 
 
 def _answered(items: list[TResponseInputItem]) -> list[TResponseInputItem]:
