@@ -12,6 +12,7 @@ what they wrote must be all there, once each.
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,9 +22,10 @@ from typing import Any
 import anyio
 import pytest
 
-from contextfold import Message
+from contextfold import Compactor, Message
 from contextfold.episodes import RunCompletedEpisode, UserMessageEpisode
 from contextfold.stores import MemoryStore, SQLiteStore
+from contextfold.tokens import ApproximateCounter
 
 LOOPS = 3
 STEPS = 6
@@ -189,3 +191,39 @@ def test_a_store_opened_and_closed_by_loops_that_ended_serves_the_loops_in_betwe
     # The store's own threads (SQLite's worker, PostgreSQL's pool of the other loops) ended with it.
     own = {f"contextfold-sqlite {database.get('path')}", f"contextfold-postgres {database.get('schema')}"}
     assert not [thread.name for thread in threading.enumerate() if thread.name in own]
+
+
+def test_memory_store_keeps_two_threads_writing_one_conversation_apart() -> None:
+    """Two OS threads, each with its own event loop, appending to one conversation: every seq once.
+
+    Before, each write's read of the last seq and its write could interleave with the other thread's
+    (forced here by a tiny switch interval), and rows were written with the same seq.
+    """
+    store = MemoryStore()
+    compactor = Compactor(store, counter=ApproximateCounter())
+
+    async def write(name: str) -> None:
+        for n in range(400):
+            await compactor.append("shared", [Message.user(f"{name} {n}")])
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        workers = [threading.Thread(target=anyio.run, args=(write, name)) for name in ("a", "b")]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(60)
+            assert not worker.is_alive()
+    finally:
+        sys.setswitchinterval(interval)
+
+    async def check() -> None:
+        window = await store.load("shared")
+        seqs = [stored.seq for stored in window.messages]
+        assert seqs == list(range(1, 801))
+        assert window.total_tokens == sum(stored.tokens for stored in window.messages)
+        records = [record async for record in store.replay("shared")]
+        assert [record.seq for record in records] == list(range(1, 801))
+
+    anyio.run(check)

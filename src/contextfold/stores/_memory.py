@@ -4,8 +4,9 @@ Each method runs without awaiting in between its reads and writes, so on one
 event loop every operation is atomic: a ``fold`` checks the guard, records the
 checkpoint and swaps the prefix with nothing else running in between. Nothing
 in it belongs to an event loop, so loops in several threads may share one (a
-sync framework's calls, each in a loop of its own); but two threads writing
-the same conversation thread at the same moment are not kept apart. Messages
+sync framework's calls, each in a loop of its own): each write holds a thread
+lock over its reads and writes, so two threads writing one conversation thread
+at the same moment are kept apart too. Messages
 are copied through their JSON on the way in, exactly as the SQL backends
 store them, so what a caller reads back never aliases what it appended. The
 episodic log keeps each episode as its JSON text and decodes it when
@@ -28,6 +29,7 @@ every write.
 from __future__ import annotations
 
 import bisect
+import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -124,6 +126,9 @@ class MemoryStore(AsyncResource):
         self._logs: dict[str, _Log] = {}
         self._tombstones: dict[str, list[Tombstone]] = {}
         self._compacting: set[str] = set()
+        # Each write's reads and writes under one lock: one event loop never interleaves them
+        # (nothing awaits in between), but loops in other OS threads could.
+        self._lock = threading.Lock()
         self._pace = Pacer()
         self._closed = False
 
@@ -224,31 +229,34 @@ class MemoryStore(AsyncResource):
         check_thread(thread)
         rows = await off_loop_if_heavy(messages, encode_rows, messages, tokens)
         self._check_open()  # a large batch was encoded in a thread: the store may have closed meanwhile
-        return self._append_rows(thread, rows, [None] * len(rows), self._total_after(thread, rows))
+        with self._lock:
+            return self._append_rows(thread, rows, [None] * len(rows), self._total_after(thread, rows))
 
     async def load(self, thread: str, *, max_tokens: int | None = None) -> ContextWindow:
         await self._enter()
         check_thread(thread)
         limit = check_max_tokens(max_tokens)
-        context = self._contexts.get(thread, _NO_CONTEXT)
-        messages = context.messages
-        start = len(messages)
-        if limit is None:
-            start = 0
-        else:
-            left = limit
-            while start > 0 and messages[start - 1].tokens <= left:
-                start -= 1
-                left -= messages[start].tokens
-        return self._window(thread, context, start, complete=start == 0)
+        with self._lock:  # the messages and the stats of one moment, whatever other threads write
+            context = self._contexts.get(thread, _NO_CONTEXT)
+            messages = context.messages
+            start = len(messages)
+            if limit is None:
+                start = 0
+            else:
+                left = limit
+                while start > 0 and messages[start - 1].tokens <= left:
+                    start -= 1
+                    left -= messages[start].tokens
+            return self._window(thread, context, start, complete=start == 0)
 
     async def tail(self, thread: str, *, after_seq: int) -> ContextWindow:
         await self._enter()
         check_thread(thread)
         after = check_after_seq(after_seq)
-        context = self._contexts.get(thread, _NO_CONTEXT)
-        start = bisect.bisect_right(context.messages, after, key=lambda stored: stored.seq)
-        return self._window(thread, context, start, complete=after == 0)
+        with self._lock:
+            context = self._contexts.get(thread, _NO_CONTEXT)
+            start = bisect.bisect_right(context.messages, after, key=lambda stored: stored.seq)
+            return self._window(thread, context, start, complete=after == 0)
 
     async def stats(self, thread: str) -> ThreadStats:
         self._check_open()
@@ -327,18 +335,21 @@ class MemoryStore(AsyncResource):
             replacement, partial(encode_rows, replacement, tokens, field="replacement")
         )
         self._check_open()
-        context, cut, stats = self._swap(thread, through_seq, expected_version, rows)
-        self._apply(context, cut, stats, through_seq, rows, None)
+        with self._lock:
+            context, cut, stats = self._swap(thread, through_seq, expected_version, rows)
+            self._apply(context, cut, stats, through_seq, rows, None)
         return stats
 
     @asynccontextmanager
     async def compaction_lock(self, thread: str) -> AsyncIterator[bool]:
         await self._enter()
         check_thread(thread)
-        if thread in self._compacting:
+        with self._lock:
+            taken = thread not in self._compacting
+            self._compacting.add(thread)
+        if not taken:
             yield False
             return
-        self._compacting.add(thread)
         try:
             yield True
         finally:
@@ -351,7 +362,8 @@ class MemoryStore(AsyncResource):
         check_thread(thread)
         when = utc(at, "at")
         body = encode_episode(episode)
-        (seq,) = self._record_bodies(thread, [episode], [body], when)
+        with self._lock:
+            (seq,) = self._record_bodies(thread, [episode], [body], when)
         return EpisodeRecord(thread=thread, seq=seq, at=when, episode=episode)
 
     async def replay(self, thread: str, *, from_seq: int = 0) -> AsyncIterator[EpisodeRecord]:
@@ -410,15 +422,16 @@ class MemoryStore(AsyncResource):
         await self._enter()
         check_thread(thread)
         rows = recording.rows
-        total = self._total_after(thread, rows)  # before anything is written
         when = datetime.now(UTC)
         # A step ``Compactor.append`` checked without encoding it: each episode's JSON is made when read.
         unencoded = None if recording.encoded else rows
-        seqs = self._record_bodies(thread, recording.episodes, recording.bodies, when, unencoded)
-        links: list[int | None] = []
-        for link in recording.links:
-            links.append(None if link is None else seqs[link])
-        return self._append_rows(thread, rows, links, total)
+        with self._lock:
+            total = self._total_after(thread, rows)  # before anything is written
+            seqs = self._record_bodies(thread, recording.episodes, recording.bodies, when, unencoded)
+            links: list[int | None] = []
+            for link in recording.links:
+                links.append(None if link is None else seqs[link])
+            return self._append_rows(thread, rows, links, total)
 
     async def fold(
         self,
@@ -438,17 +451,22 @@ class MemoryStore(AsyncResource):
             replacement, partial(encode_rows, replacement, tokens, field="replacement")
         )
         self._check_open()
-        context, cut, stats = self._swap(thread, through_seq, expected_version, rows)
-        when = datetime.now(UTC)
-        (seq,) = self._record_bodies(thread, [checkpoint], [body], when)
-        record = trusted(EpisodeRecord, thread=thread, seq=seq, at=when, episode=checkpoint)
-        self._contexts[thread] = context
-        self._apply(context, cut, stats, through_seq, rows, record.seq)
+        with self._lock:
+            context, cut, stats = self._swap(thread, through_seq, expected_version, rows)
+            when = datetime.now(UTC)
+            (seq,) = self._record_bodies(thread, [checkpoint], [body], when)
+            record = trusted(EpisodeRecord, thread=thread, seq=seq, at=when, episode=checkpoint)
+            self._contexts[thread] = context
+            self._apply(context, cut, stats, through_seq, rows, record.seq)
         return record
 
     async def forget(self, thread: str) -> Tombstone:
         await self._enter()
         check_thread(thread)
+        with self._lock:
+            return self._forget(thread)
+
+    def _forget(self, thread: str) -> Tombstone:
         context = self._contexts.get(thread)
         log = self._logs.pop(thread, None)
         tombstone = Tombstone(
