@@ -213,3 +213,22 @@ async def test_a_tool_call_id_the_model_gives_every_run_is_a_new_call(fold: bool
         ]
         assert any(isinstance(r.episode, SummaryCheckpoint) for r in records) is fold
     check_requests_whole(script.requests)
+
+
+async def test_a_runs_responses_keep_its_fields_after_a_fold() -> None:
+    """new_messages() after a fold holds the run's own responses: its run_id and conversation_id on each.
+
+    Before, they were rebuilt from what was recorded, before pydantic-ai stamped them, and carried neither.
+    """
+    async with MemoryStore() as store:
+        bot = make_agent(store, Scripted())
+        history: list[ModelMessage] = []
+        folded = 0
+        for n in range(12):
+            result = await bot.run(question(n), message_history=history, conversation_id="c")
+            history = result.all_messages()
+            folded += any("Codes seen:" in m.text for m in from_pydantic_ai(history)[0])
+            responses = [m for m in result.new_messages() if isinstance(m, ModelResponse)]
+            assert len(responses) == 2
+            assert all(m.run_id == result.run_id and m.conversation_id == "c" for m in responses), n
+        assert folded

@@ -186,6 +186,29 @@ def to_pydantic_ai(messages: Sequence[Message]) -> list[ModelMessage]:
     return _load(out)
 
 
+def _the_runs_own(rewritten: list[ModelMessage], given: Sequence[ModelMessage]) -> list[ModelMessage]:
+    """``rewritten`` with each response the run gave the capability as the run's own object.
+
+    A response is kept as it was recorded, before pydantic-ai stamped it with
+    the run's ``run_id``, ``conversation_id`` and ``model_id``: the run's own
+    object carries them, so ``new_messages()`` after a fold is as without one.
+    """
+    own: dict[str, ModelMessage] = {}
+    for message in given:
+        if isinstance(message, ModelResponse):
+            own.setdefault(_parts_of(message), message)
+    if not own:
+        return rewritten
+    return [
+        own.get(_parts_of(message), message) if isinstance(message, ModelResponse) else message
+        for message in rewritten
+    ]
+
+
+def _parts_of(response: ModelResponse) -> str:
+    return json.dumps(_dump(response).get("parts"), sort_keys=True)
+
+
 @dataclass
 class CompactionCapability(AbstractCapability[Any]):
     """Compacts the run's message history before each model request (``Agent(capabilities=[...])``)."""
@@ -217,7 +240,7 @@ class CompactionCapability(AbstractCapability[Any]):
         messages, ids = from_pydantic_ai(request_context.messages)
         context = await self.compactor.sync(self._thread(ctx), messages, ids=ids)
         if context is not None:
-            rewritten = to_pydantic_ai(context)
+            rewritten = _the_runs_own(to_pydantic_ai(context), request_context.messages)
             request_context.messages = list(rewritten)
             ctx.messages[:] = rewritten
         return request_context
