@@ -67,6 +67,7 @@ from ._trusted import trusted
 from .stores._base import ContextWindow, EpisodicStore, ShortTermStore, Store, StoredMessage, ThreadStats
 from .stores._rows import Recording, heavy_batch, not_a_sequence, record_messages, utc
 from .summarizers._base import Summarizer, Summary
+from .summarizers._checks import check_summarizers
 
 __all__ = [
     "ABANDONED_METADATA_KEY",
@@ -380,8 +381,6 @@ class Compactor:
         self.fallback: Summarizer = (
             fallback if fallback is not None else ExtractiveSummarizer(counter=self.counter)
         )
-        from .summarizers._checks import check_summarizers
-
         check_summarizers(summarizer=summarizer, fallback=fallback)
         self.summarizer: Summarizer = summarizer if summarizer is not None else self.fallback
         self.events = EventDispatcher(subscribers, log_events=log_events)

@@ -132,15 +132,16 @@ def _words(key: str) -> set[str]:
 
 def _closest(key: str, known: Sequence[str]) -> str | None:
     """The option ``key`` most likely misspells: most words shared, then most alike; ``None`` if none is."""
-    ranked = max(
-        known,
-        key=lambda name: (len(_words(key) & _words(name)), difflib.SequenceMatcher(None, key, name).ratio()),
-        default=None,
-    )
-    if ranked is None:
+    words = _words(key)
+
+    def likeness(name: str) -> tuple[int, float]:
+        return len(words & _words(name)), difflib.SequenceMatcher(None, key, name).ratio()
+
+    best = max(known, key=likeness, default=None)
+    if best is None:
         return None
-    alike = difflib.SequenceMatcher(None, key, ranked).ratio()
-    return ranked if _words(key) & _words(ranked) or alike >= 0.75 else None
+    shared, alike = likeness(best)
+    return best if shared or alike >= 0.75 else None
 
 
 def _config_error(exc: ValidationError, cls: type[_Options]) -> ConfigError:

@@ -36,12 +36,12 @@ from typing import Any, TypeAlias, TypeVar, cast
 
 import anyio
 
+from ._callables import awaited, returns_awaitable, unwrapped
 from ._compactor import CompactionResult, Compactor
 from ._episodes import ToolCallEpisode, Usage
 from ._errors import ConfigError
 from ._events import CompactionEvent
 from ._messages import Message, Role, ToolCall
-from .summarizers._checks import returns_awaitable, unwrapped
 
 __all__ = [
     "LLM",
@@ -288,15 +288,7 @@ class StepLoop:
         _check_blocking_llm(llm)
 
         async def as_stream(messages: list[Message]) -> AsyncIterator[Message | Reply]:
-            pending = llm(messages)
-            if not inspect.isawaitable(pending):  # a lambda: Python has no async one, so it is checked here
-                raise ConfigError(
-                    "llm",
-                    f"returned a {type(pending).__name__} rather than an awaitable; "
-                    "define it as 'async def llm(messages) -> Message | Reply'",
-                    value=llm,
-                )
-            yield await pending
+            yield await awaited(llm(messages), llm, "llm", _BLOCKING_SHAPE)
 
         compactions: list[CompactionResult] = []
         events = self.stream(thread, user, llm=as_stream, tools=tools, max_steps=max_steps)
@@ -527,13 +519,7 @@ async def _run_tool(tools: Mapping[str, Tool], call: ToolCall) -> Message:
         pending = tool(**arguments) if isinstance(arguments, dict) else tool(arguments)
     except Exception as exc:  # arguments the tool does not take, say
         return _tool_failed(call, exc)
-    if not inspect.isawaitable(pending):  # a lambda: Python has no async one, so it is checked here
-        raise ConfigError(
-            f"tools[{call.name!r}]",
-            f"returned a {type(pending).__name__} rather than an awaitable: "
-            f"define it as 'async def {call.name}(...)'",
-            value=tool,
-        )
+    pending = awaited(pending, tool, f"tools[{call.name!r}]", f"async def {call.name}(...)")
     try:
         output = await pending
     except Exception as exc:

@@ -40,8 +40,7 @@ import threading
 import uuid
 import weakref
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
@@ -60,6 +59,7 @@ from ._episodes import (
 )
 from ._errors import ConfigError
 from ._messages import SUMMARY_METADATA_KEY, Message
+from ._threads import holding
 
 __all__ = ["KEY_METADATA_KEY", "SUMMARY_KEY_PREFIX", "append", "content_hash", "message_key", "sync"]
 
@@ -103,7 +103,7 @@ class _Seen:
     """What one thread's log holds, as far as this process has read it."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
-    """Held by one ``sync`` or ``append`` of the thread at a time (see ``_holding``)."""
+    """Held by one ``sync`` or ``append`` of the thread at a time, from any event loop (see ``holding``)."""
     next_seq: int = 0
     keys: list[str] = field(default_factory=list)
     hashes: list[str] = field(default_factory=list)
@@ -128,25 +128,6 @@ def _by_content(key: str) -> bool:
 
 
 _SEEN: weakref.WeakKeyDictionary[Compactor, dict[str, _Seen]] = weakref.WeakKeyDictionary()
-
-
-@asynccontextmanager
-async def _holding(lock: threading.Lock) -> AsyncIterator[None]:
-    """Hold ``lock`` for the block, waiting for it in a worker thread when another holds it.
-
-    A thread lock rather than anyio's, which belongs to one event loop: a
-    framework's synchronous calls run their own loops in other OS threads
-    (LangChain's ``invoke``), and two of them on one thread would otherwise wait
-    for each other forever. A cancelled waiter takes the lock and gives it back
-    at once (the wait is shielded), so it is never left held.
-    """
-    if not lock.acquire(blocking=False):
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(lock.acquire)
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 def _seen(compactor: Compactor, thread: str) -> _Seen:
@@ -221,75 +202,85 @@ def _new_messages(
     seen: _Seen, messages: Sequence[Message], keys: Sequence[str | None]
 ) -> list[int] | _Reused:
     """Indexes of the messages the log does not hold yet, in order; ``_Reused`` when the context decides."""
-    known = set(seen.keys)
-    position = {key: n for n, key in enumerate(seen.keys)}
-    usual = _usual(seen, messages, keys, known, position)
-    return _reused(seen, messages, keys, known, position, usual) or usual
+    listed = _Listed(seen, messages, keys)
+    usual = listed.usual()
+    return listed.reused(usual) or usual
 
 
-def _usual(
-    seen: _Seen,
-    messages: Sequence[Message],
-    keys: Sequence[str | None],
-    known: set[str],
-    position: dict[str, int],
-) -> list[int]:
-    """The new messages when every id is the message's own: a known id is an old message."""
-    anchor_index = -1  # in ``messages``: the newest message shared by key
-    anchor_position = -1  # in the log
-    for index, key in enumerate(keys):
-        if key is not None and key in known:
-            anchor_index, anchor_position = index, max(anchor_position, position[key])
-    fresh: list[int] = []
-    loose: list[int] = []
-    hashed = set(seen.hashes)
-    for index, (message, key) in enumerate(zip(messages, keys, strict=True)):
-        if _is_summary(message, key):
-            continue
-        if key is not None:
-            if key not in known:
-                fresh.append(index)
-        elif index > anchor_index:
-            loose.append(index)
-        elif content_hash(message) not in hashed:
-            fresh.append(index)  # an unkeyed message the log never saw, before the anchor
-    digests = [content_hash(messages[index]) for index in loose]
-    old = _overlap(digests, seen.hashes[anchor_position + 1 :])
-    return sorted(fresh + loose[old:])
+class _Listed:
+    """A framework's list, read against what the log holds; each message hashed once at most."""
 
+    __slots__ = ("_digests", "keys", "messages", "position", "seen")
 
-def _reused(
-    seen: _Seen,
-    messages: Sequence[Message],
-    keys: Sequence[str | None],
-    known: set[str],
-    position: dict[str, int],
-    usual: list[int],
-) -> _Reused | None:
-    """Whether the list may reuse an id the log holds (see the module's docstring); ``None`` if not.
+    def __init__(self, seen: _Seen, messages: Sequence[Message], keys: Sequence[str | None]) -> None:
+        self.seen = seen
+        self.messages = messages
+        self.keys = keys
+        self.position = {key: n for n, key in enumerate(seen.keys)}
+        """Where in the log each key was last recorded: the keys the log knows."""
+        self._digests: dict[int, str] = {}
 
-    The list's longest run that repeats the log's end is old. A message after
-    it that the log knows by a framework's id may reuse that id, and then it
-    and everything after the run is new. ``None`` (decided the usual way) when
-    no message after the run has a known id, or one has a key ``sync`` itself
-    gave: such a message is old, so the list is not the log's end plus new ones.
-    """
-    order = [index for index in range(len(messages)) if not _is_summary(messages[index], keys[index])]
-    marks: list[str] = []
-    for index in order:
-        key = keys[index]
-        if key is None or not _by_content(key):
-            marks.append(key or f"h:{content_hash(messages[index])}")
-        else:  # a message the context handed back: laid by what the log holds for it
-            at = position.get(key)
-            marks.append(seen.marks[at] if at is not None else f"h:{content_hash(messages[index])}")
-    old = _overlap(marks, seen.marks)
-    after = order[old:]
-    follows = [key for key in (keys[index] for index in after) if key is not None and key in known]
-    if not old or not follows or any(_by_content(key) for key in follows) or after == usual:
-        return None
-    in_run = Counter(keys[index] for index in order[:old])
-    return _Reused(after, usual, Counter({key: in_run[key] for key in follows}))
+    def digest(self, index: int) -> str:
+        found = self._digests.get(index)
+        if found is None:
+            found = self._digests[index] = content_hash(self.messages[index])
+        return found
+
+    def usual(self) -> list[int]:
+        """The new messages when every id is the message's own: a known id is an old message."""
+        seen, keys, position = self.seen, self.keys, self.position
+        anchor_index = -1  # in ``messages``: the newest message shared by key
+        anchor_position = -1  # in the log
+        for index, key in enumerate(keys):
+            if key is not None and key in position:
+                anchor_index, anchor_position = index, max(anchor_position, position[key])
+        fresh: list[int] = []
+        loose: list[int] = []
+        hashed = set(seen.hashes)
+        for index, (message, key) in enumerate(zip(self.messages, keys, strict=True)):
+            if _is_summary(message, key):
+                continue
+            if key is not None:
+                if key not in position:
+                    fresh.append(index)
+            elif index > anchor_index:
+                loose.append(index)
+            elif self.digest(index) not in hashed:
+                fresh.append(index)  # an unkeyed message the log never saw, before the anchor
+        digests = [self.digest(index) for index in loose]
+        old = _overlap(digests, seen.hashes[anchor_position + 1 :])
+        return sorted(fresh + loose[old:])
+
+    def reused(self, usual: list[int]) -> _Reused | None:
+        """Whether the list may reuse an id the log holds (see the module's docstring); ``None`` if not.
+
+        The list's longest run that repeats the log's end is old. A message after
+        it that the log knows by a framework's id may reuse that id, and then it
+        and everything after the run is new. ``None`` (decided the usual way) when
+        no message after the run has a known id, or one has a key ``sync`` itself
+        gave: such a message is old, so the list is not the log's end plus new ones.
+        """
+        seen, keys, position = self.seen, self.keys, self.position
+        order = [
+            index for index in range(len(self.messages)) if not _is_summary(self.messages[index], keys[index])
+        ]
+        marks: list[str] = []
+        for index in order:
+            key = keys[index]
+            at = position.get(key) if key is not None and _by_content(key) else None
+            if at is not None:  # a message the context handed back: laid by what the log holds for it
+                marks.append(seen.marks[at])
+            elif key is not None and not _by_content(key):
+                marks.append(key)
+            else:
+                marks.append(f"h:{self.digest(index)}")
+        old = _overlap(marks, seen.marks)
+        after = order[old:]
+        follows = [key for key in (keys[index] for index in after) if key is not None and key in position]
+        if not old or not follows or any(_by_content(key) for key in follows) or after == usual:
+            return None
+        in_run = Counter(keys[index] for index in order[:old])
+        return _Reused(after, usual, Counter({key: in_run[key] for key in follows}))
 
 
 async def sync(
@@ -314,7 +305,7 @@ async def sync(
     """
     keys = _keys(messages, ids)
     seen = _seen(compactor, thread)
-    async with _holding(seen.lock):
+    async with holding(seen.lock):
         await _catch_up(compactor, thread, seen)
         found = await _off_loop(len(messages), _new_messages, seen, messages, keys)
         fresh = found.new(await compactor.context(thread)) if isinstance(found, _Reused) else found
@@ -339,7 +330,7 @@ async def append(
     """
     keys = _keys(messages, ids)
     seen = _seen(compactor, thread)
-    async with _holding(seen.lock):
+    async with holding(seen.lock):
         await _catch_up(compactor, thread, seen)
         new = [_with_key(message, key) for message, key in zip(messages, keys, strict=True)]
         await _record(compactor, thread, seen, new, compact=True)

@@ -30,7 +30,7 @@ from agents.memory import SessionSettings
 from agents.run_config import CallModelData, ModelInputData
 
 from .._compactor import TRUNCATED_METADATA_KEY, Compactor
-from .._episodes import HistoryClearedEpisode, MessagesRetractedEpisode, episode_for
+from .._episodes import Episode, HistoryClearedEpisode, MessagesRetractedEpisode, episode_for
 from .._errors import ConfigError
 from .._messages import Message, Role, ToolCall
 from .._sync import append, content_hash, sync
@@ -220,39 +220,29 @@ class CompactingSession:
         window = await self.compactor.short_term.load(self.session_id)
         if not window.messages:
             return None
-        last = window.messages[-1]
+        last, kept = window.messages[-1], window.messages[:-1]
         items = to_items([last.message])
-        if last.message.is_summary:
-            kept = window.messages[:-1]
-            await self.compactor.episodic.record(self.session_id, HistoryClearedEpisode())
-            for stored in kept:
-                await self.compactor.episodic.record(self.session_id, episode_for(stored.message))
-            await self.compactor.short_term.replace_prefix(
-                self.session_id,
-                through_seq=last.seq,
-                expected_version=window.version,
-                replacement=[stored.message for stored in kept],
-                tokens=[stored.tokens for stored in kept],
-            )
-            self.compactor._forget_seen(self.session_id)
-            return items[-1]
-        if not items:
+        retraction: Episode
+        rest: list[Message]
+        if last.message.is_summary:  # all before it folded away: the log starts over with what stays
+            retraction, rest, again = HistoryClearedEpisode(), [], [stored.message for stored in kept]
+        elif items:  # the newest message's items but its last stay, as a message of their own
+            rest, _ = from_items(items[:-1])
+            retraction, again = MessagesRetractedEpisode(count=1), rest
+        else:
             return None
-        popped = items[-1]
-        rest, _ = from_items(items[:-1])
-        await self.compactor.episodic.record(self.session_id, MessagesRetractedEpisode(count=1))
-        for message in rest:
+        await self.compactor.episodic.record(self.session_id, retraction)
+        for message in again:
             await self.compactor.episodic.record(self.session_id, episode_for(message))
         await self.compactor.short_term.replace_prefix(
             self.session_id,
             through_seq=last.seq,
             expected_version=window.version,
-            replacement=[stored.message for stored in window.messages[:-1]] + rest,
-            tokens=[stored.tokens for stored in window.messages[:-1]]
-            + [self.compactor.counter.count(m) for m in rest],
+            replacement=[stored.message for stored in kept] + rest,
+            tokens=[stored.tokens for stored in kept] + [self.compactor.counter.count(m) for m in rest],
         )
         self.compactor._forget_seen(self.session_id)
-        return popped
+        return items[-1]
 
     async def clear_session(self) -> None:
         """Empty the session; the log keeps every item and records the clear."""

@@ -64,6 +64,7 @@ from .._messages import Message
 from .._pacing import wake
 from .._policy import EpisodicCompactionPressure
 from .._resource import AsyncResource
+from .._threads import holding
 from ._base import ContextWindow, StoredMessage, ThreadInfo, ThreadState, ThreadStats, Tombstone
 from ._rows import (
     PressureCounters,
@@ -576,22 +577,11 @@ class PostgresStore(AsyncResource):
 
     async def open(self) -> None:
         """Connect, create or migrate the schema, and start the pool; a second call does nothing."""
-        async with self._opening_held():
+        async with holding(self._opening):
             if self._closed:
                 raise StoreClosedError(f"{self!r} was closed; create a new PostgresStore")
             if self._pool is None:
                 await self._open()
-
-    @asynccontextmanager
-    async def _opening_held(self) -> AsyncIterator[None]:
-        """``_opening``, taken at once if free, else waited for in a worker thread (never on the loop)."""
-        if not self._opening.acquire(blocking=False):
-            # Not abandoned when cancelled: it returns holding the lock, released below.
-            await anyio.to_thread.run_sync(self._opening.acquire)
-        try:
-            yield
-        finally:
-            self._opening.release()
 
     async def _open(self) -> None:
         try:
@@ -668,7 +658,7 @@ class PostgresStore(AsyncResource):
         """
         with anyio.CancelScope(shield=True, deadline=anyio.current_time() + _CONNECT_TIMEOUT_SECONDS * 3):
             self._closed = True
-            async with self._opening_held():
+            async with holding(self._opening):
                 with self._away_lock:
                     away, self._away = self._away, None
                 pool, self._pool = self._pool, None

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .._callables import awaited
 from .._episodes import Usage
 from .._errors import ConfigError, SummarizerError
 from .._messages import Message
@@ -92,14 +92,7 @@ class FunctionSummarizer:
             if len(self.calls) > self.keep_calls:
                 del self.calls[0]
         pending = self.fn(messages, previous_summary, max_summary_tokens)
-        if not inspect.isawaitable(pending):  # a lambda: Python has no async one, so it is checked here
-            raise ConfigError(
-                "fn",
-                f"returned a {type(pending).__name__} rather than an awaitable; "
-                f"define it as {FUNCTION_SHAPE}",
-                value=self.fn,
-            )
-        result = await pending
+        result = await awaited(pending, self.fn, "fn", FUNCTION_SHAPE)
         summary = result if isinstance(result, Summary) else Summary(text=result, model=self.model)
         if not summary.text.strip():
             raise SummarizerError(

@@ -3,27 +3,24 @@
 Misuse is refused where it enters, as a :class:`ConfigError` naming the
 argument. Left to the first fold, a plain function passed as a summarizer fails
 with an ``AttributeError`` or a ``TypeError``: not a ``SummarizerError``, so it
-escapes ``on_summarizer_error="fallback"`` and stops the agent. The step loop
-uses :func:`returns_awaitable` for its model and tools too.
+escapes ``on_summarizer_error="fallback"`` and stops the agent. What tells an
+async callable from a plain one is in ``contextfold._callables``, which the step
+loop uses for its model and tools too.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
-from typing import Any
 
+from .._callables import bind_error, returns_awaitable, unwrapped
 from .._errors import ConfigError
 
 __all__ = [
     "FUNCTION_SHAPE",
     "SUMMARIZE_SHAPE",
-    "bind_error",
     "check_summarizer",
     "check_summarizer_function",
     "check_summarizers",
-    "returns_awaitable",
-    "unwrapped",
 ]
 
 SUMMARIZE_SHAPE = "async def summarize(self, messages, *, previous_summary, max_summary_tokens) -> Summary"
@@ -34,61 +31,6 @@ FUNCTION_SHAPE = "async def fn(messages, previous_summary, max_tokens) -> str | 
 
 _ARGUMENT = object()
 """A placeholder argument: only whether a signature accepts the call is checked."""
-
-
-def unwrapped(fn: object) -> object:
-    """``fn`` without its ``functools.partial`` and bound-method layers."""
-    for _ in range(64):  # a partial of a bound method of a partial...: a bounded walk
-        if isinstance(fn, functools.partial):
-            fn = fn.func
-        elif inspect.ismethod(fn):
-            fn = fn.__func__
-        else:
-            break
-    return fn
-
-
-def returns_awaitable(fn: object) -> bool | None:
-    """Whether calling ``fn`` returns an awaitable: ``True``, ``False``, or ``None`` when it cannot be told.
-
-    ``True`` for a coroutine function, a ``functools.partial`` or bound method of
-    one, a ``functools.wraps`` wrapper of one, and an object whose ``__call__`` is
-    one. ``False`` for any other function written with ``def`` (an async generator
-    function included: its call gives an async iterator, not an awaitable), and
-    an object whose ``__call__`` is such a function. ``None`` for a lambda
-    (Python has no async lambda, so a lambda returning a coroutine is fine; its
-    result has to be checked when called), a class, and builtins or C callables.
-    """
-    fn = unwrapped(fn)
-    if isinstance(fn, type):
-        return None
-    if inspect.iscoroutinefunction(fn):
-        return True
-    if inspect.isfunction(fn):
-        try:
-            inner = inspect.unwrap(fn)
-        except ValueError:  # a cycle of __wrapped__
-            inner = fn
-        if inner is not fn:
-            return returns_awaitable(inner)
-        return None if fn.__name__ == "<lambda>" else False
-    call = inspect.getattr_static(type(fn), "__call__", None)
-    if inspect.isfunction(call):
-        return returns_awaitable(call)
-    return None
-
-
-def bind_error(fn: object, *args: Any, **kwargs: Any) -> str | None:
-    """Why ``fn`` cannot take these arguments; ``None`` when it can, or when its signature is unreadable."""
-    try:
-        signature = inspect.signature(fn)  # type: ignore[arg-type]
-    except (TypeError, ValueError):  # a builtin, or a C callable without a text signature
-        return None
-    try:
-        signature.bind(*args, **kwargs)
-    except TypeError as exc:
-        return f"its signature {signature} does not accept them ({exc})"
-    return None
 
 
 def _name(fn: object) -> str:
