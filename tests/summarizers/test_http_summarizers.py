@@ -282,6 +282,56 @@ async def test_a_complete_reply_logs_no_warning(
     assert caplog.records == []
 
 
+def _refused(provider: Provider, text: str) -> dict[str, Any]:
+    """A reply the provider marks as declined: Anthropic's refusal, OpenAI's content filter."""
+    reply = provider.reply(text, 300, 12)
+    if provider is OPENAI:
+        reply["choices"][0]["finish_reason"] = "content_filter"
+    else:
+        reply["stop_reason"] = "refusal"
+    return reply
+
+
+async def test_a_refused_or_filtered_reply_is_a_summarizer_error_naming_the_reason(
+    provider: Provider, script: Script, summarizer: HTTPSummarizer
+) -> None:
+    """A reply stopped by a refusal or a content filter raises, naming the provider's reason, not retried."""
+    script.then(reply_json(_refused(provider, "I can't help with summarizing this conversation.")))
+    with pytest.raises(SummarizerError) as caught:
+        await summarizer.summarize(CONVERSATION, previous_summary=None, max_summary_tokens=300)
+    reason = "finish_reason 'content_filter'" if provider is OPENAI else "stop_reason 'refusal'"
+    assert reason in str(caught.value)
+    assert caught.value.status == 200
+    assert len(script.requests) == 1
+
+
+@pytest.mark.parametrize("provider", [OPENAI], ids=["openai"])
+async def test_an_openai_refusal_field_is_a_summarizer_error_naming_it(
+    script: Script, base_url: str, provider: Provider
+) -> None:
+    """A Chat Completions ``refusal`` raises naming the refusal, whether or not content came with it."""
+    for content in (None, "Partial summary"):
+        reply = provider.reply("", 300, 12)
+        reply["choices"][0]["message"].update(content=content, refusal="I can't help with that.")
+        script.then(reply_json(reply))
+    async with provider.make(base_url) as summarizer:
+        for _ in range(2):
+            with pytest.raises(SummarizerError, match="refusal") as caught:
+                await summarizer.summarize(CONVERSATION, previous_summary=None, max_summary_tokens=300)
+            assert "empty summary" not in str(caught.value)
+
+
+@pytest.mark.parametrize("provider", [OPENAI], ids=["openai"])
+async def test_a_null_refusal_field_is_an_answer(script: Script, base_url: str, provider: Provider) -> None:
+    """``"refusal": null``, as the official API sends with every answer, is no refusal."""
+    reply = provider.reply("## Decisions\n- keep ids", 30, 5)
+    reply["choices"][0]["message"]["refusal"] = None
+    script.then(reply_json(reply))
+    async with provider.make(base_url) as summarizer:
+        summary = await summarizer.summarize(CONVERSATION, previous_summary=None, max_summary_tokens=300)
+    assert summary.text == "## Decisions\n- keep ids"
+
+
 async def test_401_is_not_retried_and_says_how_to_fix_it(
     provider: Provider, script: Script, summarizer: HTTPSummarizer, sleeps: list[float]
 ) -> None:
@@ -663,6 +713,27 @@ async def test_a_failing_provider_degrades_to_the_extractive_fallback(
     assert context[0].is_summary and "/srv/f0.txt" in context[0].text
     assert len(script.requests) == 3
     assert all(API_KEY not in record.getMessage() for record in caplog.records)
+
+
+async def test_a_refusal_degrades_to_the_extractive_fallback_instead_of_becoming_the_summary(
+    provider: Provider, script: Script, summarizer: HTTPSummarizer
+) -> None:
+    """Under the default ``fallback`` policy a refused fold is summarized offline and marked degraded."""
+    from contextfold import Compactor, RunOptions, SummarizeOptions
+    from contextfold.stores import MemoryStore
+
+    script.then(reply_json(_refused(provider, "I can't help with summarizing this conversation.")))
+    options = RunOptions(
+        max_history_tokens=4000,
+        compaction=SummarizeOptions(trigger_token_budget=1000, max_summary_tokens=200),
+    )
+    async with MemoryStore() as store:
+        compactor = Compactor(store, options=options, summarizer=summarizer, counter=ApproximateCounter())
+        await _fill(compactor, 14)
+        result = await compactor.maybe_compact("t")
+        context = await compactor.context("t")
+    assert result is not None and result.degraded and result.summarizer_model == "extractive"
+    assert "can't help" not in context[0].text and "/srv/f0.txt" in context[0].text
 
 
 async def test_images_and_files_reach_the_provider_as_placeholders_never_as_base64(

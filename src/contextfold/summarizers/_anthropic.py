@@ -52,6 +52,9 @@ class AnthropicSummarizer(HTTPSummarizer):
     def _was_cut(self, data: Mapping[str, Any]) -> bool:
         return data.get("stop_reason") == "max_tokens"
 
+    def _refusal(self, data: Mapping[str, Any]) -> str | None:
+        return "stop_reason 'refusal'" if data.get("stop_reason") == "refusal" else None
+
     def _parse_reply(self, data: Mapping[str, Any]) -> tuple[str, str | None, Usage]:
         content = data.get("content")
         if not isinstance(content, list):

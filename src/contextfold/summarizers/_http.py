@@ -10,8 +10,8 @@ how to read the reply; everything else lives here or in :class:`ChatSummarizer`
 * 429, 408, 409, 5xx and connect or read failures are retried by tenacity as
   :class:`SummarizerRetry` says, honouring ``Retry-After``; other statuses
   fail at once;
-* every transport, protocol or timeout failure, and every malformed or empty
-  reply, ends in a :class:`SummarizerError`.
+* every transport, protocol or timeout failure, and every malformed, empty,
+  refused or content-filtered reply, ends in a :class:`SummarizerError`.
 """
 
 from __future__ import annotations
@@ -166,6 +166,14 @@ class HTTPSummarizer(ChatSummarizer):
     def _was_cut(self, data: Mapping[str, Any]) -> bool:
         """Whether the reply stopped at the output token limit rather than where the model ended it."""
 
+    @abstractmethod
+    def _refusal(self, data: Mapping[str, Any]) -> str | None:
+        """The provider's own words when the model declined or a filter withheld the reply, else None.
+
+        Such a reply's text is an apology or a fragment, never a summary.
+        Read before the reply is parsed, so a malformed reply returns None.
+        """
+
     # resource handling ----------------------------------------------------
 
     async def aclose(self) -> None:
@@ -191,6 +199,13 @@ class HTTPSummarizer(ChatSummarizer):
                 status=response.status_code,
                 body=self._excerpt(response.text),
             ) from None
+        if isinstance(data, Mapping) and (refusal := self._refusal(data)) is not None:
+            raise SummarizerError(
+                f"{self.provider} summarizer: model {self.model!r} gave no summary: the reply ended with "
+                f"{refusal}, a refusal or a content filter (not retried)",
+                status=response.status_code,
+                body=self._excerpt(response.text),
+            )
         try:
             if not isinstance(data, Mapping):
                 raise ValueError(f"the reply is a JSON {type(data).__name__}, not an object")

@@ -98,6 +98,18 @@ class OpenAICompatibleSummarizer(HTTPSummarizer):
         choice = data["choices"][0]
         return isinstance(choice, Mapping) and choice.get("finish_reason") == "length"
 
+    def _refusal(self, data: Mapping[str, Any]) -> str | None:
+        choices = data.get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices else None
+        if not isinstance(choice, Mapping):
+            return None
+        if choice.get("finish_reason") == "content_filter":
+            return "finish_reason 'content_filter'"
+        message = choice.get("message")
+        if isinstance(message, Mapping) and message.get("refusal"):  # the API sends "refusal": null otherwise
+            return "a refusal in choices[0].message.refusal"
+        return None
+
     def _parse_reply(self, data: Mapping[str, Any]) -> tuple[str, str | None, Usage]:
         choices = data.get("choices")
         if not isinstance(choices, list) or not choices:
