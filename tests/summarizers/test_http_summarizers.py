@@ -6,6 +6,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
+from datetime import datetime
 from email.utils import format_datetime
 from typing import Any
 
@@ -418,17 +419,85 @@ async def test_a_transport_failure_a_retry_cannot_fix_is_a_summarizer_error(
     assert sleeps == []
 
 
-async def test_an_unsendable_extra_header_fails_without_showing_its_value(
-    provider: Provider, script: Script, base_url: str, sleeps: list[float]
+@pytest.mark.parametrize(
+    "value", ["gw-secret-77\n", "équipe-gw-secret-77", " gw-secret-77", "gw-secret-77\t", "gw-secret\x0077"]
+)
+def test_a_header_value_http_cannot_carry_is_a_config_error_that_hides_it(
+    provider: Provider, value: str
 ) -> None:
-    """A header value httpx refuses to send ends in a SummarizerError that does not quote it."""
-    async with provider.make(
-        base_url, headers={"X-Gateway-Key": "gw-secret-77\n"}, sleeps=sleeps
-    ) as summarizer:
-        with pytest.raises(SummarizerError, match="LocalProtocolError") as caught:
-            await summarizer.summarize(CONVERSATION, previous_summary=None, max_summary_tokens=300)
-    assert "gw-secret-77" not in str(caught.value) and "gw-secret-77" not in repr(caught.value)
-    assert script.requests == [] and sleeps == []
+    """A header value with a newline, a non-ASCII character or outer whitespace fails when built, unshown."""
+    with pytest.raises(ConfigError) as caught:
+        provider.make("http://127.0.0.1:1/v1", headers={"X-Gateway-Key": value})
+    assert caught.value.key == "headers"
+    assert "'X-Gateway-Key'" in str(caught.value)
+    assert "gw-secret" not in str(caught.value) and "gw-secret" not in repr(caught.value)
+
+
+@pytest.mark.parametrize("name", ["X Team", "Équipe", "", "X-Team:", "X\nTeam"])
+def test_a_header_name_http_cannot_carry_is_a_config_error_naming_it(provider: Provider, name: str) -> None:
+    """A header name outside HTTP's token characters fails when built, naming the header."""
+    with pytest.raises(ConfigError) as caught:
+        provider.make("http://127.0.0.1:1/v1", headers={name: "search"})
+    assert caught.value.key == "headers"
+    assert repr(name) in str(caught.value)
+    assert "'X-Team'" in str(caught.value)  # the example of a name that works
+
+
+@pytest.mark.parametrize(
+    "headers", [[("X-Team", "search")], {"X-Team": b"search"}, {b"X-Team": "search"}, "X-Team: search"]
+)
+def test_headers_must_map_str_names_to_str_values(provider: Provider, headers: Any) -> None:
+    """Headers given as pairs, bytes or a string fail when built, naming ``headers``."""
+    with pytest.raises(ConfigError) as caught:
+        provider.make("http://127.0.0.1:1/v1", headers=headers)
+    assert caught.value.key == "headers"
+
+
+async def test_headers_http_can_carry_reach_the_server(
+    provider: Provider, script: Script, base_url: str
+) -> None:
+    """Inner spaces and tabs and an empty value are valid header values and are sent as given."""
+    script.then(reply_json(provider.reply("ok", 1, 1)))
+    async with provider.make(base_url, headers={"X-Team": "search team\tb", "X-Empty": ""}) as summarizer:
+        await summarizer.summarize(CONVERSATION, previous_summary=None, max_summary_tokens=300)
+    sent = script.requests[0].headers
+    assert (sent["x-team"], sent["x-empty"]) == ("search team\tb", "")
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"metadata": {"at": datetime(2024, 1, 1)}}, "metadata"),
+        ({"temperature": 0.2, "stop": {"END"}}, "stop"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"logit_bias": {(1, 2): 5}}, "logit_bias"),
+    ],
+)
+def test_an_extra_body_json_cannot_carry_is_a_config_error_naming_the_field(
+    provider: Provider, extra: dict[str, Any], field: str
+) -> None:
+    """A datetime, a set, NaN or a tuple key in ``extra_body`` fails when built, naming the field."""
+    with pytest.raises(ConfigError) as caught:
+        provider.make("http://127.0.0.1:1/v1", extra_body=extra)
+    assert caught.value.key == "extra_body"
+    assert f"field {field!r}" in str(caught.value) and "isoformat()" in str(caught.value)
+
+
+def test_extra_body_must_be_a_mapping(provider: Provider) -> None:
+    """``extra_body`` given as pairs fails when built, naming ``extra_body``."""
+    with pytest.raises(ConfigError) as caught:
+        provider.make("http://127.0.0.1:1/v1", extra_body=[("temperature", 0.2)])
+    assert caught.value.key == "extra_body"
+
+
+def test_a_client_that_is_not_an_async_httpx_client_is_a_config_error(provider: Provider) -> None:
+    """A URL string or a sync ``httpx.Client`` as ``client`` fails when built, naming the fix, not the URL."""
+    with pytest.raises(ConfigError) as caught:
+        provider.make("http://127.0.0.1:1/v1", client="http://user:proxy-pass@proxy:8080")
+    assert caught.value.key == "client"
+    assert "httpx.AsyncClient(proxy=" in str(caught.value) and "proxy-pass" not in str(caught.value)
+    with httpx.Client() as sync_client, pytest.raises(ConfigError, match="not a Client"):
+        provider.make("http://127.0.0.1:1/v1", client=sync_client)
 
 
 async def test_key_is_read_from_the_environment(

@@ -16,6 +16,7 @@ how to read the reply; everything else lives here or in :class:`ChatSummarizer`
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from abc import abstractmethod
@@ -46,6 +47,9 @@ _RESERVED_BODY_FIELDS = frozenset(
 )
 _BODY_EXCERPT_CHARS = 300
 _REDACTED = "[redacted]"
+_TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+"""The characters of an HTTP header name (RFC 9110's ``token``)."""
+_NOT_SHOWN = "the value is not shown: a header may carry a secret"
 
 
 def _now() -> datetime:
@@ -55,6 +59,77 @@ def _now() -> datetime:
 def _sendable(key: str) -> bool:
     """Whether ``key`` can travel in an HTTP header as it is."""
     return key.isascii() and key.isprintable() and not any(c.isspace() for c in key)
+
+
+def _header_value_fault(value: str) -> str | None:
+    """What keeps ``value`` out of an HTTP header, without quoting it; None when it can go as it is."""
+    for index, char in enumerate(value):
+        if not char.isascii():
+            return f"holds a non-ASCII character at position {index}"
+        if not char.isprintable() and char != "\t":
+            return f"holds a control character (a newline, say) at position {index}"
+    if value != value.strip(" \t"):
+        return "starts or ends with whitespace"
+    return None
+
+
+def _checked_headers(headers: object) -> dict[str, str]:
+    """``headers`` as a dict, once every name and value is one HTTP can carry; values are never shown."""
+    if headers is None:
+        return {}
+    if not isinstance(headers, Mapping):
+        raise ConfigError(
+            "headers",
+            f"must be a mapping of header names to values, such as {{'X-Team': 'search'}}, "
+            f"not a {type(headers).__name__}",
+        )
+    checked: dict[str, str] = {}
+    for name, value in headers.items():
+        if not isinstance(name, str) or not name or not _TOKEN_CHARS.issuperset(name):
+            raise ConfigError(
+                "headers",
+                f"header name {name!r} is not one HTTP can carry: use ASCII letters, digits and "
+                "!#$%&'*+-.^_`|~ only, such as 'X-Team'",
+            )
+        if not isinstance(value, str):
+            raise ConfigError(
+                "headers", f"header {name!r} must have a str value, not a {type(value).__name__}"
+            )
+        fault = _header_value_fault(value)
+        if fault is not None:
+            raise ConfigError(
+                "headers",
+                f"header {name!r} {fault}, which an HTTP header cannot carry ({_NOT_SHOWN}); "
+                "check it for a stray newline or space, and percent-encode any non-ASCII text",
+            )
+        checked[name] = value
+    return checked
+
+
+def _checked_body(extra_body: object) -> dict[str, Any]:
+    """A copy of ``extra_body`` as it will be sent, once every field is one JSON can carry."""
+    if extra_body is None:
+        return {}
+    if not isinstance(extra_body, Mapping):
+        raise ConfigError(
+            "extra_body",
+            f"must be a mapping of request fields to values, such as {{'temperature': 0.2}}, "
+            f"not a {type(extra_body).__name__}",
+        )
+    for field, value in extra_body.items():
+        try:
+            json.dumps({field: value}, allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise ConfigError(
+                "extra_body",
+                f"field {field!r} cannot be sent as JSON ({exc}); use str, int, float, bool, None, "
+                "lists and dicts with str keys: a date as its isoformat() string, a set as a list, "
+                "no NaN or infinity",
+                value=dict(extra_body),
+            ) from None
+    # The copy is what is sent: a nested value changed later cannot make a request unsendable.
+    copied: dict[str, Any] = json.loads(json.dumps(dict(extra_body)))
+    return copied
 
 
 class HTTPSummarizer(ChatSummarizer):
@@ -116,8 +191,16 @@ class HTTPSummarizer(ChatSummarizer):
         # Injectable so tests run the retry schedule without waiting and read dates on a fixed clock.
         self._sleep: Callable[[float], Awaitable[None]] = anyio.sleep
         self._now: Callable[[], datetime] = _now
-        self._extra_headers = dict(headers or {})
-        self.extra_body: dict[str, Any] = dict(extra_body or {})
+        if client is not None and not isinstance(client, httpx.AsyncClient):
+            # Only the type: a string here is often a proxy URL, which can hold credentials.
+            raise ConfigError(
+                "client",
+                f"must be an httpx.AsyncClient, not a {type(client).__name__}; for a proxy pass "
+                "client=httpx.AsyncClient(proxy='http://proxy:8080'), or leave it out and the "
+                "summarizer makes its own",
+            )
+        self._extra_headers = _checked_headers(headers)
+        self.extra_body: dict[str, Any] = _checked_body(extra_body)
         clashes = sorted(set(self.extra_body) & _RESERVED_BODY_FIELDS)
         if clashes:
             raise ConfigError(
