@@ -28,7 +28,7 @@ from http_fakes import (
     validate_anthropic_body,
     validate_openai_body,
 )
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from contextfold import ConfigError, Message, SummarizerError, ToolCall, Usage
 from contextfold.summarizers import ChatSummarizer, Summarizer, SummarizerRetry
@@ -663,6 +663,59 @@ def test_bad_options_fail_at_construction_naming_the_key(provider: Provider, opt
     with pytest.raises(ConfigError) as caught:
         provider.make(**options)
     assert caught.value.key == option
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://127.0.0.1:1/v1?key=sk-query-secret", "http://127.0.0.1:1/v1#sk-query-secret", "http://h/v1?"],
+)
+def test_a_base_url_with_a_query_or_fragment_is_a_config_error_that_hides_it(
+    provider: Provider, url: str
+) -> None:
+    """The endpoint path would land after ``?`` or ``#``: refused when built, the query not shown."""
+    with pytest.raises(ConfigError) as caught:
+        provider.make(url)
+    assert caught.value.key == "base_url"
+    assert "sk-query-secret" not in str(caught.value) and "sk-query-secret" not in repr(caught.value)
+    assert "httpx.AsyncClient(params=" in str(caught.value)
+
+
+@pytest.mark.parametrize("key", ["", SecretStr("")])
+def test_an_empty_key_is_a_config_error_saying_pass_none(
+    provider: Provider, key: str | SecretStr, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``api_key=""`` would be sent as an empty key; it is refused when built, pointing at None."""
+    monkeypatch.delenv(provider.env_var, raising=False)
+    with pytest.raises(ConfigError) as caught:
+        provider.make("http://127.0.0.1:1/v1", api_key=key)
+    assert caught.value.key == "api_key"
+    assert "None" in str(caught.value) and provider.env_var in str(caught.value)
+
+
+def test_a_key_of_another_type_is_a_config_error_that_hides_it(provider: Provider) -> None:
+    """A key that is neither a str nor a SecretStr fails when built, naming its type only."""
+    with pytest.raises(ConfigError, match="not a bytes") as caught:
+        provider.make("http://127.0.0.1:1/v1", api_key=b"sk-bytes-secret")
+    assert caught.value.key == "api_key" and "sk-bytes" not in str(caught.value)
+
+
+@pytest.mark.parametrize("provider", [OPENAI], ids=["openai"])
+@pytest.mark.parametrize("field", ["max_output_tokens", "max_tokens ", "", 5])
+def test_an_unknown_token_limit_field_is_a_config_error(provider: Provider, field: Any) -> None:
+    """``token_limit_field`` is one of the two fields Chat Completions knows, or None."""
+    with pytest.raises(ConfigError) as caught:
+        provider.make("http://127.0.0.1:1/v1", token_limit_field=field)
+    assert caught.value.key == "token_limit_field"
+    assert "'max_tokens'" in str(caught.value) and "'max_completion_tokens'" in str(caught.value)
+
+
+@pytest.mark.parametrize("provider", [OPENAI], ids=["openai"])
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_either_token_limit_field_is_sent_as_chosen(provider: Provider, field: str) -> None:
+    """Each accepted ``token_limit_field`` names the body's output limit."""
+    body = provider.make("http://127.0.0.1:1/v1", token_limit_field=field).request_body("s", "u", 99)
+    assert body[field] == 99
+    validate_openai_body(body)
 
 
 async def test_a_summary_budget_the_window_cannot_hold_is_a_config_error(provider: Provider) -> None:

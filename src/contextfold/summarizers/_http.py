@@ -180,6 +180,15 @@ class HTTPSummarizer(ChatSummarizer):
         if parsed is None or parsed.scheme not in ("http", "https") or not parsed.hostname:
             hint = "must be an http(s) URL such as 'http://127.0.0.1:11434/v1'"
             raise ConfigError("base_url", hint, value=base_url)
+        if "?" in base_url or "#" in base_url:
+            # Not shown: a query string is where a key is most often put.
+            root = f"{parsed.scheme}://{parsed.netloc}{parsed.path}"
+            raise ConfigError(
+                "base_url",
+                "has a query string or a fragment (not shown: it may hold a key), after which the "
+                f"endpoint's path would be appended; give the API root alone, {root!r}, and any "
+                "query parameters as client=httpx.AsyncClient(params={...})",
+            )
         check_number("timeout", timeout, 1e-9, "must be a positive number of seconds, for example 60")
         if retry is not None and not isinstance(retry, SummarizerRetry):
             raise ConfigError(
@@ -209,8 +218,19 @@ class HTTPSummarizer(ChatSummarizer):
                 "constructor and max_summary_tokens to summarize()",
                 value=dict(self.extra_body),
             )
+        if api_key is not None and not isinstance(api_key, str | SecretStr):
+            raise ConfigError(
+                "api_key", f"must be a str or a pydantic SecretStr, not a {type(api_key).__name__}"
+            )
         key = api_key if api_key is not None else os.environ.get(self.env_var) or None
         self._api_key: SecretStr | None = SecretStr(key) if isinstance(key, str) else key
+        if self._api_key is not None and not self._api_key.get_secret_value():
+            raise ConfigError(
+                "api_key",
+                "is empty, and would be sent as an empty key; leave it out or pass None: the key then "
+                f"comes from {self.env_var}, and without one a server given as base_url is called "
+                "with no key",
+            )
         if self._api_key is not None and not _sendable(self._api_key.get_secret_value()):
             # Not shown: httpx and h11 would have put the whole header, key included, into their error.
             raise ConfigError(

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 from urllib.parse import urlparse
 
 import httpx
 from pydantic import SecretStr
 
 from .._episodes import Usage
+from .._errors import ConfigError
 from .._tokens import TokenCounter
 from ._http import HTTPSummarizer
 from ._prompt import DEFAULT_MAX_MESSAGE_CHARS
@@ -71,6 +72,13 @@ class OpenAICompatibleSummarizer(HTTPSummarizer):
             headers=headers,
             extra_body=extra_body,
         )
+        if token_limit_field is not None and token_limit_field not in get_args(TokenLimitField):
+            raise ConfigError(
+                "token_limit_field",
+                "must be 'max_tokens' (which every compatible server accepts) or 'max_completion_tokens' "
+                "(which api.openai.com's newer models require), or None to choose by base_url",
+                value=token_limit_field,
+            )
         if token_limit_field is None:
             official = urlparse(self.base_url).hostname == self.official_host
             token_limit_field = "max_completion_tokens" if official else "max_tokens"
