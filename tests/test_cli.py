@@ -452,3 +452,16 @@ async def test_demo_inspect_and_compact_on_postgres(pg_url: str) -> None:
     listed = json.loads(ok(cli("threads", pg_url, "--json")))
     assert [info["thread"] for info in listed] == ["pg"]
     assert listed[0]["message_count"] == len(after.messages)
+
+
+def test_demo_stops_at_the_first_summary_after_a_fold_that_only_cut_tool_outputs(tmp_path: Path) -> None:
+    """A first fold that only cut tool outputs asked no summarizer: demo still stops at the first summary."""
+    db = tmp_path / "d.db"
+    result = cli(
+        "demo", "--db", str(db), "--thread", "t", "--steps", "40", "--budget", "2000",
+        "--summarizer", "openai", "--model", "m", "--base-url", f"http://127.0.0.1:{free_port()}/v1",
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "stopped after" in result.stderr.strip().splitlines()[-1]
+    checkpoints = [r.episode for r in await_records(db, "t") if isinstance(r.episode, SummaryCheckpoint)]
+    assert [(c.dropped_messages > 0, c.degraded) for c in checkpoints] == [(False, False), (True, True)]

@@ -292,8 +292,8 @@ def demo(
     offline = summarizer == _OFFLINE
 
     def give_up(stats: DemoStats) -> bool:
-        folds = [c for c in stats.compactions if not c.stalled]
-        return not offline and len(folds) == 1 and folds[0].degraded
+        made = _summaries(stats)
+        return not offline and len(made) == 1 and made[0].degraded
 
     async def session() -> DemoStats:
         counter = TiktokenCounter()
@@ -326,7 +326,7 @@ def demo(
     _echo_problems(problems)
     if give_up(stats):
         raise click.ClickException(
-            f"the first fold's summary fell back to the offline summarizer because {_describe(chosen)} "
+            f"the first summary fell back to the offline summarizer because {_describe(chosen)} "
             f"failed (see the warning above); stopped after {stats.requests} of {steps} steps. Check that "
             "the server is up at --base-url, the --model name and --api-key"
         )
@@ -335,11 +335,21 @@ def demo(
     if plot is not None:
         _plot(stats, plot, budget)
         click.echo(f"plot written to {plot}")
-    folds = [c for c in stats.compactions if not c.stalled]
-    if folds and all(c.degraded for c in folds):
+    made = _summaries(stats)
+    if made and all(c.degraded for c in made):
         raise click.ClickException(
-            f"every summary ({len(folds)}) fell back to the offline summarizer: {_describe(chosen)} failed"
+            f"every summary ({len(made)}) fell back to the offline summarizer: {_describe(chosen)} failed"
         )
+
+
+def _summaries(stats: DemoStats) -> list[CompactionResult]:
+    """The folds that asked the summarizer for a summary.
+
+    A fold that only cut oversized tool outputs folds no message, so it calls no
+    summarizer and cannot be degraded: it says nothing about whether the
+    summarizer works.
+    """
+    return [c for c in stats.compactions if not c.stalled and c.dropped_messages > 0]
 
 
 def _summary_table(stats: DemoStats, thread: str, db: str) -> Table:
