@@ -21,8 +21,9 @@ from psycopg import sql
 from pytest_httpserver import HTTPServer
 from werkzeug import Request, Response
 
+from contextfold._compactor import Compactor
 from contextfold._episodes import EpisodeRecord, SummaryCheckpoint, UserMessageEpisode
-from contextfold._messages import Message
+from contextfold._messages import Message, ToolCall
 from contextfold.cli import CLI_EXTRA_HINT
 from contextfold.stores import PostgresStore, SQLiteStore
 
@@ -465,3 +466,44 @@ def test_demo_stops_at_the_first_summary_after_a_fold_that_only_cut_tool_outputs
     assert "stopped after" in result.stderr.strip().splitlines()[-1]
     checkpoints = [r.episode for r in await_records(db, "t") if isinstance(r.episode, SummaryCheckpoint)]
     assert [(c.dropped_messages > 0, c.degraded) for c in checkpoints] == [(False, False), (True, True)]
+
+
+async def recovered_thread(db: Path, *, waiting: bool = False) -> None:
+    """A thread of six short question-and-answer turns, the last left waiting for a tool's result if asked."""
+    async with SQLiteStore(db) as store:
+        compactor = Compactor(store)
+        for n in range(6):
+            await compactor.append("t", [Message.user(f"question {n}"), Message.assistant(f"answer {n}")])
+        if waiting:
+            call = ToolCall(id="call_1", name="run_tests", arguments="{}")
+            await compactor.append(
+                "t", [Message.user("run them"), Message.assistant("", tool_calls=[call])], started=[call]
+            )
+
+
+@pytest.mark.parametrize("waiting", [False, True], ids=["settled", "tool-waiting"])
+async def test_manual_recovery_with_nothing_left_says_so(tmp_path: Path, waiting: bool) -> None:
+    """A second --manual-recovery says every turn is already folded, and does not suggest the flag again."""
+    db = tmp_path / "t.db"
+    await recovered_thread(db, waiting=waiting)
+    first = ok(cli("compact", str(db), "t", "--manual-recovery"))
+    assert "manual_recovery" in first
+    second = cli("compact", str(db), "t", "--manual-recovery")
+    assert second.returncode == 1
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1, second.stderr
+    assert "nothing to fold in 't': --manual-recovery folds every turn, and none is left" in lines[0]
+    assert (
+        "--manual-recovery folds every turn into" not in lines[0] and "use --manual-recovery" not in lines[0]
+    )
+    assert ("a tool step still waiting for its result" in lines[0]) is waiting
+
+
+async def test_compact_says_when_the_summary_outgrew_what_it_replaced(tmp_path: Path) -> None:
+    """A manual recovery whose summary outweighs the turns it folded says so beside the token figures."""
+    db = tmp_path / "t.db"
+    await recovered_thread(db)
+    out = ok(cli("compact", str(db), "t", "--manual-recovery"))
+    found = re.search(r"([\d,]+) -> ([\d,]+) tokens", out)
+    assert found and int(found.group(2)) > int(found.group(1)), out
+    assert "(the summary is longer than the 12 messages it replaced)" in out

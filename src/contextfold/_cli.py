@@ -16,7 +16,7 @@ import statistics
 import tempfile
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -605,16 +605,22 @@ def compact(
     store = _store(store_url)
     options = _options(budget)
 
+    waiting = False  # whether what a stalled recovery left holds a tool call without its result
+
     async def fold() -> CompactionResult | None:
+        nonlocal waiting
         async with AsyncExitStack() as stack:
             if isinstance(chosen, AsyncResource):
                 await stack.enter_async_context(chosen)
             await stack.enter_async_context(store)
             await _require_thread(store, thread)
             compactor = Compactor(store, options=options, summarizer=chosen)
-            if manual_recovery:
-                return await compactor.manual_recovery(thread)
-            return await compactor.compact_now(thread)
+            if not manual_recovery:
+                return await compactor.compact_now(thread)
+            result = await compactor.manual_recovery(thread)
+            if result is not None and result.stalled:
+                waiting = _unanswered((await store.load(thread)).messages)
+            return result
 
     with _collect_problems() as problems:
         result = _run(fold)
@@ -624,17 +630,47 @@ def compact(
     if result.stalled:
         # The compactor logged the stall too; it is reported here once, in the command's own words.
         _echo_problems(problems, besides=result.detail)
+        if manual_recovery:
+            raise click.ClickException(_recovered_line(result, waiting))
         raise click.ClickException(_stall_line(result, options))
     _echo_problems(problems)
+    grew = (
+        f" (the summary is longer than the {result.dropped_messages} messages it replaced)"
+        if result.tokens_after > result.tokens_before
+        else ""
+    )
     click.echo(
         f"compacted {thread!r} ({result.reason}): {result.dropped_messages} messages folded, "
-        f"{result.tokens_before:,} -> {result.tokens_after:,} tokens"
+        f"{result.tokens_before:,} -> {result.tokens_after:,} tokens{grew}"
     )
     if result.degraded:
         raise click.ClickException(
             f"the summary fell back to the offline summarizer because {_describe(chosen)} failed "
             "(see the warning above); the fold was applied"
         )
+
+
+def _unanswered(messages: Sequence[StoredMessage]) -> bool:
+    """Whether a tool call in ``messages`` has no result among them."""
+    answered = {m.message.tool_call_id for m in messages if m.message.tool_call_id}
+    return any(call.id not in answered for m in messages for call in m.message.tool_calls)
+
+
+def _recovered_line(result: CompactionResult, waiting: bool) -> str:
+    """Why --manual-recovery folded nothing: it folds every turn, and none is left to fold."""
+    # Recovery folds every turn but a tool step still waiting for its result, so all that
+    # can be left is the pinned head, the summary, and that step.
+    step = (
+        ", and a tool step still waiting for its result, which recovery always keeps; once the "
+        "result is recorded that step can be folded"
+        if waiting
+        else ""
+    )
+    return (
+        f"nothing to fold in {result.thread!r}: --manual-recovery folds every turn, and none is left; "
+        f"its {result.tokens_before:,} tokens are its pinned messages and the summary of its earlier "
+        f"turns{step}"
+    )
 
 
 def _stall_line(result: CompactionResult, options: RunOptions) -> str:
