@@ -507,3 +507,41 @@ async def test_compact_says_when_the_summary_outgrew_what_it_replaced(tmp_path: 
     found = re.search(r"([\d,]+) -> ([\d,]+) tokens", out)
     assert found and int(found.group(2)) > int(found.group(1)), out
     assert "(the summary is longer than the 12 messages it replaced)" in out
+
+
+async def schema_exists(postgres_url: str, schema: str) -> tuple[bool, int]:
+    """Whether ``schema`` exists, and how many tables it holds."""
+    async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as conn:
+        cur = await conn.execute(
+            "SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = %s), "
+            "(SELECT count(*) FROM pg_tables WHERE schemaname = %s)",
+            (schema, schema),
+        )
+        found = await cur.fetchone()
+    assert found is not None
+    return bool(found[0]), int(found[1])
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("precreate", [False, True], ids=["missing", "empty"])
+@pytest.mark.parametrize(
+    "command",
+    [["threads"], ["inspect", "{url}", "t"], ["compact", "{url}", "t"]],
+    ids=["threads", "inspect", "compact"],
+)
+async def test_read_only_commands_refuse_a_schema_without_a_store(
+    postgres_url: str, pg_url: str, command: list[str], precreate: bool
+) -> None:
+    """threads, inspect and compact on a schema that holds no store exit 1 naming it, and create nothing."""
+    schema = pg_url.split("?schema=")[1]
+    if precreate:
+        async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as conn:
+            await conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+    args = [a.replace("{url}", pg_url) for a in command]
+    result = cli(*args) if len(args) > 1 else cli(args[0], pg_url)
+    assert result.returncode == 1, result.stdout + result.stderr
+    error = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(error) == 1, result.stderr
+    what = "holds no contextfold store" if precreate else "does not exist"
+    assert f"schema {schema!r} {what}" in error[0] and "?schema=NAME" in error[0]
+    assert await schema_exists(postgres_url, schema) == (precreate, 0)

@@ -20,6 +20,8 @@ CLI_EXTRA_HINT = "the contextfold command needs its extra: pip install 'contextf
 
 _POSTGRES_SCHEMES = ("postgresql", "postgres")
 _URL_FORMS = "sqlite:///PATH, a file path, or postgresql://USER@HOST/DB"
+_DEFAULT_SCHEMA = "contextfold"  # PostgresStore's
+_CONNECT_TIMEOUT_SECONDS = 10
 
 
 def open_store(url: str, *, create: bool = True) -> Store:
@@ -28,14 +30,16 @@ def open_store(url: str, *, create: bool = True) -> Store:
     ``sqlite:///agent.db`` is relative to the working directory and
     ``sqlite:////var/agent.db`` absolute, as in SQLAlchemy. A PostgreSQL URL may
     carry ``?schema=NAME`` (default ``contextfold``); every other part goes to
-    psycopg as it is. With ``create=False`` a SQLite file that does not exist is
-    an error rather than a new, empty database.
+    psycopg as it is. With ``create=False`` a store that does not exist is an
+    error rather than a new, empty one: a SQLite file that is not there, or a
+    PostgreSQL schema that holds no store (checked over one blocking connection,
+    as befits the command line).
     """
     if not isinstance(url, str) or not url.strip():
         raise ConfigError("url", f"must name a store: {_URL_FORMS}", value=url)
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme in _POSTGRES_SCHEMES:
-        return _postgres(url)
+        return _postgres(url, create=create)
     if scheme == "sqlite":
         path = Path(url.split("://", 1)[1].removeprefix("/"))
         if not path.parts:
@@ -53,14 +57,56 @@ def open_store(url: str, *, create: bool = True) -> Store:
     return SQLiteStore(path)
 
 
-def _postgres(url: str) -> Store:
+def _postgres(url: str, *, create: bool) -> Store:
     from .stores import PostgresStore
 
     parts = urlsplit(url)
     query = parse_qsl(parts.query, keep_blank_values=True)
     schemas = [value for key, value in query if key == "schema"]
     dsn = urlunsplit(parts._replace(query=urlencode([(k, v) for k, v in query if k != "schema"])))
-    return PostgresStore(dsn, schema=schemas[-1]) if schemas else PostgresStore(dsn)
+    schema = schemas[-1] if schemas else _DEFAULT_SCHEMA
+    store = PostgresStore(dsn, schema=schema)
+    if not create:
+        _require_schema(dsn, schema, url)
+    return store
+
+
+def _require_schema(dsn: str, schema: str, url: str) -> None:
+    """Refuse a schema that holds no store, naming the schemas on the server that do."""
+    import psycopg
+
+    try:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=_CONNECT_TIMEOUT_SECONDS) as conn:
+            found = conn.execute(
+                "SELECT to_regclass(format('%%I.schema_version', %s::text)) IS NOT NULL, "
+                "EXISTS (SELECT FROM pg_namespace WHERE nspname = %s)",
+                (schema, schema),
+            ).fetchone()
+            if found is None or found[0]:
+                return
+            stores = [
+                row[0]
+                for row in conn.execute(
+                    "SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                    "WHERE c.relname = 'schema_version' AND c.relkind = 'r' "
+                    "ORDER BY n.nspname <> %s, n.nspname LIMIT 6",
+                    (_DEFAULT_SCHEMA,),
+                )
+            ]
+    except psycopg.Error:
+        return  # opening the store reports the server being unreachable, in its own words
+    what = "holds no contextfold store" if found[1] else "does not exist"
+    if stores:
+        listed = ", ".join(stores[:5]) + (", ..." if len(stores) > 5 else "")
+        where = f"schemas on this server that hold one: {listed}"
+    else:
+        where = "no schema on this server holds one yet; a run that writes to this URL creates it"
+    raise ConfigError(
+        "url",
+        f"names no store: schema {schema!r} {what} (only a command that writes creates one); pass "
+        f"?schema=NAME of a store a run wrote, or leave it out for {_DEFAULT_SCHEMA} ({where})",
+        value=url,
+    )
 
 
 def main() -> None:
