@@ -423,3 +423,51 @@ async def test_a_budget_too_small_for_any_summary_is_a_summarizer_error() -> Non
                 SESSION, previous_summary=None, max_summary_tokens=budget
             )
     assert (await summarize(SESSION, budget=41)).startswith("## Goal and constraints")
+
+
+async def test_identifiers_in_json_arguments_and_results_are_read_with_their_escapes_undone() -> None:
+    """``\\u00f6`` in JSON arguments or a JSON result reads as ``ö``: no escape becomes a fact or an id."""
+    reading = call("c1", "read", path="/srv/données/größe.py", größe=3)
+    assert "\\u00f6" in reading.arguments  # json.dumps escapes what is not ASCII
+    messages = [
+        Message.user("read it"),
+        Message.assistant(None, tool_calls=[reading]),
+        Message.tool("c1", json.dumps({"city": "Zürich", "ticket": "INC-4821", "note": "naïve ok"})),
+    ]
+    text = await summarize(messages)
+    assert "u00" not in text
+    assert "/srv/données/größe.py" in text and "read(größe): 3" in text
+    assert '"größe": 3' in text  # the tool line shows the call's arguments decoded too
+    assert "city: Zürich" in text and "INC-4821" in text
+
+
+async def test_identifiers_in_a_result_that_is_not_json_are_read_from_the_raw_text() -> None:
+    """A result that only looks like JSON still yields its identifiers, as written."""
+    messages = [
+        Message.user("look"),
+        Message.assistant(None, tool_calls=[call("c1", "grep", pattern="TODO")]),
+        Message.tool("c1", '{"hit": "/srv/app/main.py", "id": "INC-77", cut off'),
+    ]
+    text = await summarize(messages)
+    assert "grep result: /srv/app/main.py, INC-77" in text
+
+
+async def test_an_escaped_lone_surrogate_in_json_becomes_a_replacement_character() -> None:
+    """A lone ``\\ud800`` is written as U+FFFD, so the summary can be stored; a whole pair is decoded."""
+    odd = ToolCall(id="c1", name="read", arguments='{"path": "/srv/a\\ud800b.py", "pair": "\\ud83d\\ude00"}')
+    text = await summarize([Message.user("look"), Message.assistant(None, tool_calls=[odd])])
+    text.encode("utf-8")
+    assert "read(path): /srv/a\ufffdb.py" in text and "read(pair): \U0001f600" in text
+
+
+@pytest.mark.parametrize("depth", [900, 100_000])
+async def test_a_json_result_nested_past_the_recursion_limit_is_read_as_text(depth: int) -> None:
+    """A result nested past what ``json.loads`` can follow is no error: it is read as plain text."""
+    nested = "[" * depth + '"/srv/deep.py"' + "]" * depth
+    messages = [
+        Message.user("look"),
+        Message.assistant(None, tool_calls=[call("c1", "read", path="/srv/deep.py")]),
+        Message.tool("c1", nested),
+    ]
+    text = await summarize(messages)
+    assert "/srv/deep.py" in text

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
@@ -92,6 +92,10 @@ _COST_CACHE_SIZE = 32_768
 _ATTACHMENT = " attachment"
 """The end of the label of a fact that is a non-text part's placeholder."""
 _BETWEEN_PLACEHOLDERS = re.compile(r"(?<=\]), (?=\[)")
+_NOT_JSON: Any = object()
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+"""A JSON escape of half a UTF-16 pair, which decodes to no character if it stands alone."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _one_line(text: str) -> str:
@@ -107,9 +111,14 @@ def find_identifiers(text: str, *, limit: int = _MAX_IDENTIFIERS_SCANNED) -> lis
     linear in the text. Scanning stops at the word where ``limit`` distinct
     identifiers have been seen.
     """
+    return _identifiers_in(text.split(), limit)
+
+
+def _identifiers_in(words: Iterable[str], limit: int) -> list[str]:
+    """:func:`find_identifiers` over ``words``, read only as far as the ``limit``-th identifier."""
     found: dict[str, None] = {}
     scanned: set[str] = set()  # a word repeated (a log line's prefix) is scanned once
-    for word in text.split():
+    for word in words:
         if len(word) > _MAX_IDENTIFIER_CHARS or word in scanned or not _MAY_IDENTIFY(word):
             continue
         scanned.add(word)
@@ -177,14 +186,60 @@ def _flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
         yield prefix or "value", value if isinstance(value, str) else json.dumps(value)
 
 
-def _key_values(text: str) -> list[tuple[str, str]]:
-    """``key: value`` pairs of a JSON object, or of ``key: value`` / ``key=value`` lines."""
+def _decoded(text: str) -> Any:
+    """``text`` decoded when it is a JSON object or array, else ``_NOT_JSON``.
+
+    A lone escaped surrogate becomes U+FFFD: as it is, no store could encode
+    the summary holding it. JSON nested deeper than the parser can follow is
+    read as text.
+    """
     stripped = text.strip()
-    if stripped[:1] in "{[":
+    if stripped[:1] not in ("{", "["):
+        return _NOT_JSON
+    try:
+        value = json.loads(stripped)
+    except (ValueError, RecursionError):
+        return _NOT_JSON
+    if _SURROGATE_ESCAPE.search(stripped):  # rare: pay for a second pass only then
+        # json.loads has joined every whole pair, so any surrogate left stands alone.
+        value = json.loads(_SURROGATE.sub("\ufffd", json.dumps(value, ensure_ascii=False)))
+    return value
+
+
+def _as_shown(text: str, decoded: Any) -> str:
+    """``text``, or when it is JSON with ``\\u`` escapes, the same JSON with the characters they stand for."""
+    if decoded is _NOT_JSON or "\\u" not in text:
+        return text
+    return json.dumps(decoded, ensure_ascii=False)
+
+
+def _json_words(value: Any) -> Iterator[str]:
+    """The words of decoded JSON's keys and values, in order: the text its escapes stood for.
+
+    Lazy, so a scan that has found enough identifiers walks no further.
+    """
+    stack = [value]
+    while stack:  # a loop, not recursion: the parser follows deeper nesting than Python calls can
+        item = stack.pop()
+        if isinstance(item, str):
+            yield from item.split()
+        elif isinstance(item, dict):
+            for key, inner in reversed(item.items()):
+                stack.append(inner)
+                stack.append(key)
+        elif isinstance(item, list):
+            stack.extend(reversed(item))
+        elif isinstance(item, int | float) and not isinstance(item, bool):
+            yield str(item)
+
+
+def _key_values(text: str, decoded: Any) -> list[tuple[str, str]]:
+    """``key: value`` pairs of decoded JSON, or of ``key: value`` / ``key=value`` lines of ``text``."""
+    if decoded is not _NOT_JSON:
         try:
-            return list(islice(_flatten(json.loads(stripped)), _MAX_FACTS_PER_MESSAGE))
-        except ValueError:
-            pass
+            return list(islice(_flatten(decoded), _MAX_FACTS_PER_MESSAGE))
+        except RecursionError:  # nested deeper than the recursion _flatten can follow
+            return []
     pairs: list[tuple[str, str]] = []
     for line in text.splitlines():
         if len(line) > _MAX_KEY_VALUE_LINE_CHARS:
@@ -387,14 +442,26 @@ class ExtractiveSummarizer:
             for index, one in enumerate(ids[:most])
         ]
 
-    def _fact_lines(self, label: str, text: str, order: int, *, key_prefix: str | None = None) -> list[_Line]:
+    def _fact_lines(
+        self,
+        label: str,
+        text: str,
+        order: int,
+        *,
+        key_prefix: str | None = None,
+        decoded: Any = None,
+    ) -> list[_Line]:
         """``key: value`` facts, then one line listing the identifiers those facts do not hold.
 
         With ``key_prefix`` (a tool's name) facts are written ``tool(key): value``.
+        Text that is JSON is read decoded (``decoded``, when the caller has
+        it): ``"gr\\u00f6\\u00dfe"`` is ``größe``, not an id ``u00f6``.
         """
+        if decoded is None:
+            decoded = _decoded(text)
         out: list[_Line] = []
         held = ""
-        for key, value in _key_values(text):
+        for key, value in _key_values(text, decoded):
             shown = f"{key_prefix}({key})" if key_prefix else key
             if _fact_priority(f"{shown}: x")[2]:  # a key such as "user" must not read as a label
                 shown = f"'{shown}'"
@@ -402,7 +469,8 @@ class ExtractiveSummarizer:
             out.extend(lines)
             held += "".join(line.text + "\n" for line in lines)
         # Enough for the identifiers one message lists, past those its facts already hold.
-        found = find_identifiers(text, limit=_MAX_IDS_PER_MESSAGE + 2 * len(out))
+        words = text.split() if decoded is _NOT_JSON else _json_words(decoded)
+        found = _identifiers_in(words, _MAX_IDS_PER_MESSAGE + 2 * len(out))
         ids = [i for i in found if i not in held]
         if ids:
             out.extend(self._fact(f"{label}: {', '.join(ids)}", order, most=_MAX_IDS_PER_MESSAGE))
@@ -411,6 +479,14 @@ class ExtractiveSummarizer:
     def _extract(self, messages: Sequence[Message], start: int) -> list[_Line]:
         names = tool_names_of(messages)
         results = {m.tool_call_id: m.text for m in messages if m.role is Role.TOOL and m.tool_call_id}
+        decoded_results: dict[str, Any] = {}  # a result is decoded once, for its head and its facts
+
+        def result_head(text: str) -> str:
+            if "\\u" in text[: self.result_head_chars * 4]:
+                decoded = decoded_results[text] = _decoded(text)
+                text = _as_shown(text, decoded)
+            return self._head(text)
+
         first_goal = start == 0
         out: list[_Line] = []
         breathe = Breather()
@@ -446,21 +522,27 @@ class ExtractiveSummarizer:
                         out.append(self._line(DECISIONS, sentence, 2, order))
                 out.extend(self._fact_lines("assistant", text, order))
                 for call in message.tool_calls:
-                    arguments = _one_line(call.arguments)
-                    head = self._head(results.get(call.id, ""))
+                    decoded = _decoded(call.arguments)
+                    arguments = _one_line(_as_shown(call.arguments, decoded))
+                    head = result_head(results.get(call.id, ""))
                     shown = f"{call.name}({cut_middle(arguments, self.max_line_chars // 2)})"
                     out.append(self._line(TOOLS, f"{shown} -> {head}" if head else shown, 1, order))
                     out.extend(
                         self._fact_lines(
-                            f"{call.name} arguments", call.arguments, order, key_prefix=call.name
+                            f"{call.name} arguments",
+                            call.arguments,
+                            order,
+                            key_prefix=call.name,
+                            decoded=decoded,
                         )
                     )
             else:
                 name = names.get(message.tool_call_id or "")
                 if name is None:
-                    head = self._head(text)
+                    head = result_head(text)
                     out.append(self._line(TOOLS, f"result of call {message.tool_call_id}: {head}", 1, order))
-                out.extend(self._fact_lines(f"{name or 'tool'} result", text, order))
+                decoded = decoded_results.get(text)
+                out.extend(self._fact_lines(f"{name or 'tool'} result", text, order, decoded=decoded))
         # One order per line, as when the summary is read back: of two lines, the later is newer.
         for index, line in enumerate(out):
             line.order = start + index
