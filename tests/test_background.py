@@ -6,6 +6,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -432,3 +433,58 @@ async def test_the_hard_trigger_on_another_threads_loop_waits_for_the_background
                 assert not results  # it waits for the summary
                 summarizer.gate.set()
     assert results and results[0] is not None and results[0].compacted and results[0].background
+
+
+async def test_a_step_appending_while_the_background_fold_reads_the_context_is_not_cached_twice(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step's reply lands while the background task reads the rows after its cache: sent once.
+
+    Both bring the one cached context up to date: the step's ``append`` adds
+    its rows, and the background read (begun before them) may return them too.
+    Before, the step's reply reached ``context()`` twice and stayed so.
+    """
+    lock, tail = store.compaction_lock, store.tail
+    may_fold, reading, read = anyio.Event(), anyio.Event(), anyio.Event()
+    armed = False
+
+    @asynccontextmanager
+    async def gated_lock(thread: str) -> AsyncIterator[Any]:
+        await may_fold.wait()  # the background task begins once the step has read its context
+        async with lock(thread) as held:
+            yield held
+
+    async def slow_tail(thread: str, *, after_seq: int) -> Any:
+        nonlocal armed
+        if armed:  # the background task's read of the rows after its cache takes a while
+            armed = False
+            reading.set()
+            await read.wait()
+        return await tail(thread, after_seq=after_seq)
+
+    monkeypatch.setattr(store, "compaction_lock", gated_lock)
+    monkeypatch.setattr(store, "tail", slow_tail)
+    summarizer = SlowSummarizer(0.0)
+    async with Compactor(
+        store, options=options(), summarizer=summarizer, counter=ApproximateCounter()
+    ) as compactor:
+        await compactor.append(THREAD, [Message.system("sys")])
+        n = 0
+        while (await compactor.context_tokens(THREAD))[1] <= BACKGROUND_TOKENS:
+            await compactor.append(THREAD, [Message.user(f"m{n} " + "word " * 40)])
+            n += 1
+        assert await compactor.maybe_compact(THREAD) is None  # starts the background summary
+        await compactor.context(THREAD)  # the step's request
+        armed = True
+        may_fold.set()
+        with anyio.fail_after(10):
+            await reading.wait()
+        reply = Message.assistant("the reply")
+        await compactor.append(THREAD, [reply])  # lands while the background read is out
+        read.set()
+        result = await step_until_applied(compactor, within=10)
+        assert result.compacted
+        context = await compactor.context(THREAD)
+        assert context == (await store.load(THREAD)).plain
+        assert context.count(reply) == 1
+        assert context[-1] == reply

@@ -241,6 +241,37 @@ async def test_folds_are_amortized_over_the_budget_minus_the_target(store: Any) 
     assert len(summarizer.calls) == folds
 
 
+async def test_the_held_back_fold_still_fires_at_max_history_tokens(store: Any) -> None:
+    """A fold left over the target waits budget - target tokens, but a request never passes the limit.
+
+    Here the wait would end at 980 + 500 = 1,480 tokens, past the 1,200-token
+    limit: before, a 1,431-token request went out with no fold.
+    """
+    options = RunOptions(
+        max_history_tokens=1_200,
+        compaction=SummarizeOptions(trigger_token_budget=1_000, min_recent_messages=0),
+    )
+    compactor = Compactor(
+        store, options=options, summarizer=counting_summarizer(), counter=ApproximateCounter()
+    )
+    for n in range(10):
+        await compactor.append(
+            THREAD, [Message.user(f"q{n} " + "x " * 20), Message.assistant(f"a{n} " + "y " * 20)]
+        )
+    # The two newest turns, which the floor protects, are large: the fold ends over the target.
+    await compactor.append(
+        THREAD, [Message.user("big " + "z " * 800), Message.assistant("big " + "w " * 800)]
+    )
+    first = await compactor.maybe_compact(THREAD)
+    assert first is not None and first.compacted
+    assert 500 < first.tokens_after < 1_200
+    await compactor.append(THREAD, [Message.user("next " + "v " * 900)])
+    assert (await compactor.context_tokens(THREAD))[1] > 1_200
+    second = await compactor.maybe_compact(THREAD)
+    assert second is not None and second.compacted
+    assert (await compactor.context_tokens(THREAD))[1] <= 1_200
+
+
 async def test_a_pending_call_in_the_middle_is_kept_until_its_result_arrives(store: Any) -> None:
     """A tool call still running while other writers append is never folded away from its later result."""
     compactor = Compactor(

@@ -220,12 +220,21 @@ class _Cache:
 
     @classmethod
     def of(cls, window: ContextWindow) -> _Cache:
-        cache = cls(window.version, window.last_seq)
+        cache = cls(window.version)
         cache.extend(window.messages)
+        cache.last_seq = max(cache.last_seq, window.last_seq)
         return cache
 
     def extend(self, rows: Sequence[StoredMessage]) -> None:
-        """Add rows newer than the cache's, in seq order."""
+        """Add the rows newer than the cache's, in seq order; those it holds already are skipped.
+
+        Two tasks can bring one cache up to date at once (a step's ``append`` and
+        a background fold's read of the rows after ``last_seq``): whichever comes
+        second finds some of its rows here already.
+        """
+        if rows and rows[0].seq <= self.last_seq:
+            last = self.last_seq
+            rows = [row for row in rows if row.seq > last]
         plain, seqs, tokens, links = self.plain, self.seqs, self.tokens, self.links
         start = len(plain)
         added = 0
@@ -812,7 +821,12 @@ class Compactor:
                 )
                 if not isinstance(prepared, _Prepared):
                     return prepared
-                return await self._apply(prepared, settings, span=span)
+                # The summary is paid for: a cancellation now would throw it away, and the next
+                # fold would send the same messages again. The write is short; the caller's
+                # cancellation is raised at its next checkpoint.
+                with anyio.CancelScope(shield=True):
+                    result = await self._apply(prepared, settings, span=span)
+                return result
 
     async def _window(self, thread: str, settings: Settings) -> tuple[_Rows, int, int]:
         """The rows a fold plans over, the thread's version and its total tokens."""
@@ -883,6 +897,10 @@ class Compactor:
     ) -> _Prepared | CompactionResult | None:
         started = time.perf_counter()
         await self._ready_counter()  # the fold counts its summary: not a tokenizer load on the loop
+        # The lease is held now. What the check saw came before it, and another worker may have
+        # folded meanwhile: the window is read again (a step's cache is kept, only its newest
+        # rows and version are read), so no summary covers a prefix that is already folded.
+        self._forget_seen(thread)
         rows, version, total = await self._window(thread, settings)
         if not recovery and await self._close_abandoned(thread, rows, settings):
             rows, version, total = await self._window(thread, settings)
@@ -1136,8 +1154,14 @@ class Compactor:
         budget, target = settings.budget, settings.target
         if budget is not None and target is not None and after > target:
             # Over the target (the protected turns are large): hold the next token fold back
-            # until budget - target new tokens arrived, so folds stay amortized.
-            self._next_fold_at[thread] = after + (budget - target)
+            # until budget - target new tokens arrived, so folds stay amortized, but never past
+            # max_history_tokens while the context is under it: a request must not grow past
+            # the limit unfolded.
+            waits = after + (budget - target)
+            hard = settings.hard_limit
+            if hard is not None and after < hard:
+                waits = min(waits, hard)
+            self._next_fold_at[thread] = waits
             # Routine while the kept turns are large (INFO); a warning once they hold more than the
             # trigger budget itself, when the next fold can do no better.
             logger.log(
