@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
@@ -24,7 +25,7 @@ from werkzeug import Request, Response
 from contextfold._compactor import Compactor
 from contextfold._episodes import EpisodeRecord, SummaryCheckpoint, UserMessageEpisode
 from contextfold._messages import Message, ToolCall
-from contextfold.cli import CLI_EXTRA_HINT
+from contextfold.cli import CLI_EXTRA_HINT, redact_url
 from contextfold.stores import PostgresStore, SQLiteStore
 
 COMMAND = Path(sys.executable).with_name("contextfold")
@@ -545,3 +546,64 @@ async def test_read_only_commands_refuse_a_schema_without_a_store(
     what = "holds no contextfold store" if precreate else "does not exist"
     assert f"schema {schema!r} {what}" in error[0] and "?schema=NAME" in error[0]
     assert await schema_exists(postgres_url, schema) == (precreate, 0)
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("postgresql://app:hunter2@db.internal/agents", "postgresql://app:***@db.internal/agents"),
+        ("postgresql://app:hunt@r2@db/agents?schema=s", "postgresql://app:***@db/agents?schema=s"),
+        ("postgresql://app@db/agents?password=hunter2&schema=s", "postgresql://app@db/agents?password=***&schema=s"),
+        ("host=db password='hunter 2' user=app", "host=db password=*** user=app"),
+        ("postgresql://app@db:5432/agents", "postgresql://app@db:5432/agents"),
+        ("sqlite:///runs/agent.db", "sqlite:///runs/agent.db"),
+    ],
+)  # fmt: skip
+def test_redact_url_masks_only_the_password(url: str, shown: str) -> None:
+    """redact_url replaces a URL's password, in its user info or its query, with *** and keeps the rest."""
+    assert redact_url(url) == shown
+
+
+@pytest.mark.parametrize(
+    ("args", "shown"),
+    [
+        (["threads", "postgresql+psycopg://app:hunter2@127.0.0.1/test"], "'postgresql+psycopg://app:***@127.0.0.1/test'"),
+        (["inspect", "postgresql://app:hunter2@[::1/test", "t"], "'postgresql://app:***@[::1/test'"),
+        (["threads", "postgresql://app:hunter2@127.0.0.1:{port}/test"], "127.0.0.1"),
+        (["threads", "postgresql://app:hunter2@[::1]x/test"], "app:***@[::1]x"),  # quoted by psycopg
+    ],
+)  # fmt: skip
+def test_errors_never_print_the_store_password(args: list[str], shown: str) -> None:
+    """An error about a store URL shows it with the password masked, in one line and never a traceback."""
+    result = cli(*(a.replace("{port}", str(free_port())) for a in args))
+    assert result.returncode == 1
+    assert "hunter2" not in result.stdout + result.stderr
+    error = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(error) == 1 and shown in error[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def with_password(url: str) -> tuple[str, str]:
+    """``url`` with a password (the server trusts the test user, so any will do), and that password."""
+    parts = urlsplit(url)
+    if parts.password:
+        return url, parts.password
+    netloc = parts.netloc.replace("@", ":hunter2@", 1) if "@" in parts.netloc else f"u:hunter2@{parts.netloc}"
+    return urlunsplit(parts._replace(netloc=netloc)), "hunter2"
+
+
+@pytest.mark.postgres
+async def test_demo_and_threads_on_postgres_mask_the_password(pg_url: str) -> None:
+    """demo's table and inspect hint and the threads title show a store URL with its password masked."""
+    url, password = with_password(pg_url)
+    outputs = [
+        cli("demo", "--db", url, "--thread", "pw", "--steps", "3"),
+        cli("threads", url),
+        cli("inspect", url, "pw"),
+    ]
+    for result in outputs:
+        assert password not in ok(result) + result.stderr
+    masked = urlsplit(redact_url(url)).netloc
+    assert ":***@" in masked
+    assert masked in outputs[0].stdout.split("inspect it:")[0] and masked in outputs[1].stdout
+    assert f"contextfold inspect {redact_url(url)} pw" in outputs[0].stdout

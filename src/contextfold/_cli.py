@@ -21,6 +21,7 @@ from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import anyio
 import click
@@ -44,7 +45,7 @@ from ._errors import ConfigError, ContextfoldError
 from ._loop import StepLoop
 from ._resource import AsyncResource
 from ._tokens import TiktokenCounter
-from .cli import open_store
+from .cli import open_store, redact_url
 from .stores._base import Store, StoredMessage
 from .summarizers import AnthropicSummarizer, ExtractiveSummarizer, OpenAICompatibleSummarizer, Summarizer
 
@@ -66,6 +67,8 @@ _PROVIDERS = {
 }
 _OFFLINE = "extractive"
 _LINE_CHARS = 160
+_SHORTEST_SECRET = 3
+"""Shorter passwords are not looked for in free text: masking them would garble it."""
 
 
 class _Problems(logging.Handler):
@@ -107,17 +110,41 @@ def _collect_problems() -> Iterator[_Problems]:
         library.propagate = propagate
 
 
-def _echo_problems(problems: _Problems, *, besides: str = "") -> None:
+def _echo_problems(problems: _Problems, *, besides: str = "", url: str | None = None) -> None:
     for line in problems.lines(besides=besides):
-        click.echo(line, err=True)
+        click.echo(_hidden(line, url), err=True)
 
 
-def _run(fn: Callable[[], Awaitable[T]]) -> T:
-    """Run a coroutine, turning contextfold's errors into one line and exit status 1."""
+def _run(fn: Callable[[], Awaitable[T]], *, url: str | None = None) -> T:
+    """Run a coroutine, turning contextfold's errors into one line and exit status 1.
+
+    ``url`` is the store's: its password is masked wherever an error quotes it.
+    """
     try:
         return anyio.run(fn)
     except ContextfoldError as exc:
-        raise click.ClickException(_cli_words(str(exc))) from None
+        raise click.ClickException(_hidden(_cli_words(str(exc)), url)) from None
+
+
+def _hidden(text: str, url: str | None) -> str:
+    """``text`` with the password of a store ``url`` masked, whoever wrote the text."""
+    if url is None:
+        return text
+    text = text.replace(url, redact_url(url))
+    for secret in sorted(_passwords(url), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+def _passwords(url: str) -> set[str]:
+    """The passwords a store URL carries, as written and decoded."""
+    try:
+        parts = urlsplit(url)
+        found = [parts.password or ""]
+    except ValueError:  # an unclosed "[" of an IPv6 host: no password to read
+        return set()
+    found += [value for key, value in parse_qsl(parts.query) if key.lower() == "password"]
+    return {text for secret in found for text in (secret, unquote(secret)) if len(text) >= _SHORTEST_SECRET}
 
 
 def _cli_words(text: str) -> str:
@@ -133,7 +160,7 @@ def _store(url: str, *, create: bool = False) -> Store:
     except ConfigError as exc:
         if exc.key == "url" and not create and "://" not in url:
             raise click.ClickException(f"no database at {url}: pass the SQLite file a run wrote") from None
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(_hidden(str(exc), url)) from None
     except ImportError as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -322,16 +349,16 @@ def demo(
                 )
 
     with _collect_problems() as problems:
-        stats = _run(session)
-    _echo_problems(problems)
+        stats = _run(session, url=db)
+    _echo_problems(problems, url=db)
     if give_up(stats):
         raise click.ClickException(
             f"the first summary fell back to the offline summarizer because {_describe(chosen)} "
             f"failed (see the warning above); stopped after {stats.requests} of {steps} steps. Check that "
             "the server is up at --base-url, the --model name and --api-key"
         )
-    Console().print(_summary_table(stats, thread, db))
-    click.echo(f"inspect it: contextfold inspect {db} {thread}")
+    Console().print(_summary_table(stats, thread, redact_url(db)))
+    click.echo(f"inspect it: contextfold inspect {redact_url(db)} {thread}")
     if plot is not None:
         _plot(stats, plot, budget)
         click.echo(f"plot written to {plot}")
@@ -432,11 +459,11 @@ def threads(store_url: str, as_json: bool) -> None:
         async with store:
             return list(await store.threads())
 
-    found = _run(listing)
+    found = _run(listing, url=store_url)
     if as_json:
         click.echo(json.dumps([info.model_dump(mode="json") for info in found], indent=2))
         return
-    table = Table(title=f"{len(found)} threads in {store_url}")
+    table = Table(title=f"{len(found)} threads in {redact_url(store_url)}")
     for column in ("thread", "messages", "tokens", "episodes", "last activity"):
         table.add_column(column, justify="left" if column == "thread" else "right")
     for info in found:
@@ -528,7 +555,7 @@ def inspect(store_url: str, thread: str, last: int, full: bool, as_json: bool, l
                     count += 1
             return window, list(records), count
 
-    window, records, count = _run(read)
+    window, records, count = _run(read, url=store_url)
     messages = list(window.messages if full else window.messages[-last:])
     if as_json:
         document = {
@@ -623,17 +650,17 @@ def compact(
             return result
 
     with _collect_problems() as problems:
-        result = _run(fold)
+        result = _run(fold, url=store_url)
     if result is None:
-        _echo_problems(problems)
+        _echo_problems(problems, url=store_url)
         raise click.ClickException(f"thread {thread!r} is being compacted by another worker; try again")
     if result.stalled:
         # The compactor logged the stall too; it is reported here once, in the command's own words.
-        _echo_problems(problems, besides=result.detail)
+        _echo_problems(problems, besides=result.detail, url=store_url)
         if manual_recovery:
             raise click.ClickException(_recovered_line(result, waiting))
         raise click.ClickException(_stall_line(result, options))
-    _echo_problems(problems)
+    _echo_problems(problems, url=store_url)
     grew = (
         f" (the summary is longer than the {result.dropped_messages} messages it replaced)"
         if result.tokens_after > result.tokens_before

@@ -7,6 +7,7 @@ contextfold`` never imports either.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -14,14 +15,24 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from ._errors import ConfigError
 from .stores._base import Store
 
-__all__ = ["CLI_EXTRA_HINT", "main", "open_store"]
+__all__ = ["CLI_EXTRA_HINT", "main", "open_store", "redact_url"]
 
 CLI_EXTRA_HINT = "the contextfold command needs its extra: pip install 'contextfold[cli]'"
 
 _POSTGRES_SCHEMES = ("postgresql", "postgres")
 _URL_FORMS = "sqlite:///PATH, a file path, or postgresql://USER@HOST/DB"
 _DEFAULT_SCHEMA = "contextfold"  # PostgresStore's
+_MASK = "***"
+# The password of a URL's user info: up to the netloc's last "@", as urlsplit reads it.
+_URL_PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:/?#@]*):[^/?#]*@")
+# password=... in a URL's query or a key=value connection string, quoted or not.
+_PARAM_PASSWORD = re.compile(r"(?i)(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|[^&#\s]*)")
 _CONNECT_TIMEOUT_SECONDS = 10
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password shown as ``***``, to print: ``postgresql://app:***@host/db``."""
+    return _PARAM_PASSWORD.sub(rf"\g<1>{_MASK}", _URL_PASSWORD.sub(rf"\g<1>:{_MASK}@", url))
 
 
 def open_store(url: str, *, create: bool = True) -> Store:
@@ -33,7 +44,7 @@ def open_store(url: str, *, create: bool = True) -> Store:
     psycopg as it is. With ``create=False`` a store that does not exist is an
     error rather than a new, empty one: a SQLite file that is not there, or a
     PostgreSQL schema that holds no store (checked over one blocking connection,
-    as befits the command line).
+    as befits the command line). Errors show the URL with its password masked.
     """
     if not isinstance(url, str) or not url.strip():
         raise ConfigError("url", f"must name a store: {_URL_FORMS}", value=url)
@@ -43,9 +54,11 @@ def open_store(url: str, *, create: bool = True) -> Store:
     if scheme == "sqlite":
         path = Path(url.split("://", 1)[1].removeprefix("/"))
         if not path.parts:
-            raise ConfigError("url", f"names no file; use {_URL_FORMS}", value=url)
+            raise ConfigError("url", f"names no file; use {_URL_FORMS}", value=redact_url(url))
     elif scheme:
-        raise ConfigError("url", f"has the unsupported scheme {scheme!r}; use {_URL_FORMS}", value=url)
+        raise ConfigError(
+            "url", f"has the unsupported scheme {scheme!r}; use {_URL_FORMS}", value=redact_url(url)
+        )
     else:
         path = Path(url)
     if not create and not path.is_file():
@@ -60,7 +73,12 @@ def open_store(url: str, *, create: bool = True) -> Store:
 def _postgres(url: str, *, create: bool) -> Store:
     from .stores import PostgresStore
 
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # an unclosed "[" of an IPv6 host
+        raise ConfigError(
+            "url", f"is not a valid URL ({exc}); use {_URL_FORMS}", value=redact_url(url)
+        ) from None
     query = parse_qsl(parts.query, keep_blank_values=True)
     schemas = [value for key, value in query if key == "schema"]
     dsn = urlunsplit(parts._replace(query=urlencode([(k, v) for k, v in query if k != "schema"])))
@@ -105,7 +123,7 @@ def _require_schema(dsn: str, schema: str, url: str) -> None:
         "url",
         f"names no store: schema {schema!r} {what} (only a command that writes creates one); pass "
         f"?schema=NAME of a store a run wrote, or leave it out for {_DEFAULT_SCHEMA} ({where})",
-        value=url,
+        value=redact_url(url),
     )
 
 
