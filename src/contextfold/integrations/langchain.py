@@ -14,6 +14,15 @@ after a fold replaces the state's messages with the working context: the
 summary, then the kept turns, each under its original id. The summary's id
 starts with ``contextfold.summary:``, so a restarted agent never records it
 as a user message. Works under ``invoke`` and ``ainvoke``.
+
+A sub-agent (an agent a tool invokes, or one added as a node of another graph)
+runs under a LangGraph ``checkpoint_ns`` and gets a thread of its own, named
+``thread_id|namespace``, the namespace being the one LangGraph stores that
+sub-agent's state under. So it holds history exactly when LangGraph does: a
+sub-agent compiled with ``checkpointer=True`` keeps one thread across calls
+(``main|tools``); by default the namespace names the calling task
+(``main|tools:<task id>``), so each call starts a thread afresh, as its state
+does, and an interrupt resumed in that task finds it again.
 """
 
 from __future__ import annotations
@@ -52,6 +61,8 @@ from ..summarizers._prompt import SYSTEM_PROMPT, render_messages, user_prompt
 __all__ = ["CompactionMiddleware", "LangChainSummarizer", "from_langchain", "to_langchain"]
 
 _LANGCHAIN_KEY = "langchain"
+_NS_SEP = "|"
+"""What joins the parts of a LangGraph ``checkpoint_ns`` (``langgraph._internal._constants.NS_SEP``)."""
 _MODELLED = frozenset({"content", "id", "tool_calls", "tool_call_id", "type"})
 _T = TypeVar("_T")
 
@@ -124,6 +135,12 @@ def to_langchain(message: Message) -> BaseMessage:
 
 
 def _thread_of(explicit: str | None) -> str:
+    """The contextfold thread of the running agent: ``explicit``, else ``thread_id`` and its namespace.
+
+    A hook runs as a node whose ``checkpoint_ns`` is its graph's namespace
+    followed by the node's own ``name:task_id``; the graph's namespace is empty
+    for the agent the user invoked and names the calling task for a sub-agent.
+    """
     if explicit is not None:
         return explicit
     try:
@@ -138,7 +155,9 @@ def _thread_of(explicit: str | None) -> str:
             'config={"configurable": {"thread_id": "..."}}, or pass '
             "CompactionMiddleware(compactor, thread=...)",
         )
-    return str(thread)
+    namespace = configurable.get("checkpoint_ns")
+    graph = namespace.rpartition(_NS_SEP)[0] if isinstance(namespace, str) else ""
+    return f"{thread}{_NS_SEP}{graph}" if graph else str(thread)
 
 
 def _run_blocking(fn: Callable[[], Awaitable[_T]]) -> _T:
@@ -154,7 +173,9 @@ def _run_blocking(fn: Callable[[], Awaitable[_T]]) -> _T:
 class CompactionMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
     """Compacts the agent's messages before every model call (``create_agent(middleware=[...])``).
 
-    The thread is the run config's ``thread_id`` unless ``thread`` is given.
+    The thread is the run config's ``thread_id`` (with a sub-agent's namespace,
+    see the module's docstring) unless ``thread`` is given; a given ``thread``
+    is used as it is wherever the agent runs, so give each agent its own.
     """
 
     def __init__(self, compactor: Compactor, *, thread: str | None = None) -> None:
