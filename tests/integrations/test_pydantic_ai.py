@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from contextfold import Message, conversation
+from contextfold import Compactor, Message, RunOptions, SummarizeOptions, conversation
 from contextfold.episodes import SummaryCheckpoint
 from contextfold.stores import MemoryStore, SQLiteStore
 
@@ -18,6 +19,7 @@ from .scenario import (
     check_log,
     check_requests,
     check_requests_whole,
+    codes_summarizer,
     compactor,
     question,
     record_text,
@@ -165,6 +167,23 @@ def test_a_part_kind_without_a_branch_is_kept() -> None:
     assert to_pydantic_ai(converted) == messages
 
 
+def test_parts_of_two_requests_come_back_as_two_requests() -> None:
+    """Consecutive requests keep their own fields after a round trip; a summary is a request of its own.
+
+    Before, they came back as one request with the first one's fields (its ``run_id``, say).
+    """
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    messages: list[ModelMessage] = [
+        ModelRequest(parts=[ToolReturnPart("f", "done", tool_call_id="c1", timestamp=at)], run_id="run-1"),
+        ModelRequest(parts=[UserPromptPart("next", timestamp=at)], run_id="run-2"),
+    ]
+    converted, _ = from_pydantic_ai(messages)
+    assert to_pydantic_ai(converted) == messages
+    summary = Message.user("Codes seen: code-0001", metadata={"contextfold.summary": True})
+    rebuilt = to_pydantic_ai([summary, *converted[1:]])
+    assert [m.run_id for m in rebuilt] == [None, "run-2"]
+
+
 def test_the_summary_goes_back_as_a_marked_compaction_part() -> None:
     """A contextfold summary becomes a CompactionPart that converts back to a summary, never a user turn."""
     summary = Message.user(
@@ -232,3 +251,70 @@ async def test_a_runs_responses_keep_its_fields_after_a_fold() -> None:
             assert len(responses) == 2
             assert all(m.run_id == result.run_id and m.conversation_id == "c" for m in responses), n
         assert folded
+
+
+class Long:
+    """A FunctionModel body answering every prompt at length; records what each request carried."""
+
+    def __init__(self) -> None:
+        self.requests: list[list[ModelMessage]] = []
+
+    def __call__(self, messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        self.requests.append(messages)
+        text = "ok " + "x " * 400
+        if info.output_tools:
+            return ModelResponse(parts=[ToolCallPart(info.output_tools[0].name, {"text": text})])
+        return ModelResponse(parts=[TextPart(text)])
+
+
+@pytest.mark.parametrize(
+    ("structured", "keep"),
+    [(False, 1), (True, 4)],
+    ids=["summary-then-prompt", "output-tool-return-then-prompt"],
+)
+async def test_new_messages_after_a_fold_at_a_runs_first_request_are_the_runs_own(
+    structured: bool, keep: int
+) -> None:
+    """A fold before a run's first request leaves new_messages() what the run added, the prompt first.
+
+    Before, a request was rebuilt from the parts of two: new_messages() began with the summary merged
+    into the run's prompt, or, when the prompt was merged into the previous run's output tool return,
+    with the model's response.
+    """
+    options = RunOptions(
+        max_history_tokens=2_000,
+        compaction=SummarizeOptions(trigger_token_budget=500, min_recent_messages=keep, min_recent_turns=1),
+    )
+    async with MemoryStore() as store:
+        script = Long()
+        bot: Agent[None, Any] = Agent(
+            FunctionModel(script),
+            instructions="Answer.",
+            capabilities=[
+                CompactionCapability(Compactor(store, options=options, summarizer=codes_summarizer()))
+            ],
+            output_type=Answer if structured else str,
+        )
+        history: list[ModelMessage] = []
+        folded = 0
+        for n in range(8):
+            result = await bot.run(
+                f"question {n} " + "y " * 400, message_history=history, conversation_id="c"
+            )
+            history = result.all_messages()
+            new = result.new_messages()
+            sent = from_pydantic_ai(script.requests[-1])[0]
+            folded += sent[0].is_summary
+            assert sent[-1].text.startswith(f"question {n} "), n
+            assert isinstance(new[0], ModelRequest) and isinstance(new[0].parts[0], UserPromptPart), n
+            assert new[0].parts[0].content.startswith(f"question {n} ")
+            assert all(m.run_id == result.run_id for m in new), n
+            assert [type(m) for m in new] == [ModelRequest, ModelResponse] + [ModelRequest] * structured
+            assert not any(m.is_summary for m in from_pydantic_ai(new)[0]), n
+            assert history[-len(new) :] == new
+        assert folded > 1
+
+
+@dataclass
+class Answer:
+    text: str

@@ -166,47 +166,53 @@ def _fresh_response(message: Message) -> dict[str, Any]:
 
 
 def to_pydantic_ai(messages: Sequence[Message]) -> list[ModelMessage]:
-    """contextfold messages as pydantic-ai messages; consecutive request parts share one request."""
+    """contextfold messages as pydantic-ai messages; consecutive parts of one request share one request.
+
+    A part goes back into the request it came from: parts of two requests are
+    two requests, as pydantic-ai recorded them (it merges them when it sends
+    them), and parts contextfold wrote (a summary) are a request of their own.
+    """
     tool_names = {call.id: call.name for message in messages for call in message.tool_calls}
     out: list[dict[str, Any]] = []
+    origins: list[dict[str, Any] | None] = []
     for message in messages:
         stored = message.metadata.get(_KEY)
         stored = stored if isinstance(stored, dict) else {}
         if message.role is Role.ASSISTANT:
             out.append(stored.get("response") or _fresh_response(message))
+            origins.append(None)
             continue
         part = stored.get("part")
         if not isinstance(part, dict) or message.metadata.get(TRUNCATED_METADATA_KEY):
             part = _fresh_part(message, tool_names)
-        if out and out[-1].get("kind") == "request":
+        request = stored.get("request")
+        request = request if isinstance(request, dict) else None
+        if out and out[-1].get("kind") == "request" and origins[-1] == request:
             out[-1]["parts"].append(part)
         else:
-            request = stored.get("request")
-            out.append({**(request if isinstance(request, dict) else {"kind": "request"}), "parts": [part]})
+            out.append({**(request or {"kind": "request"}), "parts": [part]})
+            origins.append(request)
     return _load(out)
 
 
 def _the_runs_own(rewritten: list[ModelMessage], given: Sequence[ModelMessage]) -> list[ModelMessage]:
-    """``rewritten`` with each response the run gave the capability as the run's own object.
+    """``rewritten`` with each request and response the run gave the capability as the run's own object.
 
-    A response is kept as it was recorded, before pydantic-ai stamped it with
-    the run's ``run_id``, ``conversation_id`` and ``model_id``: the run's own
-    object carries them, so ``new_messages()`` after a fold is as without one.
+    A message is kept as it was recorded: a response before pydantic-ai stamped
+    it with the run's ``run_id``, ``conversation_id`` and ``model_id``, a
+    request before pydantic-ai recorded on it what it sent. The run's own
+    objects carry all that, and pydantic-ai finds where the run's new messages
+    start by them, so ``new_messages()`` after a fold is as without one.
     """
     own: dict[str, ModelMessage] = {}
     for message in given:
-        if isinstance(message, ModelResponse):
-            own.setdefault(_parts_of(message), message)
-    if not own:
-        return rewritten
-    return [
-        own.get(_parts_of(message), message) if isinstance(message, ModelResponse) else message
-        for message in rewritten
-    ]
+        own.setdefault(_parts_of(message), message)
+    return [own.get(_parts_of(message), message) for message in rewritten]
 
 
-def _parts_of(response: ModelResponse) -> str:
-    return json.dumps(_dump(response).get("parts"), sort_keys=True)
+def _parts_of(message: ModelMessage) -> str:
+    data = _dump(message)
+    return json.dumps([data.get("kind"), data.get("parts")], sort_keys=True)
 
 
 @dataclass
