@@ -7,7 +7,9 @@
     async for event in loop.stream(thread, "hi", llm=llm.stream, tools=tools): ...
 
 Each reply is a :class:`~contextfold._loop.Reply` carrying the model that
-answered and its token usage, which the step loop records in the log.
+answered and its token usage, which the step loop records in the log. A
+reply with no content (an empty ``end_turn``) is recorded, and left out of
+later requests, which the Messages API would refuse with it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._episodes import Usage
 from .._loop import Reply
-from .._messages import Message, ToolCall, from_anthropic, to_anthropic
+from .._messages import Message, Role, ToolCall, from_anthropic, to_anthropic
 from ._tools import Tools, ToolSpec, tool_specs
 
 if TYPE_CHECKING:
@@ -41,6 +43,16 @@ def _usage(usage: Any) -> Usage | None:
     return Usage(input_tokens=usage.input_tokens or 0, output_tokens=usage.output_tokens or 0)
 
 
+def _is_empty_reply(message: Message) -> bool:
+    """An assistant turn with nothing in it: Claude can end a turn so, right after tool results.
+
+    The log keeps it, as it happened; a request leaves it out, as the Messages
+    API refuses an empty assistant turn anywhere but last ("all messages must
+    have non-empty content").
+    """
+    return message.role is Role.ASSISTANT and not message.tool_calls and not message.content
+
+
 class AnthropicChatLLM:
     """Calls the Messages API with the request's messages and the tool schemas.
 
@@ -57,7 +69,7 @@ class AnthropicChatLLM:
         self.create_kwargs = {"max_tokens": DEFAULT_MAX_TOKENS, **create_kwargs}
 
     def _request(self, messages: list[Message]) -> dict[str, Any]:
-        system, turns = to_anthropic(messages)
+        system, turns = to_anthropic(message for message in messages if not _is_empty_reply(message))
         request: dict[str, Any] = {"model": self.model, "messages": turns, **self.create_kwargs}
         if system is not None:
             request["system"] = system
