@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from pytest_httpserver import HTTPServer
 from werkzeug import Request, Response
 
 from contextfold import Compactor, Message, StepLoop, conversation
+from contextfold._messages import to_openai
 from contextfold.stores import MemoryStore
 
 from .scenario import MODEL, FakeProvider
@@ -81,3 +83,107 @@ async def test_an_empty_anthropic_reply_is_logged_and_left_out_of_later_requests
             "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "are you there?"}],
         }
     ]
+
+
+REFUSAL = "I can't help with that."
+
+
+class RefusingOpenAI:
+    """Chat Completions on 127.0.0.1: refuses ``hi``, answers anything else, blocking or streamed.
+
+    Replies carry ``annotations`` as OpenAI's do. Like a strict server, it answers 400 to a request
+    whose assistant message has a key ``ChatCompletionAssistantMessageParam`` lacks, or no
+    ``content`` without tool calls.
+    """
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+
+    def __call__(self, request: Request) -> Response:
+        from openai.types.chat import ChatCompletionAssistantMessageParam
+
+        body = json.loads(request.get_data(as_text=True))
+        self.bodies.append(body)
+        allowed = ChatCompletionAssistantMessageParam.__annotations__.keys()
+        for index, message in enumerate(body["messages"]):
+            if message["role"] != "assistant":
+                continue
+            unknown = message.keys() - allowed
+            if unknown or ("content" not in message and "tool_calls" not in message):
+                error = {
+                    "message": f"messages[{index}]: unknown {sorted(unknown)} or no content",
+                    "code": None,
+                }
+                return Response(json.dumps({"error": error}), status=400, content_type="application/json")
+        refuse = body["messages"][-1]["content"] == "hi"
+        answer = {"refusal": REFUSAL} if refuse else {"content": "Hello."}
+        base = {"id": "chatcmpl-1", "created": 1, "model": MODEL}
+        if not body.get("stream"):
+            message = {"role": "assistant", "content": None, "refusal": None, "annotations": [], **answer}
+            choice = {"index": 0, "message": message, "finish_reason": "stop"}
+            completion = {**base, "object": "chat.completion", "choices": [choice]}
+            return Response(json.dumps(completion), content_type="application/json")
+        first = {"role": "assistant", "content": None if refuse else "", "refusal": "" if refuse else None}
+        deltas = [first, answer, {}]
+        chunks = [
+            {
+                **base,
+                "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": None if delta else "stop"}],
+            }
+            for delta in deltas
+        ]
+        events = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
+        return Response(events, content_type="text/event-stream")
+
+
+async def openai_session(httpserver: HTTPServer, streaming: bool) -> tuple[list[Message], RefusingOpenAI]:
+    """The log of ``hi`` (refused) then ``again``, over chat_llm's blocking call or its stream."""
+    from openai import AsyncOpenAI
+
+    from contextfold.integrations.openai import chat_llm
+
+    server = RefusingOpenAI()
+    httpserver.expect_request("/v1/chat/completions", method="POST").respond_with_handler(server)
+    client = AsyncOpenAI(base_url=httpserver.url_for("/v1"), api_key="sk-test", max_retries=0)
+    llm = chat_llm(client, MODEL)
+    async with MemoryStore() as store:
+        compactor = Compactor(store)
+        loop = StepLoop(compactor)
+        for question in ("hi", "again"):
+            if streaming:
+                async for _ in loop.stream("t", question, llm=llm.stream):
+                    pass
+            else:
+                await loop.run("t", question, llm=llm)
+        return conversation([r async for r in compactor.episodic.replay("t")]), server
+
+
+async def test_a_streamed_refusal_is_logged_as_a_blocking_one(httpserver: HTTPServer) -> None:
+    """A refusal that arrives as ``delta.refusal`` is recorded as the blocking call records it.
+
+    Before, the stream ignored it and recorded ``{"role": "assistant"}``: neither content nor refusal.
+    """
+    blocking, blocking_server = await openai_session(httpserver, streaming=False)
+    httpserver.clear()
+    streamed, server = await openai_session(httpserver, streaming=True)
+    assert to_openai(blocking[1:2]) == [{"role": "assistant", "refusal": REFUSAL, "annotations": []}]
+    assert to_openai(streamed[1:2]) == [{"role": "assistant", "refusal": REFUSAL}]
+    sent = server.bodies[1]["messages"][1]
+    assert (
+        sent
+        == blocking_server.bodies[1]["messages"][1]
+        == {"role": "assistant", "refusal": REFUSAL, "content": ""}
+    )
+
+
+async def test_openai_replies_go_back_without_response_only_fields(httpserver: HTTPServer) -> None:
+    """A reply's ``annotations`` stay in the log and out of later requests, which a strict server refuses.
+
+    Before, every later request sent ``"annotations": []`` back in the assistant message, a key the
+    Chat Completions request schema does not have.
+    """
+    logged, server = await openai_session(httpserver, streaming=False)
+    assert [m.text for m in logged] == ["hi", "", "again", "Hello."]
+    assert to_openai(logged[3:]) == [{"role": "assistant", "content": "Hello.", "annotations": []}]
+    assert [m.get("annotations") for m in server.bodies[1]["messages"]] == [None] * 3

@@ -7,7 +7,9 @@
     async for event in loop.stream(thread, "hi", llm=llm.stream, tools=tools): ...
 
 Each reply is a :class:`~contextfold._loop.Reply` carrying the model that
-answered and its token usage, which the step loop records in the log.
+answered and its token usage, which the step loop records in the log, as
+the API returned it (a streamed reply as the blocking call would have). Later
+requests send it back as the request schema has it, without ``annotations``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,25 @@ def _usage(usage: Any) -> Usage | None:
     return Usage(input_tokens=usage.prompt_tokens or 0, output_tokens=usage.completion_tokens or 0)
 
 
+def _sendable(item: dict[str, Any]) -> dict[str, Any]:
+    """A message as Chat Completions takes it back; the log keeps the reply as it came.
+
+    A reply's response-only fields are left out (``annotations``, the
+    ``audio`` fields but its ``id``): strict servers refuse keys the request
+    schema does not have. An assistant message needs ``content`` unless it
+    calls tools, so a refusal or an empty reply is sent with ``""``.
+    """
+    if item.get("role") != "assistant":
+        return item
+    item = {key: value for key, value in item.items() if key != "annotations"}
+    audio = item.get("audio")
+    if isinstance(audio, dict) and "id" in audio:
+        item["audio"] = {"id": audio["id"]}
+    if "content" not in item and not item.get("tool_calls") and not item.get("function_call"):
+        item["content"] = ""
+    return item
+
+
 class OpenAIChatLLM:
     """Calls Chat Completions with the request's messages and the tool schemas.
 
@@ -59,7 +80,7 @@ class OpenAIChatLLM:
     def _request(self, messages: list[Message]) -> dict[str, Any]:
         request: dict[str, Any] = {
             "model": self.model,
-            "messages": to_openai(messages, omit_nulls=True),
+            "messages": [_sendable(item) for item in to_openai(messages, omit_nulls=True)],
             **self.create_kwargs,
         }
         if self.tools:
@@ -77,6 +98,7 @@ class OpenAIChatLLM:
         request["stream"] = True
         request.setdefault("stream_options", {"include_usage": True})
         text: list[str] = []
+        refusal: list[str] = []
         calls: dict[int, dict[str, str]] = {}
         model: str | None = None
         usage: Usage | None = None
@@ -90,17 +112,30 @@ class OpenAIChatLLM:
                     if delta.content:
                         text.append(delta.content)
                         yield delta.content
+                    if delta.refusal:
+                        refusal.append(delta.refusal)
                     for part in delta.tool_calls or ():
                         call = calls.setdefault(part.index, {"id": "", "name": "", "arguments": ""})
                         call["id"] = part.id or call["id"]
                         if part.function is not None:
                             call["name"] += part.function.name or ""
                             call["arguments"] += part.function.arguments or ""
-        tool_calls = [
-            ToolCall(id=call["id"], name=call["name"], arguments=call["arguments"] or "{}")
-            for _, call in sorted(calls.items())
-        ]
-        reply = Message.assistant("".join(text) or None, tool_calls=tool_calls)
+        # The message a blocking call would have returned, without its unset fields, parsed as that one is.
+        message: dict[str, Any] = {"role": "assistant"}
+        if text:
+            message["content"] = "".join(text)
+        if refusal:
+            message["refusal"] = "".join(refusal)
+        if calls:
+            message["tool_calls"] = [
+                {
+                    "id": call["id"],
+                    "type": "function",
+                    "function": {"name": call["name"], "arguments": call["arguments"] or "{}"},
+                }
+                for _, call in sorted(calls.items())
+            ]
+        [reply] = from_openai([message])
         yield Reply(reply, model=model, usage=usage)
 
 
