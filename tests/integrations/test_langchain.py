@@ -98,6 +98,8 @@ async def test_a_long_session_folds_under_invoke_and_ainvoke_and_resumes(tmp_pat
         c = compactor(store)
         await check_log(c, "t", range(TURNS))
         check_requests(requests)
+        kinds = {record.episode.kind async for record in store.replay("t")}
+        assert not kinds & {"messages_retracted", "history_cleared"}  # no fold or restart reads as an edit
     state = (await graph.aget_state(config)).values["messages"]
     assert state[0].id.startswith(SUMMARY_KEY_PREFIX)
 

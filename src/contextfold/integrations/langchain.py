@@ -23,6 +23,15 @@ sub-agent compiled with ``checkpointer=True`` keeps one thread across calls
 (``main|tools``); by default the namespace names the calling task
 (``main|tools:<task id>``), so each call starts a thread afresh, as its state
 does, and an interrupt resumed in that task finds it again.
+
+With a checkpointer, the agent's state is the conversation, and the thread
+follows edits made to it: a message removed (``RemoveMessage``) or rewritten
+under its id with ``update_state``, a run continued from an earlier checkpoint,
+a state emptied with ``RemoveMessage(REMOVE_ALL_MESSAGES)``. The working
+context takes the edit, and the log, which keeps every original, records the
+conversation withdrawn from the oldest edited message on and what stays of it
+again, so a replay gives the edited conversation. Without a checkpointer the
+state starts empty on every run, and the thread supplies the history.
 """
 
 from __future__ import annotations
@@ -30,7 +39,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -47,14 +57,24 @@ from langchain_core.messages import (
     messages_to_dict,
 )
 from langgraph.config import get_config
+from langgraph.constants import CONFIG_KEY_CHECKPOINTER
 from langgraph.graph.message import REMOVE_ALL_MESSAGES
 from langgraph.runtime import Runtime
 
-from .._compactor import Compactor
-from .._episodes import Usage
-from .._errors import ConfigError, SummarizerError
+from .._compactor import TRUNCATED_METADATA_KEY, Compactor
+from .._episodes import (
+    Episode,
+    HistoryClearedEpisode,
+    MessagesRetractedEpisode,
+    Usage,
+    conversation,
+    episode_for,
+)
+from .._errors import ConfigError, ConflictError, SummarizerError
 from .._messages import TOOL_ERROR_METADATA_KEY, Message, Role, ToolCall
-from .._sync import KEY_METADATA_KEY, message_key
+from .._strategies import MASKED_METADATA_KEY
+from .._sync import KEY_METADATA_KEY, SUMMARY_KEY_PREFIX, message_key
+from ..stores._base import Store
 from ..summarizers._base import Summary
 from ..summarizers._prompt import SYSTEM_PROMPT, render_messages, user_prompt
 
@@ -134,19 +154,28 @@ def to_langchain(message: Message) -> BaseMessage:
     return converted
 
 
-def _thread_of(explicit: str | None) -> str:
-    """The contextfold thread of the running agent: ``explicit``, else ``thread_id`` and its namespace.
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """Where a hook runs: its contextfold thread, and whether a checkpointer keeps the agent's state."""
+
+    thread: str
+    persistent: bool
+
+
+def _run_of(explicit: str | None) -> _Run:
+    """The running agent's thread (``explicit``, else ``thread_id`` and its namespace) and persistence.
 
     A hook runs as a node whose ``checkpoint_ns`` is its graph's namespace
     followed by the node's own ``name:task_id``; the graph's namespace is empty
     for the agent the user invoked and names the calling task for a sub-agent.
     """
-    if explicit is not None:
-        return explicit
     try:
         configurable = get_config().get("configurable") or {}
     except RuntimeError:
         configurable = {}
+    persistent = configurable.get(CONFIG_KEY_CHECKPOINTER) is not None
+    if explicit is not None:
+        return _Run(explicit, persistent)
     thread = configurable.get("thread_id")
     if not thread:
         raise ConfigError(
@@ -157,7 +186,63 @@ def _thread_of(explicit: str | None) -> str:
         )
     namespace = configurable.get("checkpoint_ns")
     graph = namespace.rpartition(_NS_SEP)[0] if isinstance(namespace, str) else ""
-    return f"{thread}{_NS_SEP}{graph}" if graph else str(thread)
+    return _Run(f"{thread}{_NS_SEP}{graph}" if graph else str(thread), persistent)
+
+
+@dataclass(frozen=True, slots=True)
+class _Edit:
+    """How the agent's state differs from the working context it was handed: by the messages' keys."""
+
+    removed: frozenset[str]
+    changed: Mapping[str, Message]
+    """Each message the state rewrote in place, as the state now holds it."""
+    cleared: bool
+    """The state holds none of the context's messages: the conversation starts over from the state."""
+
+
+def _edit_of(context: Sequence[Message], state: Mapping[str, Message], *, persistent: bool) -> _Edit | None:
+    """The edit the state made to ``context`` (``update_state``, time travel), ``None`` if it made none.
+
+    The state made one when it holds a message of the context but not
+    another, or holds one with other content; or, kept by a checkpointer, when
+    it holds none of them (cleared, or forked from before them). A state that
+    holds none of them and is not kept is the start of a run that the thread
+    supplies the history to. ``state`` holds the state's messages by id.
+    Summaries, and messages contextfold rewrote in the context (masked or
+    truncated outputs), are left out of the comparison.
+    """
+    kept = [
+        (message, key)
+        for message in context
+        if (key := message_key(message)) is not None
+        and not key.startswith(SUMMARY_KEY_PREFIX)
+        and not message.is_summary
+    ]
+    if not kept:
+        return None
+    if not any(key in state for _, key in kept):
+        return _Edit(frozenset(key for _, key in kept), {}, cleared=True) if persistent else None
+    removed = frozenset(key for _, key in kept if key not in state)
+    changed: dict[str, Message] = {}
+    for message, key in kept:
+        held = state.get(key)
+        rewritten = message.metadata.get(TRUNCATED_METADATA_KEY) or message.metadata.get(MASKED_METADATA_KEY)
+        if held is not None and not rewritten and not _same(held, message):
+            changed[key] = held
+    if not removed and not changed:
+        return None
+    return _Edit(removed, changed, cleared=False)
+
+
+def _same(first: Message, second: Message) -> bool:
+    """Whether a model sees the two messages alike (what ``content_hash`` digests), without hashing them."""
+    return (first.role, first.content, first.tool_calls, first.tool_call_id, first.name) == (
+        second.role,
+        second.content,
+        second.tool_calls,
+        second.tool_call_id,
+        second.name,
+    )
 
 
 def _run_blocking(fn: Callable[[], Awaitable[_T]]) -> _T:
@@ -186,31 +271,99 @@ class CompactionMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
         self.thread = thread
 
     async def _update(
-        self, thread: str, messages: Sequence[BaseMessage], *, compact: bool = True
+        self, run: _Run, messages: Sequence[BaseMessage], *, compact: bool = True
     ) -> dict[str, Any] | None:
+        thread = run.thread
         converted = [from_langchain(message) for message in messages]
         ids = [message.id for message in messages]
+        by_id = {id_: message for id_, message in zip(ids, converted, strict=True) if id_}
+        edit = _edit_of(await self.compactor.context(thread), by_id, persistent=run.persistent)
+        if edit is not None:
+            await self._follow(thread, edit)
         context = await self.compactor.sync(thread, converted, ids=ids, compact=compact)
         if context is None or not compact:
             return None
         return {"messages": [RemoveMessage(id=REMOVE_ALL_MESSAGES), *map(to_langchain, context)]}
 
+    async def _follow(self, thread: str, edit: _Edit) -> None:
+        """Make the working context and the log follow ``edit``; the log keeps every original.
+
+        The context loses the removed messages and takes the rewritten ones in
+        place. The log records the conversation withdrawn from the oldest
+        message edited on (``MessagesRetractedEpisode``, or ``HistoryClearedEpisode``
+        from the start), then what stays of it again, as edited: a replay gives
+        the edited conversation.
+        """
+        compactor = self.compactor
+        await compactor._ready_counter()  # it counts the rewritten messages: no tokenizer load on the loop
+        for attempt in range(3):
+            window = await compactor.short_term.load(thread)
+            if not window.messages:
+                break
+            replacement: list[Message] = []
+            tokens: list[int] = []
+            for stored in window.messages:
+                key = message_key(stored.message)
+                if edit.cleared or key in edit.removed:
+                    continue
+                if key is not None and key in edit.changed:
+                    replacement.append(edit.changed[key])
+                    tokens.append(compactor.counter.count(edit.changed[key]))
+                else:
+                    replacement.append(stored.message)
+                    tokens.append(stored.tokens)
+            try:
+                await compactor.short_term.replace_prefix(
+                    thread,
+                    through_seq=window.messages[-1].seq,
+                    expected_version=window.version,
+                    replacement=replacement,
+                    tokens=tokens,
+                )
+                break
+            except ConflictError:  # a fold came between: read the context it left
+                if attempt == 2:
+                    raise
+        compactor._forget_seen(thread)
+        said = conversation([record async for record in compactor.episodic.replay(thread)])
+        edited = edit.removed | edit.changed.keys()
+        first = 0
+        if not edit.cleared:  # the newest message of each key is the context's (a provider may reuse ids)
+            newest = {message_key(message): n for n, message in enumerate(said)}
+            first = min((newest[key] for key in edited if key in newest), default=len(said))
+        if first == len(said):
+            return
+        episodes: list[Episode] = [
+            HistoryClearedEpisode() if first == 0 else MessagesRetractedEpisode(count=len(said) - first)
+        ]
+        if not edit.cleared:
+            for message in said[first:]:
+                key = message_key(message)
+                if key is None or key not in edit.removed:
+                    episodes.append(episode_for(edit.changed.get(key, message) if key else message))
+        log = compactor.episodic
+        if isinstance(log, Store):
+            await log.record_and_append(thread, episodes, [], [])
+        else:
+            for episode in episodes:
+                await log.record(thread, episode)
+
     async def abefore_model(self, state: AgentState[Any], runtime: Runtime[Any]) -> dict[str, Any] | None:
-        return await self._update(_thread_of(self.thread), state["messages"])
+        return await self._update(_run_of(self.thread), state["messages"])
 
     def before_model(self, state: AgentState[Any], runtime: Runtime[Any]) -> dict[str, Any] | None:
-        thread = _thread_of(self.thread)
+        run = _run_of(self.thread)
         messages = list(state["messages"])
-        return _run_blocking(lambda: self._update(thread, messages))
+        return _run_blocking(lambda: self._update(run, messages))
 
     async def aafter_agent(self, state: AgentState[Any], runtime: Runtime[Any]) -> dict[str, Any] | None:
         # The final answer comes after the last model call: record it before the run ends.
-        return await self._update(_thread_of(self.thread), state["messages"], compact=False)
+        return await self._update(_run_of(self.thread), state["messages"], compact=False)
 
     def after_agent(self, state: AgentState[Any], runtime: Runtime[Any]) -> dict[str, Any] | None:
-        thread = _thread_of(self.thread)
+        run = _run_of(self.thread)
         messages = list(state["messages"])
-        return _run_blocking(lambda: self._update(thread, messages, compact=False))
+        return _run_blocking(lambda: self._update(run, messages, compact=False))
 
 
 class LangChainSummarizer:

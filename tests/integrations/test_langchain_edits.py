@@ -1,0 +1,163 @@
+"""CompactionMiddleware follows edits made through LangGraph: removals, rewrites, time travel, clears."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+from pydantic import Field
+
+from contextfold import Compactor, RunOptions, SummarizeOptions, conversation
+from contextfold.stores import MemoryStore, SQLiteStore
+
+from .scenario import compactor, question
+
+pytest.importorskip("langchain")
+
+from langchain.agents import create_agent
+from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, RemoveMessage
+from langchain_core.outputs import ChatGeneration, ChatResult
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph.message import REMOVE_ALL_MESSAGES
+
+from contextfold.integrations.langchain import CompactionMiddleware
+
+NEVER_FOLDS = RunOptions(compaction=SummarizeOptions(trigger_token_budget=100_000))
+CONFIG: Any = {"configurable": {"thread_id": "t"}}
+
+
+class Echo(GenericFakeChatModel):
+    """Answers each request after its last message, and records what it was sent."""
+
+    requests: list[list[str]] = Field(default_factory=list)
+
+    def _generate(
+        self, messages: list[BaseMessage], stop: Any = None, run_manager: Any = None, **kw: Any
+    ) -> Any:
+        self.requests.append([m.text for m in messages])
+        n = len(self.requests)
+        reply = AIMessage(f"answer to {messages[-1].text}", id=f"ai-{n}")
+        return ChatResult(generations=[ChatGeneration(message=reply)])
+
+
+def build(c: Compactor | None, *, checkpointer: Any = None) -> tuple[Any, Echo]:
+    model = Echo(messages=iter(()))
+    middleware = [CompactionMiddleware(c)] if c is not None else []
+    saver = InMemorySaver() if checkpointer is None else checkpointer
+    return create_agent(model, [], middleware=middleware, checkpointer=saver or None), model
+
+
+async def said(store: Any) -> list[str]:
+    """The conversation a replay of the log gives."""
+    return [m.text for m in conversation([r async for r in store.replay("t")])]
+
+
+async def asked(store: Any) -> list[str]:
+    """Every user message the log recorded, withdrawn ones included."""
+    return [r.episode.message.text async for r in store.replay("t") if r.episode.kind == "user_message"]
+
+
+async def redact(store: MemoryStore | None, *, sync: bool) -> tuple[list[str], list[str]]:
+    """Delete the first question and rewrite the answer the LangGraph way, then ask again."""
+    graph, model = build(Compactor(store, options=NEVER_FOLDS) if store else None)
+
+    async def ask(text: str, id_: str) -> None:
+        given = {"messages": [HumanMessage(text, id=id_)]}
+        if sync:
+            await anyio.to_thread.run_sync(lambda: graph.invoke(given, CONFIG))
+        else:
+            await graph.ainvoke(given, CONFIG)
+
+    await ask("my password is hunter2", "h1")
+    answer = (await graph.aget_state(CONFIG)).values["messages"][-1]
+    await graph.aupdate_state(
+        CONFIG, {"messages": [RemoveMessage(id="h1"), AIMessage("[redacted]", id=answer.id)]}
+    )
+    await ask("hello again", "h2")
+    state = [m.text for m in (await graph.aget_state(CONFIG)).values["messages"]]
+    return model.requests[-1], state
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["ainvoke", "invoke"])
+async def test_a_removed_and_a_rewritten_message_stay_so(sync: bool) -> None:
+    """Model and state see the edit as without the middleware; the log replays it and keeps the original."""
+    plain = await redact(None, sync=sync)
+    async with MemoryStore() as store:
+        assert (
+            await redact(store, sync=sync)
+            == plain
+            == (
+                ["[redacted]", "hello again"],
+                ["[redacted]", "hello again", "answer to hello again"],
+            )
+        )
+        assert await said(store) == plain[1]
+        assert "my password is hunter2" in await asked(store)
+
+
+async def fork(store: MemoryStore | None) -> list[str]:
+    """Two turns, then a third from the checkpoint after the first: LangGraph's time travel."""
+    graph, model = build(Compactor(store, options=NEVER_FOLDS) if store else None)
+    for text in ("first", "wrong turn"):
+        await graph.ainvoke({"messages": [HumanMessage(text)]}, CONFIG)
+    history = [snapshot async for snapshot in graph.aget_state_history(CONFIG)]
+    earlier = next(s for s in history if len(s.values.get("messages", [])) == 2 and not s.next)
+    await graph.ainvoke({"messages": [HumanMessage("better turn")]}, earlier.config)
+    return model.requests[-1]
+
+
+async def test_continuing_from_an_earlier_checkpoint_leaves_the_abandoned_branch() -> None:
+    """A fork sends what it sends without the middleware, and the log replays the fork's conversation."""
+    plain = await fork(None)
+    async with MemoryStore() as store:
+        assert await fork(store) == plain == ["first", "answer to first", "better turn"]
+        assert await said(store) == [*plain, "answer to better turn"]
+        assert "wrong turn" in await asked(store)
+
+
+async def test_removing_every_message_starts_the_thread_over() -> None:
+    """After RemoveMessage(REMOVE_ALL_MESSAGES) the model gets only the new turn; the log replays only it."""
+    async with MemoryStore() as store:
+        graph, model = build(Compactor(store, options=NEVER_FOLDS))
+        await graph.ainvoke({"messages": [HumanMessage("old")]}, CONFIG)
+        await graph.aupdate_state(CONFIG, {"messages": [RemoveMessage(id=REMOVE_ALL_MESSAGES)]})
+        await graph.ainvoke({"messages": [HumanMessage("new")]}, CONFIG)
+        assert model.requests[-1] == ["new"]
+        assert await said(store) == ["new", "answer to new"]
+
+
+async def test_without_a_checkpointer_the_thread_supplies_the_history() -> None:
+    """An agent whose state is not kept gets the thread's earlier turns: there is no state to have edited."""
+    async with MemoryStore() as store:
+        graph, model = build(Compactor(store, options=NEVER_FOLDS), checkpointer=False)
+        for text in ("first", "second"):
+            await graph.ainvoke({"messages": [HumanMessage(text)]}, CONFIG)
+        assert model.requests[-1] == ["first", "answer to first", "second"]
+
+
+async def test_a_message_removed_after_a_fold_stays_removed(tmp_path: Any) -> None:
+    """A kept turn removed after a fold leaves the context and the replay; the summary and the rest stay."""
+
+    def long(n: int) -> str:
+        return f"{question(n)} " + "padding " * 40
+
+    async with SQLiteStore(tmp_path / "edits.db") as store:
+        graph, model = build(compactor(store))
+        for n in range(12):
+            await graph.ainvoke({"messages": [HumanMessage(long(n))]}, CONFIG)
+        before = await said(store)
+        state = (await graph.aget_state(CONFIG)).values["messages"]
+        assert state[0].id.startswith("contextfold.summary:")
+        gone = next(m for m in state if m.text == long(11))
+        await graph.aupdate_state(CONFIG, {"messages": [RemoveMessage(id=gone.id)]})
+        await graph.ainvoke({"messages": [HumanMessage(long(12))]}, CONFIG)
+        sent = model.requests[-1]
+        assert long(11) not in sent and sent[0] == state[0].text and sent[-1] == long(12)
+        assert await said(store) == [
+            *(text for text in before if text != long(11)),
+            long(12),
+            f"answer to {long(12)}",
+        ]
+        assert long(11) in await asked(store)
