@@ -187,3 +187,20 @@ async def test_openai_replies_go_back_without_response_only_fields(httpserver: H
     assert [m.text for m in logged] == ["hi", "", "again", "Hello."]
     assert to_openai(logged[3:]) == [{"role": "assistant", "content": "Hello.", "annotations": []}]
     assert [m.get("annotations") for m in server.bodies[1]["messages"]] == [None] * 3
+
+
+async def test_an_audio_reply_goes_back_as_its_id(httpserver: HTTPServer) -> None:
+    """A reply's audio is sent back as ``{"id": ...}``, the request's form, and kept whole in the message."""
+    from openai import AsyncOpenAI
+
+    from contextfold._messages import from_openai
+    from contextfold.integrations.openai import chat_llm
+
+    provider = FakeProvider("openai", script=lambda _: Message.assistant("ok"))
+    httpserver.expect_request("/v1/chat/completions", method="POST").respond_with_handler(provider)
+    audio = {"id": "audio_1", "data": "UklGRg==", "expires_at": 1, "transcript": "Hello."}
+    [reply] = from_openai([{"role": "assistant", "content": None, "audio": audio, "annotations": []}])
+    client = AsyncOpenAI(base_url=httpserver.url_for("/v1"), api_key="sk-test", max_retries=0)
+    await chat_llm(client, MODEL)([Message.user("hi"), reply, Message.user("again")])
+    assert provider.bodies[0]["messages"][1] == {"role": "assistant", "audio": {"id": "audio_1"}}
+    assert to_openai([reply])[0]["audio"] == audio

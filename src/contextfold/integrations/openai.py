@@ -49,7 +49,8 @@ def _sendable(item: dict[str, Any]) -> dict[str, Any]:
     A reply's response-only fields are left out (``annotations``, the
     ``audio`` fields but its ``id``): strict servers refuse keys the request
     schema does not have. An assistant message needs ``content`` unless it
-    calls tools, so a refusal or an empty reply is sent with ``""``.
+    calls tools (or refers to earlier audio), so a refusal or an empty reply
+    is sent with ``""``.
     """
     if item.get("role") != "assistant":
         return item
@@ -57,7 +58,7 @@ def _sendable(item: dict[str, Any]) -> dict[str, Any]:
     audio = item.get("audio")
     if isinstance(audio, dict) and "id" in audio:
         item["audio"] = {"id": audio["id"]}
-    if "content" not in item and not item.get("tool_calls") and not item.get("function_call"):
+    if "content" not in item and not any(item.get(key) for key in ("tool_calls", "function_call", "audio")):
         item["content"] = ""
     return item
 
