@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import threading
 from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime, timedelta
@@ -1006,3 +1007,28 @@ async def test_a_fold_left_over_its_target_warns_only_when_over_the_budget(
     assert (tokens > 1_000) is (level == "WARNING")
     records = [r for r in caplog.records if "over the 500-token target" in r.getMessage()]
     assert [r.levelname for r in records] == [level]
+
+
+async def test_a_thread_over_the_compaction_window_is_folded_whole_with_the_documented_warning(
+    store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A thread grown while compaction was off: the README's warning names it, and the fold covers it all.
+
+    With a bundled store the fold plans over the cached context, and the
+    warning never fired before.
+    """
+    off = Compactor(store, counter=ApproximateCounter())
+    for n in range(60):
+        await off.append(THREAD, [Message.user(f"m{n} " + "word " * 40)])
+    options = RunOptions(max_history_tokens=1_000, compaction=SummarizeOptions(trigger_token_budget=500))
+    on = Compactor(store, options=options, counter=ApproximateCounter())
+    total = (await store.stats(THREAD)).total_tokens
+    assert total > 500 * 4
+    with caplog.at_level(logging.WARNING, logger="contextfold"):
+        result = await on.maybe_compact(THREAD)
+    assert result is not None and result.compacted and result.tokens_before == total
+    assert (
+        f"thread {THREAD!r} holds {total} tokens, more than the 2000-token compaction window; "
+        "loading it whole" in caplog.messages
+    )
+    assert result.tokens_after <= 1_000

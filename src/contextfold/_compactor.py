@@ -62,7 +62,7 @@ from ._pacing import Pacer
 from ._policy import TOKEN_REASONS, EpisodicCompactionPressure, Pressure, Reason, Trigger
 from ._strategies import CompactionPlan, SlidingWindow, Strategy, unanswered_calls
 from ._telemetry import FoldSpan, Telemetry, error_type
-from ._tokens import TiktokenCounter, TokenCounter
+from ._tokens import TiktokenCounter, TokenCounter, check_counter
 from ._trusted import trusted
 from .stores._base import ContextWindow, EpisodicStore, ShortTermStore, Store, StoredMessage, ThreadStats
 from .stores._rows import Recording, heavy_batch, not_a_sequence, record_messages, utc
@@ -386,12 +386,25 @@ class Compactor:
         self._store: Store | None = short if short is log and isinstance(short, Store) else None  # type: ignore[comparison-overlap]
         self.options = options
         self.settings: Settings | None = resolve_settings(options, trigger, strategy)
+        if counter is not None:
+            check_counter(counter)
         self.counter: TokenCounter = counter if counter is not None else TiktokenCounter()
         self.fallback: Summarizer = (
             fallback if fallback is not None else ExtractiveSummarizer(counter=self.counter)
         )
         check_summarizers(summarizer=summarizer, fallback=fallback)
         self.summarizer: Summarizer = summarizer if summarizer is not None else self.fallback
+        if callable(subscribers) or not_a_sequence(subscribers):
+            raise ConfigError(
+                "subscribers", "must be a list of callables, e.g. subscribers=[on_event]", value=subscribers
+            )
+        if telemetry is not None and not isinstance(telemetry, Telemetry):
+            raise ConfigError(
+                "telemetry",
+                "must be a contextfold.Telemetry: Telemetry.create() (OpenTelemetry's global providers, "
+                "the default) or Telemetry.disabled()",
+                value=telemetry,
+            )
         self.events = EventDispatcher(subscribers, log_events=log_events)
         self.telemetry = telemetry if telemetry is not None else Telemetry.create()
         if self.telemetry.enabled:
@@ -481,6 +494,8 @@ class Compactor:
         for message in messages:
             if not isinstance(message, Message):
                 raise ConfigError("messages", "must hold Message objects only", value=message)
+        if model is not None or usage is not None or request_messages or request_tokens:
+            _check_llm_call(model, usage, request_messages, request_tokens)
         if started is not _NO_CALLS:
             if not_a_sequence(started, ToolCall):
                 raise ConfigError("started", "must be a sequence of ToolCall objects", value=started)
@@ -830,18 +845,15 @@ class Compactor:
 
     async def _window(self, thread: str, settings: Settings) -> tuple[_Rows, int, int]:
         """The rows a fold plans over, the thread's version and its total tokens."""
+        limit = settings.window_tokens
         cache = await self._fresh_cache(thread)
         if cache is not None:
+            if limit is not None and cache.total_tokens > limit:
+                _warn_over_window(thread, cache.total_tokens, limit)
             return cache.snapshot(), cache.version, cache.total_tokens
         stats = await self.short_term.stats(thread)
-        limit = settings.window_tokens
         if limit is not None and stats.total_tokens > limit:
-            logger.warning(
-                "thread %r holds %d tokens, more than the %d-token compaction window; loading it whole",
-                thread,
-                stats.total_tokens,
-                limit,
-            )
+            _warn_over_window(thread, stats.total_tokens, limit)
         window = await self.short_term.load(thread)
         return _Rows.of(window.messages), window.version, window.total_tokens
 
@@ -1446,6 +1458,30 @@ def _recording_writer(
     writes = next(cls for cls in mro if "_write_recording" in vars(cls))
     records = next(cls for cls in mro if "record_and_append" in vars(cls))
     return write if writes is records else None
+
+
+def _check_llm_call(model: object, usage: object, request_messages: object, request_tokens: object) -> None:
+    """``append``'s LLM-call fields, refused before anything is written."""
+    if model is not None and not isinstance(model, str):
+        raise ConfigError("model", "must be the model's name as a str, or None", value=model)
+    if usage is not None and not isinstance(usage, Usage):
+        raise ConfigError(
+            "usage", "must be a contextfold Usage(input_tokens=..., output_tokens=...), or None", value=usage
+        )
+    for key, count in (("request_messages", request_messages), ("request_tokens", request_tokens)):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ConfigError(
+                key, "must be a whole number >= 0 (the request's size; 0 when unknown)", value=count
+            )
+
+
+def _warn_over_window(thread: str, tokens: int, limit: int) -> None:
+    logger.warning(
+        "thread %r holds %d tokens, more than the %d-token compaction window; loading it whole",
+        thread,
+        tokens,
+        limit,
+    )
 
 
 def _crowded_turn(store: object) -> Callable[[], Awaitable[None]] | None:

@@ -208,8 +208,8 @@ class SummarizeOptions(_Options):
     on_summarizer_error: OnSummarizerError = "fallback"
     max_tool_output_tokens: int | None = Field(default=None, gt=0, strict=True)
     abandon_after_turns: int | None = Field(default=8, gt=0, strict=True)
-    abandon_after_seconds: float | None = Field(default=None, gt=0)
-    background_at: float | None = Field(default=None, gt=0, lt=1)
+    abandon_after_seconds: float | None = Field(default=None, gt=0, strict=True)
+    background_at: float | None = Field(default=None, gt=0, lt=1, strict=True)
 
     @model_validator(mode="before")
     @classmethod

@@ -42,6 +42,7 @@ from ._episodes import ToolCallEpisode, Usage
 from ._errors import ConfigError
 from ._events import CompactionEvent
 from ._messages import Message, Role, ToolCall
+from .stores._base import ShortTermStore
 
 __all__ = [
     "LLM",
@@ -233,6 +234,13 @@ class StepLoop:
     """Runs the hook chain around each step of an agent; see the module docstring."""
 
     def __init__(self, compactor: Compactor, *, hooks: Sequence[Hook] = ()) -> None:
+        if not isinstance(compactor, Compactor):
+            fix = (
+                f"wrap the store: StepLoop(Compactor({type(compactor).__name__}(...), options=...))"
+                if isinstance(compactor, ShortTermStore)
+                else "pass StepLoop(Compactor(store, options=...))"
+            )
+            raise ConfigError("compactor", f"must be a contextfold.Compactor; {fix}", value=compactor)
         for position, hook in enumerate(hooks):
             if not isinstance(hook, Hook):
                 raise ConfigError(f"hooks[{position}]", "must be a contextfold.Hook instance", value=hook)
@@ -245,6 +253,14 @@ class StepLoop:
 
     async def append(self, thread: str, *messages: Message) -> None:
         """Add messages that are not a step's output (the user's input, a system prompt)."""
+        for message in messages:
+            if isinstance(message, list | tuple):
+                raise ConfigError(
+                    "messages",
+                    "takes each message as its own argument, not a list of them; "
+                    "unpack it: append(thread, *messages)",
+                    value=message,
+                )
         await self.compactor.append(thread, messages)
 
     @asynccontextmanager
@@ -321,6 +337,13 @@ class StepLoop:
         """
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
             raise ConfigError("max_steps", "must be a whole number >= 1", value=max_steps)
+        if user is not None and not isinstance(user, str | Message):
+            raise ConfigError(
+                "user",
+                "must be the user's input as a str or a Message, or None; record earlier messages "
+                "first with loop.append(thread, *messages)",
+                value=user,
+            )
         _check_streaming_llm(llm)
         runnable = _tool_mapping(tools)
         if user is not None:

@@ -35,6 +35,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticSerializationError, to_jsonable_python
 
 from ._errors import InvalidMessageError
 
@@ -130,7 +131,15 @@ def _reject_constant(name: str) -> Any:
 
 
 def _check_finite(value: Any, path: str = "") -> None:
-    """Raise unless ``value`` holds no NaN or infinity at any depth; ``path`` says where it is."""
+    """Raise unless ``value`` is JSON data that comes back as it went in; ``path`` says where it is.
+
+    No NaN or infinity at any depth (JSON has none: a NaN would come back as
+    null), mappings keyed by strings only (JSON turns a key of 1 into "1"), and
+    no object without a JSON form: it failed only at ``append``. What pydantic
+    writes as JSON (a datetime, a set) is stored as that JSON and read back so.
+    """
+    if isinstance(value, str | bool | int | None):
+        return
     if isinstance(value, float):
         if not math.isfinite(value):
             raise InvalidMessageError(
@@ -138,11 +147,25 @@ def _check_finite(value: Any, path: str = "") -> None:
             )
     elif isinstance(value, Mapping):
         for key, item in value.items():
-            named = isinstance(key, str) and key.isidentifier()
+            if not isinstance(key, str):
+                raise InvalidMessageError(
+                    f"{path}[{key!r}]" if path else repr(key),
+                    f"must be a str key, got {type(key).__name__}: JSON keys are strings; use str({key!r})",
+                )
+            named = key.isidentifier()
             _check_finite(item, f"{path}.{key}" if named and path else key if named else f"{path}[{key!r}]")
     elif isinstance(value, list | tuple):
         for index, item in enumerate(value):
             _check_finite(item, f"{path}[{index}]")
+    else:
+        try:  # a datetime, a UUID, a set: stored as its JSON, and read back as that JSON
+            to_jsonable_python(value)
+        except PydanticSerializationError:
+            raise InvalidMessageError(
+                path or "value",
+                f"must be JSON data, not {type(value).__name__} ({value!r:.60}), which has no JSON form; "
+                "use a str, number, bool, None, list or dict",
+            ) from None
 
 
 _ARGUMENTS = json.JSONDecoder(parse_constant=_reject_constant)

@@ -47,6 +47,7 @@ __all__ = [
     "ImageRule",
     "TiktokenCounter",
     "TokenCounter",
+    "check_counter",
     "image_of",
     "image_size",
     "image_tokens",
@@ -394,6 +395,25 @@ class TokenCounter(Protocol):
     def count_text(self, text: str) -> int:
         """Tokens of a bare text."""
         ...
+
+
+def check_counter(counter: object, key: str = "counter") -> None:
+    """Refuse what is not a token counter instance: a class, an encoding's name, anything else."""
+    if isinstance(counter, str):
+        raise ConfigError(
+            key, f'must be a TokenCounter, not a name; pass TiktokenCounter("{counter}")', value=counter
+        )
+    if isinstance(counter, type):
+        raise ConfigError(
+            key, f"must be a TokenCounter instance, not the class; pass {counter.__name__}()", value=counter
+        )
+    if not callable(getattr(counter, "count", None)) or not callable(getattr(counter, "count_text", None)):
+        raise ConfigError(
+            key,
+            "must be a TokenCounter (count(message) and count_text(text)), e.g. TiktokenCounter() "
+            "or ApproximateCounter()",
+            value=counter,
+        )
 
 
 _Key = tuple[object, ...]

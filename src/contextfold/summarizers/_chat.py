@@ -13,7 +13,7 @@ from .._episodes import Usage
 from .._errors import ConfigError, SummarizerError
 from .._messages import Message
 from .._resource import AsyncResource
-from .._tokens import TiktokenCounter, TokenCounter
+from .._tokens import TiktokenCounter, TokenCounter, check_counter
 from ._base import Summary
 from ._prompt import (
     DEFAULT_MAX_MESSAGE_CHARS,
@@ -115,6 +115,8 @@ class ChatSummarizer(AsyncResource):
         self.model = model
         self.context_window_tokens = context_window_tokens
         self.max_message_chars = max_message_chars
+        if counter is not None:
+            check_counter(counter)
         self.counter: TokenCounter = counter if counter is not None else TiktokenCounter()
         self.summary_prompt = check_summary_prompt(summary_prompt) if summary_prompt is not None else None
 

@@ -33,7 +33,7 @@ import anyio.to_thread
 from .._episodes import Usage
 from .._errors import ConfigError, SummarizerError
 from .._messages import Message, Role
-from .._tokens import TiktokenCounter, TokenCounter
+from .._tokens import TiktokenCounter, TokenCounter, check_counter
 from ._base import Summary
 from ._parts import REASONING_PARTS, segments
 from ._prompt import SECTIONS, cut_middle, tool_names_of
@@ -332,6 +332,8 @@ class ExtractiveSummarizer:
             raise ConfigError(
                 "result_head_chars", "must be a whole number >= 0, for example 160", value=result_head_chars
             )
+        if counter is not None:
+            check_counter(counter)
         self._counter = counter
         self.max_line_chars = max_line_chars
         self.result_head_chars = result_head_chars
