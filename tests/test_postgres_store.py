@@ -27,7 +27,7 @@ from contextfold._episodes import (
     ToolResultEpisode,
     UserMessageEpisode,
 )
-from contextfold._messages import Message
+from contextfold._messages import SUMMARY_METADATA_KEY, Message
 from contextfold.stores import ThreadStats
 from contextfold.stores._postgres import _MIGRATIONS, SCHEMA_VERSION, PostgresStore
 from contextfold.stores._rows import PressureCounters
@@ -491,7 +491,7 @@ async def _fold_half(store: PostgresStore, thread: str, *, summarizing: float = 
         ),
         through_seq=cut[-1].seq,
         expected_version=window.version,
-        replacement=[Message.system(f"{len(cut)} folded")],
+        replacement=[Message.system(f"{len(cut)} folded", metadata={SUMMARY_METADATA_KEY: True})],
         tokens=[1],
     )
 

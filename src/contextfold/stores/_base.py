@@ -50,7 +50,11 @@ class StoredMessage(BaseModel):
     message: Message
     tokens: int = Field(ge=0)
     episode_seq: int | None = None
-    """Seq of the episode that recorded this message, when it was recorded with it."""
+    """Seq of the episode that recorded this message, when it was recorded with it.
+
+    After a ``fold``, a summary's is its checkpoint's, and a message the fold
+    rewrote in place (masked, truncated) keeps its original's.
+    """
 
 
 class ThreadStats(BaseModel):
@@ -155,7 +159,9 @@ class ShortTermStore(_Resource, Protocol):
         ``through_seq`` is a message the thread holds. Messages after the cut,
         appended concurrently included, are never touched. The replacement
         messages take the sequence numbers ending at ``through_seq``, so they sort
-        before every kept message and new appends keep counting up.
+        before every kept message and new appends keep counting up. They link no
+        episode (``episode_seq`` is None): only ``fold``, whose checkpoint says
+        which rows it folds, knows which rows they stand for.
         """
         ...
 
@@ -283,9 +289,22 @@ class Store(ShortTermStore, EpisodicStore, Protocol):
         """Record ``checkpoint`` and ``replace_prefix`` in one transaction; return the record.
 
         Raises ``ConflictError`` exactly when ``replace_prefix`` would, and
-        then writes nothing: every checkpoint in the log was applied. The
-        first replacement message (the summary) gets the checkpoint's seq as
-        its ``episode_seq``.
+        then writes nothing: every checkpoint in the log was applied.
+
+        Each replacement message keeps the ``episode_seq`` of the row it stands
+        for, so a later fold that drops it still knows which log seqs it covers:
+
+        - the replaced rows before ``checkpoint.from_seq`` (the pinned head and
+          a previous summary: the head the fold keeps) are carried over, one
+          for one, by the first replacement messages;
+        - the other replacement messages stand for the newest replaced rows,
+          one for one and in order (the kept messages a fold rewrites in
+          place, masked or truncated, end at ``through_seq``); one for which
+          no such row is left links no episode;
+        - when the checkpoint carries a summary, the first summary message in
+          the replacement (``Message.is_summary``) gets the checkpoint's seq
+          instead. A checkpoint without one (a fold that only drops or masks)
+          links no row, and a previous summary it carries over keeps its link.
         """
         ...
 

@@ -59,8 +59,10 @@ from ._rows import (
     encode_episode,
     encode_recording,
     encode_rows,
+    fold_links,
     missing_seq_conflict,
     off_loop_if_heavy,
+    summary_index,
     trusted,
     utc,
     version_conflict,
@@ -303,18 +305,12 @@ class MemoryStore(AsyncResource):
         stats: ThreadStats,
         through_seq: int,
         rows: list[_Row],
-        summary_episode_seq: int | None,
+        links: Sequence[int | None],
     ) -> None:
         first = through_seq - len(rows) + 1
         new = [
-            trusted(
-                StoredMessage,
-                seq=first + n,
-                message=copy,
-                tokens=count,
-                episode_seq=summary_episode_seq if n == 0 else None,
-            )
-            for n, (_, count, copy) in enumerate(rows)
+            trusted(StoredMessage, seq=first + n, message=copy, tokens=count, episode_seq=link)
+            for n, ((_, count, copy), link) in enumerate(zip(rows, links, strict=True))
         ]
         context.messages = new + context.messages[cut:]
         context.stats = stats
@@ -337,7 +333,7 @@ class MemoryStore(AsyncResource):
         self._check_open()
         with self._lock:
             context, cut, stats = self._swap(thread, through_seq, expected_version, rows)
-            self._apply(context, cut, stats, through_seq, rows, None)
+            self._apply(context, cut, stats, through_seq, rows, [None] * len(rows))
         return stats
 
     @asynccontextmanager
@@ -457,7 +453,17 @@ class MemoryStore(AsyncResource):
             (seq,) = self._record_bodies(thread, [checkpoint], [body], when)
             record = trusted(EpisodeRecord, thread=thread, seq=seq, at=when, episode=checkpoint)
             self._contexts[thread] = context
-            self._apply(context, cut, stats, through_seq, rows, record.seq)
+            messages, ends = context.messages, min(len(rows), cut)
+            links = fold_links(
+                checkpoint,
+                record.seq,
+                size=len(rows),
+                summary_at=summary_index([copy for _, _, copy in rows], checkpoint),
+                count=cut,
+                first=[(row.seq, row.episode_seq) for row in messages[:ends]],
+                last=[(row.seq, row.episode_seq) for row in messages[cut - ends : cut]],
+            )
+            self._apply(context, cut, stats, through_seq, rows, links)
         return record
 
     async def forget(self, thread: str) -> Tombstone:

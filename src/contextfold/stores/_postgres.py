@@ -86,6 +86,7 @@ from ._rows import (
     missing_seq_conflict,
     off_loop_if_heavy,
     stored_message,
+    summary_index,
     trusted,
     utc,
     version_conflict,
@@ -456,15 +457,23 @@ WITH
     gone AS (
         DELETE FROM {s}.messages
         WHERE thread = %(thread)s AND seq <= %(through_seq)s AND EXISTS (SELECT 1 FROM guard)
-        RETURNING tokens),
-    removed AS (SELECT count(*) AS n, coalesce(sum(tokens), 0) AS tokens FROM gone),
+        RETURNING seq, tokens, episode_seq),
+    removed AS (
+        SELECT count(*) AS n, coalesce(sum(tokens), 0) AS tokens,
+            count(*) FILTER (WHERE seq < %(from_seq)s::bigint) AS head
+        FROM gone),
+    replaced AS (SELECT episode_seq, row_number() OVER (ORDER BY seq) AS i FROM gone),
     {record},
     added AS (
         INSERT INTO {s}.messages (thread, seq, tokens, body, episode_seq)
         SELECT %(thread)s, %(through_seq)s - %(m_n)s + u.n, u.tokens, u.body,
-            CASE WHEN u.n = 1 THEN e.last_seq END
-        FROM removed, e,
+            CASE WHEN u.n = %(m_summary)s::bigint THEN e.last_seq ELSE r.episode_seq END
+        FROM removed CROSS JOIN e CROSS JOIN
             unnest(%(m_tokens)s::bigint[], %(m_bodies)s::text[]) WITH ORDINALITY AS u(tokens, body, n)
+            -- the head the fold keeps, one for one, then the newest replaced rows (fold_links)
+            LEFT JOIN replaced AS r ON r.i = CASE WHEN u.n <= removed.head THEN u.n
+                ELSE removed.n - %(m_n)s + u.n END
+                AND (u.n <= removed.head OR r.i > removed.head)
         WHERE removed.n > 0),
     folded AS (
         UPDATE {s}.threads AS t SET
@@ -1121,11 +1130,14 @@ class PostgresStore(AsyncResource):
         batch = await off_loop_if_heavy(
             replacement, partial(_message_batch, thread, replacement, tokens, field="replacement")
         )
+        summary_at = summary_index(replacement, checkpoint)  # once the batch checked it is messages
         params: dict[str, Any] = {
             "thread": thread,
             "at": None,
             "through_seq": through_seq,
             "expected_version": expected_version,
+            "from_seq": checkpoint.from_seq,
+            "m_summary": None if summary_at is None else summary_at + 1,
             **batch,
             **_batch([checkpoint], [body]),
         }

@@ -68,12 +68,14 @@ __all__ = [
     "encode_messages",
     "encode_recording",
     "encode_rows",
+    "fold_links",
     "heavy_batch",
     "missing_seq_conflict",
     "not_a_sequence",
     "off_loop_if_heavy",
     "record_messages",
     "stored_message",
+    "summary_index",
     "trusted",
     "utc",
     "version_conflict",
@@ -704,6 +706,57 @@ def check_checkpoint(checkpoint: Any) -> str:
         return encode_episode(checkpoint)
     except InvalidMessageError as exc:
         raise InvalidMessageError("checkpoint", exc.reason) from None
+
+
+def summary_index(replacement: Sequence[Message], checkpoint: SummaryCheckpoint) -> int | None:
+    """Index of the replacement message a fold links to its checkpoint, if any.
+
+    The first summary message, when the checkpoint carries a summary; a fold
+    that only drops or masks writes no summary, so a summary in its
+    replacement is the previous one, carried over with its own link.
+    """
+    if not checkpoint.summary:
+        return None
+    for index, message in enumerate(replacement):
+        if message.is_summary:
+            return index
+    return None
+
+
+def fold_links(
+    checkpoint: SummaryCheckpoint,
+    checkpoint_seq: int,
+    *,
+    size: int,
+    summary_at: int | None,
+    count: int,
+    first: Sequence[tuple[int, int | None]],
+    last: Sequence[tuple[int, int | None]],
+) -> list[int | None]:
+    """The ``episode_seq`` of each of a fold's ``size`` replacement rows (see ``Store.fold``).
+
+    ``count`` rows are replaced; ``first`` and ``last`` are the ``(seq,
+    episode_seq)`` of the oldest and of the newest of them, oldest first, at
+    least ``min(size, count)`` each. The replacement opens with the rows
+    before ``checkpoint.from_seq`` (the head the fold keeps), one for one; the
+    rest stand for the newest replaced rows, one for one, so a row rewritten
+    in place keeps its original's link. The message at ``summary_at`` (see
+    ``summary_index``) links to the checkpoint instead.
+    """
+    head = 0  # replaced rows before the folded range, counted up to size
+    while head < size and head < len(first) and first[head][0] < checkpoint.from_seq:
+        head += 1
+    offset = count - len(last)  # index among the replaced rows of last[0]
+    links: list[int | None] = []
+    for index in range(size):
+        if index < head:
+            links.append(first[index][1])
+            continue
+        row = count - size + index  # the replaced row this one stands for, counted from the end
+        links.append(last[row - offset][1] if row >= max(head, offset) else None)
+    if summary_at is not None:
+        links[summary_at] = checkpoint_seq
+    return links
 
 
 def decode_message(thread: str, seq: int, body: str | bytes) -> Message:

@@ -152,9 +152,11 @@ from ._rows import (
     encode_messages,
     encode_recording,
     encode_rows,
+    fold_links,
     heavy_batch,
     missing_seq_conflict,
     stored_message,
+    summary_index,
     trusted,
     utc,
     version_conflict,
@@ -794,19 +796,27 @@ class _TooLargeForTheLoop(Exception):
     """A swap that found more rows to remove than the event loop may: rolled back, made in the thread."""
 
 
+_Replaced = list[tuple[int, int | None]]
+"""``(seq, episode_seq)`` of replaced rows, oldest first."""
+
+_Linker = Callable[[int, _Replaced, _Replaced], list[int | None]]
+"""The replacement's episode links, from the count and the oldest and newest replaced rows."""
+
+
 def _swap(
     conn: sqlite3.Connection,
     thread: str,
     through_seq: int,
     expected_version: int,
     rows: list[tuple[str, int]],
-    summary_episode_seq: Callable[[], int | None],
+    linker: _Linker | None,
     most: int | None = None,
 ) -> ThreadStats:
-    """The guarded prefix swap; ``summary_episode_seq`` runs once the guard held (a fold records there).
+    """The guarded prefix swap; ``linker`` runs once the guard held (a fold records there).
 
-    With ``most``, a swap that would remove more rows raises ``_TooLargeForTheLoop``
-    before it writes anything.
+    Without a ``linker`` the replacement links no episode. With ``most``, a swap
+    that would remove more rows raises ``_TooLargeForTheLoop`` before it writes
+    anything.
     """
     stats = _read_stats(conn, thread)
     if stats.version != expected_version:
@@ -826,9 +836,19 @@ def _swap(
     if newest != through_seq:
         raise missing_seq_conflict(thread, through_seq)
     total = check_total(thread, stats.total_tokens - removed + sum(n for _, n in rows))
-    link = summary_episode_seq()
+    links: list[int | None] = [None] * len(rows)
+    if linker is not None:
+        ends = min(len(rows), count)
+        first, last = (
+            conn.execute(
+                "SELECT seq, episode_seq FROM messages WHERE thread = ? AND seq <= ? "
+                f"ORDER BY seq {order} LIMIT ?",
+                (thread, through_seq, ends),
+            ).fetchall()
+            for order in ("ASC", "DESC")
+        )
+        links = linker(count, first, last[::-1])
     conn.execute("DELETE FROM messages WHERE thread = ? AND seq <= ?", (thread, through_seq))
-    links = [link if n == 0 else None for n in range(len(rows))]
     _insert_messages(conn, thread, through_seq - len(rows) + 1, rows, links)
     new = trusted(
         ThreadStats,
@@ -1700,7 +1720,7 @@ class SQLiteStore(AsyncResource):
         def swap(rows: list[tuple[str, int]]) -> Callable[[sqlite3.Connection, int | None], ThreadStats]:
             def run(conn: sqlite3.Connection, most: int | None = None) -> ThreadStats:
                 with _transaction(conn, "IMMEDIATE"):
-                    return _swap(conn, thread, through_seq, expected_version, rows, lambda: None, most)
+                    return _swap(conn, thread, through_seq, expected_version, rows, None, most)
 
             return run
 
@@ -1852,12 +1872,22 @@ class SQLiteStore(AsyncResource):
         when = datetime.now(UTC)
 
         def swap(rows: list[tuple[str, int]]) -> Callable[[sqlite3.Connection, int | None], int]:
+            summary_at = summary_index(replacement, checkpoint)  # encoding checked it is messages
+
             def run(conn: sqlite3.Connection, most: int | None = None) -> int:
                 seqs: list[int] = []
 
-                def record() -> int:
+                def record(count: int, first: _Replaced, last: _Replaced) -> list[int | None]:
                     seqs.extend(_record_rows(conn, thread, [checkpoint], [body], when))
-                    return seqs[0]
+                    return fold_links(
+                        checkpoint,
+                        seqs[0],
+                        size=len(rows),
+                        summary_at=summary_at,
+                        count=count,
+                        first=first,
+                        last=last,
+                    )
 
                 with _transaction(conn, "IMMEDIATE"):
                     _swap(conn, thread, through_seq, expected_version, rows, record, most)
