@@ -393,6 +393,12 @@ class Compactor:
             fallback if fallback is not None else ExtractiveSummarizer(counter=self.counter)
         )
         check_summarizers(summarizer=summarizer, fallback=fallback)
+        if self.settings is not None and self.settings.summarize:
+            from .summarizers import ChatSummarizer
+
+            for chosen in (summarizer, fallback):  # a chat summarizer knows its model's window
+                if isinstance(chosen, ChatSummarizer):
+                    chosen.check_summary_room(self.settings.max_summary_tokens, key=_summary_key(options))
         self.summarizer: Summarizer = summarizer if summarizer is not None else self.fallback
         if callable(subscribers) or not_a_sequence(subscribers):
             raise ConfigError(
@@ -1458,6 +1464,13 @@ def _recording_writer(
     writes = next(cls for cls in mro if "_write_recording" in vars(cls))
     records = next(cls for cls in mro if "record_and_append" in vars(cls))
     return write if writes is records else None
+
+
+def _summary_key(options: object) -> str:
+    """Where ``max_summary_tokens`` was given, as its ``ConfigError`` names it."""
+    if isinstance(options, RunOptions):
+        return "compaction.max_summary_tokens"
+    return "max_summary_tokens"
 
 
 def _check_llm_call(model: object, usage: object, request_messages: object, request_tokens: object) -> None:

@@ -12,9 +12,9 @@ from unittest.mock import AsyncMock
 
 import pytest
 
-from contextfold import Compactor, ConfigError, Message, RunOptions, SummarizeOptions
+from contextfold import Compactor, ConfigError, Message, RunOptions, SummarizeOptions, Usage
 from contextfold.stores import MemoryStore
-from contextfold.summarizers import ExtractiveSummarizer, FunctionSummarizer, Summary
+from contextfold.summarizers import ChatSummarizer, ExtractiveSummarizer, FunctionSummarizer, Summary
 from contextfold.tokens import ApproximateCounter
 
 OPTIONS = RunOptions(
@@ -137,3 +137,26 @@ async def test_valid_summarizers_are_accepted_and_fold(make: Any) -> None:
             await compactor.append("t", [Message.user(f"step {n}: " + "please " * 40)])
         result = await compactor.maybe_compact("t")
     assert result is not None and result.compacted and not result.degraded
+
+
+class _Windowed(ChatSummarizer):
+    """A chat summarizer whose model has a small window; never asked here."""
+
+    async def complete(self, system: str, user: str, max_tokens: int) -> tuple[str, str | None, Usage]:
+        raise AssertionError("not called")
+
+
+@pytest.mark.parametrize("role", ["summarizer", "fallback"])
+def test_a_summary_size_the_summarizers_window_cannot_hold_is_refused_when_built(role: str) -> None:
+    """Before, the first fold raised it: a ConfigError, past the fallback policy, stopping the agent."""
+    small = _Windowed("small", context_window_tokens=2048, counter=ApproximateCounter())
+    options = RunOptions(max_history_tokens=8_000, compaction=SummarizeOptions(trigger_token_budget=4_000))
+    with pytest.raises(ConfigError, match=r"context_window_tokens=2048; use at most about \d+") as caught:
+        Compactor(MemoryStore(), options=options, **{role: small})
+    assert caught.value.key == "compaction.max_summary_tokens"
+    assert "max_summary_tokens=1000:" in str(caught.value)  # the default: 1024 or half the target
+    fitting = RunOptions(
+        max_history_tokens=8_000,
+        compaction=SummarizeOptions(trigger_token_budget=4_000, max_summary_tokens=400),
+    )
+    Compactor(MemoryStore(), options=fitting, **{role: small})

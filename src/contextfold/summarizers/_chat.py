@@ -120,6 +120,27 @@ class ChatSummarizer(AsyncResource):
         self.counter: TokenCounter = counter if counter is not None else TiktokenCounter()
         self.summary_prompt = check_summary_prompt(summary_prompt) if summary_prompt is not None else None
 
+    def check_summary_room(self, max_summary_tokens: int, *, key: str = "max_summary_tokens") -> None:
+        """Refuse a summary size that leaves this model's window no room for the conversation.
+
+        Checked when the ``Compactor`` is built, without a tokenizer: the
+        request's own text is estimated at four characters a token, and only a
+        size that cannot fit even so is refused here. A size near the edge is
+        measured exactly at the first fold, with the same error.
+        """
+        usable = int(self.context_window_tokens * _WINDOW_SAFETY)
+        if _REQUEST_OVERHEAD_TOKENS + 2 * max_summary_tokens + _MIN_CHUNK_TOKENS <= usable:
+            return
+        prompt = len(SYSTEM_PROMPT) + len(self._request("", None, max_summary_tokens))
+        most = max(1, (usable - prompt // 4 - _REQUEST_OVERHEAD_TOKENS - _MIN_CHUNK_TOKENS) // 2)
+        raise ConfigError(
+            key,
+            f"leaves no room for the conversation in the summarizer's context_window_tokens="
+            f"{self.context_window_tokens}; use at most about {most}, or a summarizer model "
+            "with a larger window",
+            value=max_summary_tokens,
+        )
+
     @abstractmethod
     async def complete(self, system: str, user: str, max_tokens: int) -> tuple[str, str | None, Usage]:
         """Ask the model once: ``(text, model name or None, usage)`` of its reply to ``system`` and ``user``.
