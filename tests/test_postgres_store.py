@@ -183,6 +183,49 @@ def test_bad_options_are_rejected_at_construction(options: dict[str, Any], key: 
     assert "secret" not in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("dsn", "shown"),
+    [
+        (
+            "postgres+psycopg://app:hunter2@db.internal/agents",
+            "postgres+psycopg://app:***@db.internal/agents",
+        ),
+        ("postgresql+asyncpg://app:hunter2@db.internal/agents", "drop '+asyncpg'"),
+        ("mysql://app:hunter2@db.internal/agents", "mysql://app:***@db.internal/agents"),
+        ("POSTGRESQL://app:hunter2@db/a", "'POSTGRESQL'"),
+        ("postgresql://app:hunter2%zz@db/a", 'invalid percent-encoded token: "***"'),
+        ("postgresql://app:hunter 2@db/a", 'unexpected spaces found in "***"'),
+        ("postgresql://app:hunter2@[::1/a", 'URI: "postgresql://app:***@[::1/a"'),
+        ("postgresql://app:p@ss@hunter2@db/a?bogus=1", "postgresql://app:***@db/a?bogus=1"),
+        ("postgresql://app@db/a?password=hunter2%zz", 'invalid percent-encoded token: "***"'),
+        ("postgresql://app@db/a?password=hunter2&bogus=1", 'invalid URI query parameter: "bogus"'),
+        ("host=db password=hunter2 bogus=1", "host=db password=*** bogus=1"),
+        ("host=db password='hunter 2", "unterminated quoted string"),
+        ("postgresql://app:hunter2\udc80@db/a", "lone surrogate"),
+    ],
+)
+def test_a_refused_dsn_never_shows_its_password(dsn: str, shown: str) -> None:
+    """A DSN refused at construction is named with its password masked, on one line, saying what to use."""
+    with pytest.raises(ConfigError) as caught:
+        PostgresStore(dsn)
+    text = str(caught.value)
+    assert caught.value.key == "dsn"
+    assert "hunter" not in text and "p@ss" not in text and "hunter" not in repr(caught.value.value)
+    assert shown in text
+    assert "\n" not in text
+    assert "postgresql://" in caught.value.reason or "surrogate" in caught.value.reason
+
+
+async def test_a_failed_connection_never_shows_the_password() -> None:
+    """A password with a '/', which libpq reads as a port and a database, is masked when it fails."""
+    store = PostgresStore("postgresql://127.0.0.1:hun/ter2@127.0.0.1:1/a")
+    assert "ter2" not in repr(store)
+    with pytest.raises(StoreError) as caught:
+        await store.open()
+    text = str(caught.value)
+    assert "hun" not in text and "ter2" not in text and "127.0.0.1" in text
+
+
 def test_a_one_connection_pool_is_accepted() -> None:
     """max_size=1 is a valid pool now that a compaction lease holds no connection."""
     store = PostgresStore("postgresql://postgres@127.0.0.1:5432/test", min_size=0, max_size=1)

@@ -38,6 +38,7 @@ import contextlib
 import hashlib
 import math
 import os
+import re
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -45,6 +46,7 @@ from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any, Self, TypeVar
+from urllib.parse import unquote
 
 import anyio
 import psycopg
@@ -353,7 +355,69 @@ def _where(dsn: str) -> str:
     host = str(params.get("host") or params.get("hostaddr") or "localhost")
     port = str(params.get("port") or 5432)
     dbname = str(params.get("dbname") or params.get("user") or "")
-    return f"{host}:{port}/{dbname}"
+    where = f"{host}:{port}/{dbname}"
+    for password in _passwords(dsn):  # a URL libpq split elsewhere than at its '@' (a '/' in the password)
+        where = where.replace(password, "***")
+    return where
+
+
+_URL_SCHEME = re.compile(r"\s*([A-Za-z][A-Za-z0-9+.-]*)://")
+_PASSWORD_OPTION = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'?|[^\s&]*)", re.IGNORECASE)
+"""A ``password=`` option of a key=value DSN or a URL's query; an unclosed quote runs to the end."""
+_QUOTED = re.compile(r'"([^"]*)"')
+_ACCEPTED = "a postgresql:// (or postgres://) URL such as postgresql://user:password@host:5432/dbname"
+
+
+def _masked(dsn: str) -> str:
+    """``dsn`` with its password shown as ``***``, in the URL's user info and in any ``password=``."""
+    match = _URL_SCHEME.match(dsn)
+    if match is not None:
+        rest = dsn[match.end() :]
+        at = rest.rfind("@")  # libpq takes the user info up to an '@'; the last one masks the most
+        if at >= 0 and ":" in rest[:at]:
+            user = rest[:at].split(":", 1)[0]
+            dsn = f"{dsn[: match.end()]}{user}:***{rest[at:]}"
+    return _PASSWORD_OPTION.sub(r"\1***", dsn)
+
+
+def _passwords(dsn: str) -> list[str]:
+    """Every part of ``dsn`` that may be a password, as written, unquoted and percent-decoded."""
+    found: list[str] = []
+    match = _URL_SCHEME.match(dsn)
+    if match is not None:
+        rest = dsn[match.end() :]
+        at = rest.rfind("@")
+        if at >= 0 and ":" in rest[:at]:
+            found.append(rest[:at].split(":", 1)[1])
+    found += [option.group(2) for option in _PASSWORD_OPTION.finditer(dsn)]
+    found += [value.strip("'") for value in found]
+    found += [unquote(value) for value in found]
+    return [value for value in set(found) if value]
+
+
+def _scrubbed(dsn: str, error: psycopg.Error) -> str:
+    """Why psycopg refused ``dsn``, with no part of its password in the text.
+
+    libpq quotes the parts of a DSN it could not read (the whole DSN, a
+    user-info token, a query value): each quoted part is masked like the DSN,
+    and one that is a piece of a password is shown as ``***``. A password
+    still found anywhere after that drops psycopg's text altogether.
+    """
+    passwords = _passwords(dsn)
+
+    def clean(quoted: re.Match[str]) -> str:
+        part = quoted.group(1)
+        if part and any(part in password for password in passwords):
+            return '"***"'
+        part = _masked(part)
+        for password in passwords:
+            part = part.replace(password, "***")
+        return f'"{part}"'
+
+    reason = " ".join(_QUOTED.sub(clean, str(error)).split())
+    if any(len(password) >= 4 and password in reason for password in passwords):
+        return "libpq could not parse it"
+    return reason
 
 
 def _as_utc(moment: datetime) -> datetime:
@@ -539,14 +603,32 @@ class PostgresStore(AsyncResource):
         statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT,
     ) -> None:
         if not isinstance(dsn, str) or not dsn.strip() or "\x00" in dsn:
+            raise ConfigError("dsn", f"must be {_ACCEPTED}", value="<hidden>")
+        try:
+            check_text("dsn", dsn, example="postgresql://user@host:5432/dbname")
+        except ConfigError as exc:  # its value would be the DSN, password and all
+            raise ConfigError("dsn", exc.reason, value=_masked(dsn)) from None
+        scheme = _URL_SCHEME.match(dsn)
+        if scheme is not None and scheme.group(1) not in ("postgresql", "postgres"):  # libpq: lower case only
+            name = scheme.group(1)
+            base, plus, driver = name.partition("+")
+            hint = (
+                f"; that is SQLAlchemy's form: drop '+{driver}'"
+                if plus and base.lower() in ("postgresql", "postgres")
+                else ""
+            )
             raise ConfigError(
-                "dsn", "must be a PostgreSQL URL such as postgresql://user@host:5432/dbname", value="<hidden>"
+                "dsn",
+                f"has the scheme {name!r}, which PostgreSQL does not read; use {_ACCEPTED}{hint}",
+                value=_masked(dsn),
             )
         try:
-            given = conninfo_to_dict(check_text("dsn", dsn, example="postgresql://user@host:5432/dbname"))
+            given = conninfo_to_dict(dsn)
         except psycopg.ProgrammingError as exc:
             raise ConfigError(
-                "dsn", f"is not a valid PostgreSQL connection string ({exc})", value="<hidden>"
+                "dsn",
+                f"is not a valid PostgreSQL connection string ({_scrubbed(dsn, exc)}); use {_ACCEPTED}",
+                value=_masked(dsn),
             ) from None
         check_text("schema", schema, example="contextfold")
         if len(schema.encode()) > _IDENTIFIER_MAX_BYTES:
@@ -597,7 +679,7 @@ class PostgresStore(AsyncResource):
             conn = await psycopg.AsyncConnection.connect(self._dsn, autocommit=True, **self._connect_options)
         except psycopg.OperationalError as exc:
             raise StoreError(
-                f"cannot connect to PostgreSQL at {_where(self._dsn)}: {str(exc).strip()}; "
+                f"cannot connect to PostgreSQL at {_where(self._dsn)}: {_scrubbed(self._dsn, exc)}; "
                 "check that the server is running and accepts connections there, "
                 "or pass PostgresStore the DSN of one that does"
             ) from exc
