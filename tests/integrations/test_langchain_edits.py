@@ -32,18 +32,20 @@ class Echo(GenericFakeChatModel):
     """Answers each request after its last message, and records what it was sent."""
 
     requests: list[list[str]] = Field(default_factory=list)
+    prefix: str = "ai"
+    """Of its replies' ids: a provider's ids are unique, also across processes."""
 
     def _generate(
         self, messages: list[BaseMessage], stop: Any = None, run_manager: Any = None, **kw: Any
     ) -> Any:
         self.requests.append([m.text for m in messages])
         n = len(self.requests)
-        reply = AIMessage(f"answer to {messages[-1].text}", id=f"ai-{n}")
+        reply = AIMessage(f"answer to {messages[-1].text}", id=f"{self.prefix}-{n}")
         return ChatResult(generations=[ChatGeneration(message=reply)])
 
 
-def build(c: Compactor | None, *, checkpointer: Any = None) -> tuple[Any, Echo]:
-    model = Echo(messages=iter(()))
+def build(c: Compactor | None, *, checkpointer: Any = None, prefix: str = "ai") -> tuple[Any, Echo]:
+    model = Echo(messages=iter(()), prefix=prefix)
     middleware = [CompactionMiddleware(c)] if c is not None else []
     saver = InMemorySaver() if checkpointer is None else checkpointer
     return create_agent(model, [], middleware=middleware, checkpointer=saver or None), model
@@ -126,6 +128,23 @@ async def test_removing_every_message_starts_the_thread_over() -> None:
         await graph.ainvoke({"messages": [HumanMessage("new")]}, CONFIG)
         assert model.requests[-1] == ["new"]
         assert await said(store) == ["new", "answer to new"]
+
+
+async def test_a_checkpointer_that_lost_the_thread_gets_it_back_from_the_store(tmp_path: Any) -> None:
+    """A restarted process with a new InMemorySaver: the thread supplies the history, as before.
+
+    Its state holds none of the context, as after REMOVE_ALL_MESSAGES, but the
+    checkpointer kept no earlier run of the thread: nothing was cleared.
+    """
+    path = tmp_path / "restart.db"
+    async with SQLiteStore(path) as store:
+        graph, _ = build(Compactor(store, options=NEVER_FOLDS))
+        await graph.ainvoke({"messages": [HumanMessage("first")]}, CONFIG)
+    async with SQLiteStore(path) as store:  # the process restarted: its InMemorySaver is new
+        graph, model = build(Compactor(store, options=NEVER_FOLDS), prefix="restarted")
+        await graph.ainvoke({"messages": [HumanMessage("second")]}, CONFIG)
+        assert model.requests[-1] == ["first", "answer to first", "second"]
+        assert await said(store) == ["first", "answer to first", "second", "answer to second"]
 
 
 async def test_without_a_checkpointer_the_thread_supplies_the_history() -> None:

@@ -160,6 +160,29 @@ class _Run:
 
     thread: str
     persistent: bool
+    checkpointer: Any = None
+    """The checkpointer keeping the agent's state, when one does."""
+    state_config: Any = None
+    """The agent's own ``thread_id`` and ``checkpoint_ns`` in that checkpointer."""
+
+
+async def _kept_earlier_runs(run: _Run) -> bool:
+    """Whether the checkpointer holds a run of this agent's thread before the current one.
+
+    A state holding none of the working context is a cleared or forked
+    conversation when the checkpointer kept earlier runs; when it kept none (an
+    ``InMemorySaver`` after a restart), the checkpointer lost the conversation
+    and the thread still supplies it. Each run starts with an ``input`` checkpoint.
+    """
+    saver, config = run.checkpointer, run.state_config
+    if saver is None or config is None:
+        return False
+    found = {"source": "input"}
+    try:
+        inputs = [item async for item in saver.alist(config, filter=found, limit=2)]
+    except NotImplementedError:  # a checkpointer for synchronous calls only (SqliteSaver)
+        inputs = await anyio.to_thread.run_sync(lambda: list(saver.list(config, filter=found, limit=2)))
+    return len(inputs) > 1
 
 
 def _run_of(explicit: str | None) -> _Run:
@@ -173,10 +196,14 @@ def _run_of(explicit: str | None) -> _Run:
         configurable = get_config().get("configurable") or {}
     except RuntimeError:
         configurable = {}
-    persistent = configurable.get(CONFIG_KEY_CHECKPOINTER) is not None
-    if explicit is not None:
-        return _Run(explicit, persistent)
+    checkpointer = configurable.get(CONFIG_KEY_CHECKPOINTER)
+    persistent = checkpointer is not None
     thread = configurable.get("thread_id")
+    namespace = configurable.get("checkpoint_ns")
+    graph = namespace.rpartition(_NS_SEP)[0] if isinstance(namespace, str) else ""
+    state_config = {"configurable": {"thread_id": thread, "checkpoint_ns": graph}} if thread else None
+    if explicit is not None:
+        return _Run(explicit, persistent, checkpointer, state_config)
     if not thread:
         raise ConfigError(
             "config.configurable.thread_id",
@@ -184,9 +211,7 @@ def _run_of(explicit: str | None) -> _Run:
             'config={"configurable": {"thread_id": "..."}}, or pass '
             "CompactionMiddleware(compactor, thread=...)",
         )
-    namespace = configurable.get("checkpoint_ns")
-    graph = namespace.rpartition(_NS_SEP)[0] if isinstance(namespace, str) else ""
-    return _Run(f"{thread}{_NS_SEP}{graph}" if graph else str(thread), persistent)
+    return _Run(f"{thread}{_NS_SEP}{graph}" if graph else str(thread), persistent, checkpointer, state_config)
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +303,7 @@ class CompactionMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
         ids = [message.id for message in messages]
         by_id = {id_: message for id_, message in zip(ids, converted, strict=True) if id_}
         edit = _edit_of(await self.compactor.context(thread), by_id, persistent=run.persistent)
-        if edit is not None:
+        if edit is not None and (not edit.cleared or await _kept_earlier_runs(run)):
             await self._follow(thread, edit)
         context = await self.compactor.sync(thread, converted, ids=ids, compact=compact)
         if context is None or not compact:
