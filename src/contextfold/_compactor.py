@@ -65,7 +65,15 @@ from ._telemetry import FoldSpan, Telemetry, error_type
 from ._tokens import TiktokenCounter, TokenCounter, check_counter
 from ._trusted import trusted
 from .stores._base import ContextWindow, EpisodicStore, ShortTermStore, Store, StoredMessage, ThreadStats
-from .stores._rows import Recording, heavy_batch, not_a_sequence, record_messages, utc
+from .stores._rows import (
+    Recording,
+    fold_links,
+    heavy_batch,
+    not_a_sequence,
+    record_messages,
+    summary_index,
+    utc,
+)
 from .summarizers._base import Summarizer, Summary
 from .summarizers._checks import check_summarizers
 
@@ -265,15 +273,40 @@ class _Cache:
                 open_calls.pop(message.tool_call_id, None)
         self.turns += turns
 
-    def folded(self, version: int, through_seq: int, replacement: list[Message], tokens: list[int]) -> _Cache:
+    def folded(
+        self,
+        version: int,
+        through_seq: int,
+        replacement: list[Message],
+        tokens: list[int],
+        *,
+        checkpoint: SummaryCheckpoint | None = None,
+        checkpoint_seq: int | None = None,
+    ) -> _Cache:
         """This cache once a fold replaced its rows through ``through_seq``: what ``extend`` would build.
 
         The rows after the cut are the same rows, so their lists are slices of
         these; only their turns and calls are gone over again, since the calls
-        the folded rows made are gone.
+        the folded rows made are gone. With ``checkpoint_seq`` (one ``Store``'s
+        fold, with its ``checkpoint``) the replacement rows link as
+        ``Store.fold`` links them; without it (``replace_prefix``) they link
+        nothing.
         """
         start = bisect.bisect_right(self.seqs, through_seq)
-        unlinked: list[int | None] = [None] * len(replacement)
+        size = len(replacement)
+        replaced: list[int | None] = [None] * size
+        if checkpoint is not None and checkpoint_seq is not None:
+            ends = min(size, start)
+            seqs, links = self.seqs, self.links
+            replaced = fold_links(
+                checkpoint,
+                checkpoint_seq,
+                size=size,
+                summary_at=summary_index(replacement, checkpoint),
+                count=start,
+                first=list(zip(seqs[:ends], links[:ends], strict=True)),
+                last=list(zip(seqs[start - ends : start], links[start - ends : start], strict=True)),
+            )
         folded = _Cache(
             version,
             # through_seq is one of these rows' seqs, so neither it nor any kept seq is newer.
@@ -281,7 +314,7 @@ class _Cache:
             plain=replacement + self.plain[start:],
             seqs=[*range(through_seq - len(replacement) + 1, through_seq + 1), *self.seqs[start:]],
             tokens=tokens + self.tokens[start:],
-            links=unlinked + self.links[start:],
+            links=replaced + self.links[start:],
         )
         folded.total_tokens = sum(folded.tokens)
         folded._track(folded.plain)
@@ -1107,7 +1140,8 @@ class Compactor:
             return None
         self._backoff.pop(thread, None)
         current = self._seen.get(thread)
-        self._after_fold(thread, prepared, settings, background=background)
+        linked = checkpoint_seq if self._store is not None else None  # replace_prefix links nothing
+        self._after_fold(thread, prepared, settings, background=background, checkpoint_seq=linked)
         tokens_after = prepared.checkpoint.tokens_after
         if current is not None and current.total_tokens > prepared.tokens_before:
             tokens_after += current.total_tokens - prepared.tokens_before
@@ -1149,12 +1183,25 @@ class Compactor:
         await self._emit(event)
         return result
 
-    def _after_fold(self, thread: str, prepared: _Prepared, settings: Settings, *, background: bool) -> None:
+    def _after_fold(
+        self,
+        thread: str,
+        prepared: _Prepared,
+        settings: Settings,
+        *,
+        background: bool,
+        checkpoint_seq: int | None,
+    ) -> None:
         """Bring the cache to the folded state and set when the next token fold may fire."""
         cache = self._cache.get(thread)
         if cache is not None and cache.version == prepared.version:
             rebuilt = cache.folded(
-                prepared.version + 1, prepared.through_seq, prepared.replacement, prepared.tokens
+                prepared.version + 1,
+                prepared.through_seq,
+                prepared.replacement,
+                prepared.tokens,
+                checkpoint=prepared.checkpoint,
+                checkpoint_seq=checkpoint_seq,
             )
             self._cache[thread] = rebuilt
             if not background:
