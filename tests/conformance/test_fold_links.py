@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from contextfold import Compactor, Message, RunOptions, SummarizeOptions, ToolCall
 from contextfold.episodes import SummaryCheckpoint, SystemMessageEpisode, UserMessageEpisode
 from contextfold.messages import SUMMARY_METADATA_KEY
@@ -147,16 +149,22 @@ async def test_the_compactors_fold_links_the_summary_and_keeps_the_prompts_episo
     assert folded.message.is_summary and folded.episode_seq == result.checkpoint_seq
 
 
-async def test_masked_rows_summarized_later_give_their_checkpoint_a_log_range(store: Any) -> None:
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh-compactors", "one-compactor"])
+async def test_masked_rows_summarized_later_give_their_checkpoints_a_log_range(
+    store: Any, fresh: bool
+) -> None:
     """mask_then_summarize: a checkpoint folding rows an earlier fold masked names their log seqs.
 
-    Each fold runs on a fresh Compactor, so the rows it plans over are the ones the store linked.
+    With a fresh Compactor at each step the rows a fold plans over are the ones
+    the store linked; with one Compactor, the ones its cached context linked.
     """
     options = SummarizeOptions(trigger_token_budget=2000, mode="mask_then_summarize", min_recent_messages=2)
     counter = ApproximateCounter()
-    await Compactor(store, options=options, counter=counter).append("t", [Message.system("sys")])
+    compactor = Compactor(store, options=options, counter=counter)
+    await compactor.append("t", [Message.system("sys")])
     for n in range(30):
-        compactor = Compactor(store, options=options, counter=counter)
+        if fresh:
+            compactor = Compactor(store, options=options, counter=counter)
         await compactor.append("t", [Message.user(f"question {n} " + "word " * 10)])
         await compactor.maybe_compact("t")
         call = ToolCall(id=f"c{n}", name="read", arguments="{}")
@@ -178,33 +186,4 @@ async def test_masked_rows_summarized_later_give_their_checkpoint_a_log_range(st
         assert checkpoint.log_from_seq is not None and checkpoint.log_through_seq is not None
         assert checkpoint.log_through_seq - checkpoint.log_from_seq + 1 >= checkpoint.dropped_messages
         assert checkpoint.log_from_seq > newest  # no original message is covered twice
-        newest = checkpoint.log_through_seq
-
-
-async def test_one_compactors_folds_of_masked_rows_keep_a_log_range(store: Any) -> None:
-    """mask_then_summarize on one Compactor: each summarizing checkpoint names the log seqs it covers."""
-    options = SummarizeOptions(trigger_token_budget=2000, mode="mask_then_summarize", min_recent_messages=2)
-    compactor = Compactor(store, options=options, counter=ApproximateCounter())
-    await compactor.append("t", [Message.system("sys")])
-    for n in range(30):
-        await compactor.append("t", [Message.user(f"question {n} " + "word " * 10)])
-        await compactor.maybe_compact("t")
-        call = ToolCall(id=f"c{n}", name="read", arguments="{}")
-        await compactor.append(
-            "t",
-            [
-                Message.assistant("reading " + "word " * 10, tool_calls=[call]),
-                Message.tool(call.id, "data " * 150),
-            ],
-        )
-    summarized = [
-        record.episode
-        async for record in store.replay("t")
-        if isinstance(record.episode, SummaryCheckpoint) and record.episode.dropped_messages
-    ]
-    assert len(summarized) > 1
-    newest = 0
-    for checkpoint in summarized:
-        assert checkpoint.log_from_seq is not None and checkpoint.log_through_seq is not None
-        assert checkpoint.log_from_seq > newest
         newest = checkpoint.log_through_seq
