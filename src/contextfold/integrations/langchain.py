@@ -62,21 +62,15 @@ from langgraph.graph.message import REMOVE_ALL_MESSAGES
 from langgraph.runtime import Runtime
 
 from .._compactor import TRUNCATED_METADATA_KEY, Compactor
-from .._episodes import (
-    Episode,
-    HistoryClearedEpisode,
-    MessagesRetractedEpisode,
-    Usage,
-    conversation,
-    episode_for,
-)
-from .._errors import ConfigError, ConflictError, SummarizerError
+from .._episodes import Usage
+from .._errors import ConfigError, SummarizerError
 from .._messages import TOOL_ERROR_METADATA_KEY, Message, Role, ToolCall
 from .._strategies import MASKED_METADATA_KEY
 from .._sync import KEY_METADATA_KEY, SUMMARY_KEY_PREFIX, message_key
-from ..stores._base import Store
+from ..stores._base import StoredMessage
 from ..summarizers._base import Summary
 from ..summarizers._prompt import SYSTEM_PROMPT, render_messages, user_prompt
+from ._edits import record_edit, replace_context, said
 
 __all__ = ["CompactionMiddleware", "LangChainSummarizer", "from_langchain", "to_langchain"]
 
@@ -319,59 +313,34 @@ class CompactionMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
         from the start), then what stays of it again, as edited: a replay gives
         the edited conversation.
         """
-        compactor = self.compactor
-        await compactor._ready_counter()  # it counts the rewritten messages: no tokenizer load on the loop
-        for attempt in range(3):
-            window = await compactor.short_term.load(thread)
-            if not window.messages:
-                break
-            replacement: list[Message] = []
-            tokens: list[int] = []
-            for stored in window.messages:
+
+        def rebuild(window: Sequence[StoredMessage]) -> list[tuple[Message, int | None]]:
+            replacement: list[tuple[Message, int | None]] = []
+            for stored in window:
                 key = message_key(stored.message)
                 if edit.cleared or key in edit.removed:
                     continue
                 if key is not None and key in edit.changed:
-                    replacement.append(edit.changed[key])
-                    tokens.append(compactor.counter.count(edit.changed[key]))
+                    replacement.append((edit.changed[key], None))
                 else:
-                    replacement.append(stored.message)
-                    tokens.append(stored.tokens)
-            try:
-                await compactor.short_term.replace_prefix(
-                    thread,
-                    through_seq=window.messages[-1].seq,
-                    expected_version=window.version,
-                    replacement=replacement,
-                    tokens=tokens,
-                )
-                break
-            except ConflictError:  # a fold came between: read the context it left
-                if attempt == 2:
-                    raise
-        compactor._forget_seen(thread)
-        said = conversation([record async for record in compactor.episodic.replay(thread)])
+                    replacement.append((stored.message, stored.tokens))
+            return replacement
+
+        compactor = self.compactor
+        await replace_context(compactor, thread, rebuild)
+        conversation = await said(compactor, thread)
         edited = edit.removed | edit.changed.keys()
         first = 0
         if not edit.cleared:  # the newest message of each key is the context's (a provider may reuse ids)
-            newest = {message_key(message): n for n, message in enumerate(said)}
-            first = min((newest[key] for key in edited if key in newest), default=len(said))
-        if first == len(said):
-            return
-        episodes: list[Episode] = [
-            HistoryClearedEpisode() if first == 0 else MessagesRetractedEpisode(count=len(said) - first)
-        ]
+            newest = {message_key(message): n for n, message in enumerate(conversation)}
+            first = min((newest[key] for key in edited if key in newest), default=len(conversation))
+        again: list[Message] = []
         if not edit.cleared:
-            for message in said[first:]:
+            for message in conversation[first:]:
                 key = message_key(message)
                 if key is None or key not in edit.removed:
-                    episodes.append(episode_for(edit.changed.get(key, message) if key else message))
-        log = compactor.episodic
-        if isinstance(log, Store):
-            await log.record_and_append(thread, episodes, [], [])
-        else:
-            for episode in episodes:
-                await log.record(thread, episode)
+                    again.append(edit.changed.get(key, message) if key else message)
+        await record_edit(compactor, thread, said=len(conversation), first=first, again=again)
 
     async def abefore_model(self, state: AgentState[Any], runtime: Runtime[Any]) -> dict[str, Any] | None:
         return await self._update(_run_of(self.thread), state["messages"])
