@@ -99,6 +99,8 @@ async def test_a_long_session_folds_and_resumes(tmp_path: Path) -> None:
             c = compactor(store)
             if last == TURNS:
                 await check_log(c, conversation_id, range(TURNS))
+                kinds = {r.episode.kind async for r in store.replay(conversation_id)}
+                assert not kinds & {"messages_retracted", "history_cleared"}  # passed back: no edit
     check_requests(requests)
     assert any("Codes seen:" in m.text for m in from_pydantic_ai(history)[0][:1])
 
@@ -231,6 +233,7 @@ async def test_a_tool_call_id_the_model_gives_every_run_is_a_new_call(fold: bool
             for text in transcript(range(turns))
         ]
         assert any(isinstance(r.episode, SummaryCheckpoint) for r in records) is fold
+        assert not {r.episode.kind for r in records} & {"messages_retracted", "history_cleared"}
     check_requests_whole(script.requests)
 
 

@@ -13,6 +13,18 @@ prompt, then the kept turns. The thread is the run's ``conversation_id``
 unless ``thread=`` is given. The model's reply is recorded as soon as it
 arrives (``after_model_request``).
 
+The ``message_history`` an application passes is the conversation, and the
+thread follows edits made to it: earlier messages left out, a message
+rewritten in place, a run continued from an older history. Neither the
+history ``result.all_messages()`` gave back after a fold (the summary, then the
+kept turns) nor the application's own list of every original message is an
+edit. A run given no history at all is given the thread's. pydantic-ai's
+messages carry no ids (tool calls and results aside), so messages are matched
+by what a model sees of them: the working context takes the edit, and the log,
+which keeps every original, records the conversation withdrawn from the oldest
+edited message on and what stays of it again, so a replay gives the edited
+conversation.
+
 Each request part and each response becomes one contextfold message, with its
 pydantic-ai form kept in metadata, so every part kind — thinking, files,
 native tool calls, kinds newer than this module — comes back as it was.
@@ -20,9 +32,13 @@ native tool calls, kinds newer than this module — comes back as it was.
 
 from __future__ import annotations
 
+import difflib
 import json
+import re
+import threading
+import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic_ai.capabilities import AbstractCapability
@@ -34,9 +50,21 @@ from pydantic_ai.messages import (
 from pydantic_ai.models import ModelRequestContext
 from pydantic_ai.tools import RunContext
 
-from .._compactor import TRUNCATED_METADATA_KEY, Compactor
+from .._compactor import SUMMARY_PREFIX, TRUNCATED_METADATA_KEY, Compactor
+from .._episodes import (
+    EpisodeRecord,
+    HistoryClearedEpisode,
+    LlmCallEpisode,
+    MessagesRetractedEpisode,
+    SystemMessageEpisode,
+    ToolResultEpisode,
+    UserMessageEpisode,
+)
 from .._errors import ConfigError
 from .._messages import SUMMARY_METADATA_KEY, TOOL_ERROR_METADATA_KEY, Message, Role, ToolCall
+from .._sync import KEY_METADATA_KEY, content_hash, message_key
+from ..stores._base import StoredMessage
+from ._edits import record_edit, replace_context, said
 
 __all__ = ["CompactionCapability", "from_pydantic_ai", "to_pydantic_ai"]
 
@@ -44,6 +72,9 @@ _KEY = "pydantic_ai"
 # Response parts answered by a request part of the same tool_call_id (the others run at the provider).
 _CALL_KINDS = frozenset({"tool-call", "tool-search-call", "capability-load-call"})
 _RETURN_KINDS = frozenset({"tool-return", "tool-search-return", "capability-load-return", "retry-prompt"})
+_CUT = re.compile(r"\n\[\.\.\. about \d+ tokens of tool output cut by contextfold \.\.\.\]\n")
+"""The marker a tool result cut to fit the hard limit carries (``Compactor``'s truncation)."""
+_ENDS = 256
 
 
 def _dump(message: ModelMessage) -> dict[str, Any]:
@@ -215,12 +246,230 @@ def _parts_of(message: ModelMessage) -> str:
     return json.dumps([data.get("kind"), data.get("parts")], sort_keys=True)
 
 
+def _is_summary(message: Message) -> bool:
+    return message.is_summary or message.text.startswith(SUMMARY_PREFIX)
+
+
+def _compared(message: Message) -> bool:
+    """Whether a change to ``message`` is an edit: not for a summary, nor a prompt pydantic-ai renders anew.
+
+    pydantic-ai re-renders a ``dynamic`` system prompt in the history it is
+    given on every run; that is not the application's edit.
+    """
+    if _is_summary(message):
+        return False
+    stored = message.metadata.get(_KEY)
+    part = stored.get("part") if isinstance(stored, dict) else None
+    return not (
+        isinstance(part, dict) and part.get("part_kind") == "system-prompt" and part.get("dynamic_ref")
+    )
+
+
+def _positions(said: Sequence[Message], held: Sequence[Message]) -> list[int | None]:
+    """Where in ``said`` each message of ``held`` (a working context, in order) is, by key, from the end.
+
+    A key may repeat (a model that gives every tool call the same id), so each
+    message is the nearest one of its key before the next message's position.
+    """
+    keys = [message_key(message) for message in said]
+    out: list[int | None] = []
+    position = len(said)
+    for message in reversed(held):
+        key = message_key(message)
+        n = position - 1
+        while n >= 0 and (key is None or keys[n] != key):
+            n -= 1
+        out.append(n if n >= 0 else None)
+        position = n if n >= 0 else position
+    return out[::-1]
+
+
+def _occurs(needle: list[str], haystack: list[str]) -> bool:
+    """Whether ``needle`` is a run of ``haystack``; both hold digests of one length, so text search aligns."""
+    return ",".join(needle) in ",".join(haystack)
+
+
+def _with_key(message: Message, id_: str | None) -> Message:
+    """``message`` as recorded: known by its framework id, else by a new key (as ``sync`` keys it)."""
+    key = id_ or f"c:{uuid.uuid4().hex}"
+    return message.model_copy(update={"metadata": {**message.metadata, KEY_METADATA_KEY: key}})
+
+
+@dataclass(frozen=True, slots=True)
+class _Edit:
+    """What the application's history changed of the log's conversation, by position in it."""
+
+    instead: dict[int, list[Message]] = field(default_factory=dict)
+    """Each message of the conversation the history rewrote (what it holds instead) or left out (``[]``)."""
+    before: dict[int, list[Message]] = field(default_factory=dict)
+    """Messages the history holds just before one of the conversation, that the conversation lacks."""
+
+    @property
+    def first(self) -> int:
+        return min(self.instead.keys() | self.before.keys())
+
+    def conversation(self, said: Sequence[Message]) -> list[tuple[Message, int | None]]:
+        """The edited conversation, each message with its position in ``said`` (``None`` for an edit's)."""
+        out: list[tuple[Message, int | None]] = []
+        for n, message in enumerate(said):
+            out += [(added, None) for added in self.before.get(n, ())]
+            if n in self.instead:
+                out += [(added, None) for added in self.instead[n]]
+            else:
+                out.append((message, n))
+        return out
+
+
+@dataclass(slots=True)
+class _Log:
+    """What a thread's log says, as far as the capability read it: each message's digest and key."""
+
+    next_seq: int = 0
+    digests: list[str] = field(default_factory=list)
+    keys: list[str | None] = field(default_factory=list)
+    compared: list[bool] = field(default_factory=list)
+    ends: list[tuple[str, str] | None] = field(default_factory=list)
+    """A tool result's first and last characters, to know the original of one contextfold cut."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def of(cls, said: Sequence[Message]) -> _Log:
+        log = cls()
+        for message in said:
+            log.add(message)
+        return log
+
+    def add(self, message: Message) -> None:
+        self.digests.append(content_hash(message))
+        self.keys.append(message_key(message))
+        self.compared.append(_compared(message))
+        text = message.text if message.role is Role.TOOL else None
+        self.ends.append((text[:_ENDS], text[-_ENDS:]) if text is not None else None)
+
+    def apply(self, records: Sequence[EpisodeRecord]) -> None:
+        """Take the records not taken yet, as ``conversation`` reads them."""
+        with self.lock:
+            for record in records:
+                if record.seq < self.next_seq:
+                    continue
+                self.next_seq = record.seq + 1
+                episode = record.episode
+                if isinstance(episode, UserMessageEpisode | SystemMessageEpisode | ToolResultEpisode):
+                    self.add(episode.message)
+                elif isinstance(episode, LlmCallEpisode):
+                    self.add(episode.reply)
+                elif isinstance(episode, MessagesRetractedEpisode | HistoryClearedEpisode):
+                    keep = 0 if isinstance(episode, HistoryClearedEpisode) else len(self.keys) - episode.count
+                    keep = max(0, keep)
+                    del self.digests[keep:], self.keys[keep:], self.compared[keep:], self.ends[keep:]
+
+    def held(self, given: Sequence[Message], ids: Sequence[str | None]) -> tuple[list[int], list[str]]:
+        """The messages of ``given`` an edit counts for, and their digests.
+
+        A tool result contextfold cut to fit (``all_messages()`` holds it so)
+        has its original's digest.
+        """
+        listed = [index for index, message in enumerate(given) if _compared(message)]
+        return listed, [self._digest(given[index], ids[index]) for index in listed]
+
+    def _digest(self, message: Message, id_: str | None) -> str:
+        text = message.text
+        if message.role is Role.TOOL and id_ is not None and (cut := _CUT.search(text)) is not None:
+            head, tail = text[: cut.start()], text[cut.end() :]
+            for n in range(len(self.keys) - 1, -1, -1):
+                ends = self.ends[n]
+                if self.keys[n] == id_ and ends is not None:
+                    if ends[0].startswith(head[:_ENDS]) and ends[1].endswith(tail[-_ENDS:] if tail else ""):
+                        return self.digests[n]
+        return content_hash(message)
+
+
+def _as_sent(message: Message) -> Message:
+    """``message`` of a working context as the history ``to_pydantic_ai`` gives holds it."""
+    stored = message.metadata.get(_KEY)
+    stored = stored if isinstance(stored, dict) else {}
+    response, part, request = stored.get("response"), stored.get("part"), stored.get("request")
+    if message.role is Role.ASSISTANT and isinstance(response, dict):
+        return _response(response)[0]
+    if (
+        isinstance(part, dict)
+        and isinstance(request, dict)
+        and not message.metadata.get(TRUNCATED_METADATA_KEY)
+    ):
+        return _request_part(part, request)[0]
+    return message
+
+
+def _unedited(
+    context: Sequence[Message], given: Sequence[Message], ids: Sequence[str | None], log: _Log | None
+) -> bool:
+    """Whether ``given`` plainly holds the conversation as it is; ``False`` if it may hold an edit.
+
+    A history that holds a summary, or any history while the context holds
+    none, is the context's form: it holds the context's messages as one run. A
+    history without a summary while the context holds one is the application's
+    own list: it holds the whole conversation (``log``) as one run. What comes
+    before the run (older history the log never saw) or after it (the run's
+    new messages) is no edit.
+    """
+    if any(map(_is_summary, given)) or not any(map(_is_summary, context)):
+        expected = [content_hash(_as_sent(message)) for message in context if _compared(message)]
+        held = [content_hash(message) for message in given if _compared(message)]
+        return _occurs(expected, held)
+    if log is None:
+        return False
+    expected = [digest for digest, compared in zip(log.digests, log.compared, strict=True) if compared]
+    return _occurs(expected, log.held(given, ids)[1])
+
+
+def _edit_of(
+    said: Sequence[Message], context: Sequence[Message], given: Sequence[Message], ids: Sequence[str | None]
+) -> _Edit | None:
+    """The edit ``given`` (a run's messages) made to ``said`` (the log's conversation), ``None`` if none.
+
+    Messages are compared by what a model sees of them. The conversation, or
+    the context's part of it when ``given`` is in the context's form (see
+    ``_unedited``), is aligned with ``given``: what ``given`` left out, rewrote
+    or put in between is the edit. What it holds before the conversation's
+    start or after its end is no edit.
+    """
+    log = _Log.of(said)
+    listed, held = log.held(given, ids)
+    if any(map(_is_summary, given)) or not any(map(_is_summary, context)):
+        reference = [n for n in _positions(said, context) if n is not None]
+    else:
+        reference = list(range(len(said)))
+    reference = [n for n in reference if log.compared[n]]
+    expected = [log.digests[n] for n in reference]
+    if not reference or _occurs(expected, held):
+        return None
+    edit = _Edit()
+    matcher = difflib.SequenceMatcher(None, expected, held, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal" or i1 == i2 == 0:
+            continue  # what the history holds before the conversation's start is not the conversation's
+        # What follows the conversation's end is new: ``sync`` records it as it records a run's messages.
+        added = (
+            []
+            if i2 == len(reference)
+            else [_with_key(given[listed[j]], ids[listed[j]]) for j in range(j1, j2)]
+        )
+        for i in range(i1, i2):
+            edit.instead[reference[i]] = []
+        if i1 < i2:
+            edit.instead[reference[i1]] = added
+        elif added:
+            edit.before.setdefault(reference[i1], []).extend(added)
+    return edit if edit.instead or edit.before else None
+
+
 @dataclass
 class CompactionCapability(AbstractCapability[Any]):
     """Compacts the run's message history before each model request (``Agent(capabilities=[...])``)."""
 
     compactor: Compactor
     thread: str | None = None
+    _logs: dict[str, _Log] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.compactor, Compactor):
@@ -240,11 +489,60 @@ class CompactionCapability(AbstractCapability[Any]):
             )
         return thread
 
+    async def _log(self, thread: str) -> _Log:
+        """What ``thread``'s log says, brought up to date (only the episodes added since are read)."""
+        log = self._logs.setdefault(thread, _Log())
+        log.apply([record async for record in self.compactor.episodic.replay(thread, from_seq=log.next_seq)])
+        return log
+
+    async def _follow(self, thread: str, messages: list[Message], ids: list[str | None]) -> None:
+        """Make the working context and the log follow an edit ``messages`` made, if they made one."""
+        compactor = self.compactor
+        context = await compactor.context(thread)
+        folded = any(map(_is_summary, context)) and not any(map(_is_summary, messages))
+        if _unedited(context, messages, ids, await self._log(thread) if folded else None):
+            return
+        conversation = await said(compactor, thread)
+        edit = _edit_of(conversation, context, messages, ids) if conversation else None
+        if edit is None:
+            return
+        edited = edit.conversation(conversation)
+        touched = edit.instead.keys() | edit.before.keys()
+
+        def rebuild(window: Sequence[StoredMessage]) -> list[tuple[Message, int | None]]:
+            positions = _positions(conversation, [stored.message for stored in window])
+            at = {n: stored for n, stored in zip(positions, window, strict=True) if n is not None}
+            if any(_is_summary(stored.message) for stored in window) and not touched <= at.keys():
+                # The summary speaks for a message the edit changed: the edited conversation replaces
+                # it, unfolded, until the next fold.
+                return [
+                    (at[n].message, at[n].tokens) if n is not None and n in at else (message, None)
+                    for message, n in edited
+                ]
+            out: list[tuple[Message, int | None]] = []
+            for n, stored in zip(positions, window, strict=True):
+                if n is not None:
+                    out += [(message, None) for message in edit.before.get(n, ())]
+                if n is not None and n in edit.instead:
+                    out += [(message, None) for message in edit.instead[n]]
+                else:
+                    out.append((stored.message, stored.tokens))
+            return out
+
+        await replace_context(compactor, thread, rebuild)
+        first = edit.first
+        again = [message for message, _ in edited[first:]]
+        await record_edit(compactor, thread, said=len(conversation), first=first, again=again)
+
     async def before_model_request(
         self, ctx: RunContext[Any], request_context: ModelRequestContext
     ) -> ModelRequestContext:
+        thread = self._thread(ctx)
         messages, ids = from_pydantic_ai(request_context.messages)
-        context = await self.compactor.sync(self._thread(ctx), messages, ids=ids)
+        if ctx.run_id is not None and any(m.run_id != ctx.run_id for m in request_context.messages):
+            # The run was given a history (a run given none is given the thread's): follow its edits.
+            await self._follow(thread, messages, ids)
+        context = await self.compactor.sync(thread, messages, ids=ids)
         if context is not None:
             rewritten = _the_runs_own(to_pydantic_ai(context), request_context.messages)
             request_context.messages = list(rewritten)
