@@ -12,6 +12,7 @@ from pytest_httpserver import HTTPServer
 
 from contextfold import Compactor, Message, ToolCall, conversation
 from contextfold import _tokens as tokens_module
+from contextfold.episodes import SummaryCheckpoint
 from contextfold.stores import MemoryStore, SQLiteStore
 
 from .scenario import (
@@ -21,6 +22,7 @@ from .scenario import (
     TURNS,
     FakeProvider,
     agent,
+    answer,
     check_log,
     check_requests,
     check_requests_whole,
@@ -33,7 +35,17 @@ from .scenario import (
 
 pytest.importorskip("agents")
 
-from agents import Agent, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool
+from agents import (
+    Agent,
+    OpenAIChatCompletionsModel,
+    RunConfig,
+    Runner,
+    SessionSettings,
+    SQLiteSession,
+    function_tool,
+    handoff,
+)
+from agents.extensions import handoff_filters
 from openai import AsyncOpenAI
 
 from contextfold.integrations.openai_agents import CompactingSession, from_items, to_items
@@ -177,9 +189,16 @@ def researcher(calls: int) -> Any:
     return script
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
 @pytest.mark.parametrize("per_call", [True, False], ids=["filter", "no-filter"])
-async def test_the_filter_keeps_a_long_run_under_budget(httpserver: HTTPServer, per_call: bool) -> None:
-    """Within one run of 24 tool calls, only the model input filter keeps every request under budget."""
+async def test_the_filter_keeps_a_long_run_under_budget(
+    httpserver: HTTPServer, per_call: bool, streamed: bool
+) -> None:
+    """Within one run of 24 tool calls, only the model input filter keeps every request under budget.
+
+    A streamed run saves its input after the first model call, and reads the session's newest items
+    in between: the filter still knows each later input for the run's own.
+    """
     provider = serve(httpserver, researcher(24))
     async with MemoryStore() as store:
         session = CompactingSession("s", compactor(store))
@@ -187,7 +206,13 @@ async def test_the_filter_keeps_a_long_run_under_budget(httpserver: HTTPServer, 
         config = RunConfig(
             tracing_disabled=True, call_model_input_filter=session.model_input_filter if per_call else None
         )
-        await Runner.run(bot, "Read records 0 to 23.", session=session, run_config=config, max_turns=30)
+        ask = "Read records 0 to 23."
+        if streamed:
+            result = Runner.run_streamed(bot, ask, session=session, run_config=config, max_turns=30)
+            async for _ in result.stream_events():
+                pass
+        else:
+            await Runner.run(bot, ask, session=session, run_config=config, max_turns=30)
     largest = max(
         sum(COUNTER.count(m) for m in request if m.role.value != "system") for request in provider.requests
     )
@@ -313,3 +338,191 @@ async def test_the_filter_never_sends_a_call_that_pop_item_left_open(httpserver:
     check_requests_whole(provider.requests)
     assert "call_0" not in [text_of(m) for request in provider.requests[2:] for m in request]
     assert users == [question(0), question(1), question(2)]  # nothing recorded twice
+
+
+HAND_OVER = "Hand me over to the specialist."
+
+
+def front_desk(messages: Any) -> Message:
+    """The scenario's model for every agent but the specialist, which hands over when asked to."""
+    system = messages[0].text if messages and messages[0].role.value == "system" else ""
+    if system.startswith("Specialist"):
+        return Message.assistant("The specialist here.")
+    if messages[-1].role.value == "user" and messages[-1].text == HAND_OVER:
+        return Message.assistant(
+            None, tool_calls=[ToolCall(id="call_h", name="transfer_to_b", arguments="{}")]
+        )
+    return agent(messages)
+
+
+def sent(request: list[Message]) -> list[str]:
+    return [text_of(m) for m in request if m.role.value != "system"]
+
+
+async def run_turns_of(
+    httpserver: HTTPServer, session: Any, starting: Agent[Any], config: RunConfig, inputs: list[str]
+) -> tuple[list[list[Message]], list[Any]]:
+    """Run ``inputs`` as turns over ``session``: what the model was sent, and the items the session holds."""
+    httpserver.clear()
+    provider = serve(httpserver, front_desk)
+    for text in inputs:
+        await Runner.run(starting, text, session=session, run_config=config)
+    return provider.requests, await session.get_items()
+
+
+def specialist_desk(server: HTTPServer, *, input_filter: Any = None) -> Agent[Any]:
+    client = AsyncOpenAI(base_url=server.url_for("/v1"), api_key="sk-test", max_retries=0)
+    model = OpenAIChatCompletionsModel(model=MODEL, openai_client=client)
+    specialist = Agent(name="b", instructions="Specialist.", model=model)
+    return Agent(
+        name="a",
+        instructions="Look records up.",
+        tools=[lookup],
+        model=model,
+        handoffs=[handoff(specialist, input_filter=input_filter) if input_filter else specialist],
+    )
+
+
+@pytest.mark.parametrize("rewrite", ["none", "input_filter", "nested"])
+async def test_a_handoff_sends_and_keeps_what_the_sdks_own_session_does(
+    httpserver: HTTPServer, rewrite: str
+) -> None:
+    """A handoff's input, rewritten by a filter or nested, reaches the agent as built; nothing is kept twice.
+
+    Before, the rewritten list was laid against the log as new items: the whole history was recorded
+    again, the specialist was sent it twice (or, nested, the history beside the SDK's summary of it),
+    and the session kept the copy.
+    """
+    input_filter = handoff_filters.remove_all_tools if rewrite == "input_filter" else None
+    config = RunConfig(tracing_disabled=True, nest_handoff_history=rewrite == "nested")
+    turns = [question(1), HAND_OVER]
+    expected = await run_turns_of(
+        httpserver, SQLiteSession("s"), specialist_desk(httpserver, input_filter=input_filter), config, turns
+    )
+    async with MemoryStore() as store:
+        session = CompactingSession("s", compactor(store))
+        config = RunConfig(
+            tracing_disabled=True,
+            nest_handoff_history=rewrite == "nested",
+            call_model_input_filter=session.model_input_filter,
+        )
+        requests, items = await run_turns_of(
+            httpserver, session, specialist_desk(httpserver, input_filter=input_filter), config, turns
+        )
+        users = [m.text for m in conversation([r async for r in store.replay("s")]) if m.role.value == "user"]
+    assert [sent(r) for r in requests] == [sent(r) for r in expected[0]]
+    assert items == expected[1]
+    assert users == turns  # the log holds each of the user's messages once
+
+
+async def test_a_sub_agent_run_as_a_tool_is_neither_sent_nor_given_the_session(
+    httpserver: HTTPServer,
+) -> None:
+    """``Agent.as_tool`` runs with the parent's RunConfig: its model calls pass the filter as they came.
+
+    Before, the sub-agent was sent the session's conversation before its own input, and the session kept
+    that input as a user message of its own.
+    """
+
+    def script(messages: Any) -> Message:
+        if messages[0].text.startswith("Translate"):
+            return Message.assistant("hello")
+        if messages[-1].role.value == "tool":
+            return Message.assistant("Done.")
+        return Message.assistant(
+            None, tool_calls=[ToolCall(id="call_t", name="translate", arguments='{"input": "bonjour"}')]
+        )
+
+    def parent() -> Agent[Any]:
+        client = AsyncOpenAI(base_url=httpserver.url_for("/v1"), api_key="sk-test", max_retries=0)
+        model = OpenAIChatCompletionsModel(model=MODEL, openai_client=client)
+        translator = Agent(name="translator", instructions="Translate.", model=model)
+        return Agent(
+            name="main",
+            instructions="Main.",
+            tools=[translator.as_tool("translate", "Translate.")],
+            model=model,
+        )
+
+    outcomes = []
+    for own in (False, True):
+        httpserver.clear()
+        provider = serve(httpserver, script)
+        async with MemoryStore() as store:
+            session: Any = CompactingSession("s", compactor(store)) if own else SQLiteSession("s")
+            config = RunConfig(
+                tracing_disabled=True, call_model_input_filter=session.model_input_filter if own else None
+            )
+            await Runner.run(parent(), "Please translate my note.", session=session, run_config=config)
+            outcomes.append(([sent(r) for r in provider.requests], await session.get_items()))
+    assert outcomes[1] == outcomes[0]
+    assert outcomes[1][0][1] == ["bonjour"]  # the sub-agent's request: its input alone
+
+
+async def test_a_session_input_callback_chooses_what_the_model_is_sent(httpserver: HTTPServer) -> None:
+    """What ``session_input_callback`` kept of the history is what the model gets; the log keeps every turn.
+
+    Before, the filter sent the whole context in place of the callback's choice.
+    """
+
+    def last_two(history: list[Any], new: list[Any]) -> list[Any]:
+        return history[-2:] + new
+
+    config = RunConfig(tracing_disabled=True, session_input_callback=last_two)
+    turns = [question(n) for n in range(3)]
+    expected = await run_turns_of(httpserver, SQLiteSession("s"), make_agent(httpserver), config, turns)
+    async with MemoryStore() as store:
+        c = compactor(store)
+        session = CompactingSession("s", c)
+        config = RunConfig(
+            tracing_disabled=True,
+            session_input_callback=last_two,
+            call_model_input_filter=session.model_input_filter,
+        )
+        requests, items = await run_turns_of(httpserver, session, make_agent(httpserver), config, turns)
+        texts = [text_of(m) for m in conversation([r async for r in c.episodic.replay("s")])]
+    assert [sent(r) for r in requests] == [sent(r) for r in expected[0]]
+    assert sent(requests[-1])[:2] == [record_text(1), answer(1)]
+    assert items == expected[1]
+    assert texts == transcript(range(3))
+
+
+async def test_session_settings_limit_chooses_what_the_model_is_sent(httpserver: HTTPServer) -> None:
+    """``SessionSettings(limit=2)``: the model gets the newest two items and the new ones, as SQLiteSession's.
+
+    Before, the filter sent the whole context, whatever the limit.
+    """
+    config = RunConfig(tracing_disabled=True, session_settings=SessionSettings(limit=2))
+    turns = [question(n) for n in range(3)]
+    expected = await run_turns_of(httpserver, SQLiteSession("s"), make_agent(httpserver), config, turns)
+    async with MemoryStore() as store:
+        session = CompactingSession("s", compactor(store))
+        config = RunConfig(
+            tracing_disabled=True,
+            session_settings=SessionSettings(limit=2),
+            call_model_input_filter=session.model_input_filter,
+        )
+        requests, items = await run_turns_of(httpserver, session, make_agent(httpserver), config, turns)
+    assert [sent(r) for r in requests] == [sent(r) for r in expected[0]]
+    assert sent(requests[-2]) == [answer(1), question(2)]  # the SDK drops an output whose call it cut
+    assert items == expected[1]
+
+
+async def test_a_filtered_handoff_after_a_fold_records_nothing_twice(httpserver: HTTPServer) -> None:
+    """After folds, a handoff through ``remove_all_tools`` leaves each user message once in log and request.
+
+    Before, the filtered history (the summary and the turns kept) was recorded again after the log's end.
+    """
+    async with MemoryStore() as store:
+        c = compactor(store)
+        session = CompactingSession("s", c)
+        config = RunConfig(tracing_disabled=True, call_model_input_filter=session.model_input_filter)
+        desk = specialist_desk(httpserver, input_filter=handoff_filters.remove_all_tools)
+        turns = [question(n) for n in range(12)] + [HAND_OVER]
+        requests, items = await run_turns_of(httpserver, session, desk, config, turns)
+        records = [r async for r in c.episodic.replay("s")]
+    assert any(isinstance(r.episode, SummaryCheckpoint) for r in records)
+    assert [m.text for m in conversation(records) if m.role.value == "user"] == turns
+    handed = sent(requests[-1])
+    assert handed[-1] == HAND_OVER and len(handed) == len(set(handed))
+    assert [i.get("content") for i in items if i.get("role") == "user"].count(HAND_OVER) == 1

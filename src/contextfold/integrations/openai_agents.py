@@ -9,6 +9,13 @@
 The SDK reads a session once per ``Runner.run``; ``model_input_filter``
 records the items each model call is about to send, compacts when due and
 sends the working context instead, so a long run stays under budget too.
+It does so only for the session's own list: the items ``get_items`` gave,
+then what the run added. Any other input is sent as the SDK gave it and
+nothing of it is recorded: a handoff's ``input_filter`` or
+``nest_handoff_history`` rewrote it, a ``session_input_callback`` or
+``SessionSettings(limit=...)`` trimmed it, or it is a sub-agent's
+(``Agent.as_tool`` runs with its parent's ``RunConfig``). The SDK passes
+``add_items`` what such a run adds, and the session folds there.
 ``pop_item`` and ``clear_session`` are recorded in the log
 (``MessagesRetractedEpisode``, ``HistoryClearedEpisode``), so replaying the
 log with ``contextfold.conversation()`` gives back exactly the session.
@@ -22,6 +29,7 @@ verbatim in metadata, so what the session hands back is what it was given.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -182,10 +190,22 @@ class CompactingSession:
         self.compactor = compactor
         self._filter_recorded: list[str] = []
         """Content hashes of what ``model_input_filter`` recorded, in order, until ``add_items`` comes."""
+        self._start: list[str] | None = None
+        """The items ``get_items`` last gave whole (see ``_marks``), until a model input starts with them."""
+        self._sent: list[str] | None = None
+        """The run's own list at its last model call: the next call's input starts with it."""
+        self._added: Counter[str] = Counter()
+        """What ``add_items`` was given since the last model call or read: the next input holds it."""
 
     async def get_items(self, limit: int | None = None) -> list[TResponseInputItem]:
         """The working context as items: the newest ``limit`` of them when given (a negative one: all)."""
         items = to_items(await self.compactor.context(self.session_id))
+        # A run's first model input starts with the items whole, less the calls no output answers (the
+        # SDK sends none). Cut by a ``limit``, they are a trimmed list, left as the SDK sends it; the SDK
+        # also reads the newest few to check its own writes in the middle of a run.
+        if limit is None or limit < 0 or limit >= len(items):
+            self._start = _marks(_answered(items))
+        self._added.clear()
         if limit is None or limit < 0:  # as the SDK's SQLiteSession, whose SQL LIMIT -1 means none
             return items
         return items[-limit:] if limit else []
@@ -197,6 +217,8 @@ class CompactingSession:
         ``model_input_filter`` recorded first (the SDK saves a run's items after
         its model calls saw them): they are skipped, in order.
         """
+        if self._start is not None or self._sent is not None:
+            self._added.update(_marks(items))
         new, new_ids = from_items(items)
         keep = [n for n, message in enumerate(new) if not self._recorded_by_filter(message)]
         self._filter_recorded.clear()
@@ -259,14 +281,38 @@ class CompactingSession:
         self.compactor._forget_seen(self.session_id)
 
     async def model_input_filter(self, data: CallModelData[Any]) -> ModelInputData:
-        """For ``RunConfig(call_model_input_filter=...)``: record the input, compact, send the context."""
-        messages, ids = await self._input(list(data.model_data.input))
+        """For ``RunConfig(call_model_input_filter=...)``: record the input, compact, send the context.
+
+        Only for the session's own list (see the module's docstring): an input
+        that does not start with it, and with what ``add_items`` was given
+        since, is sent as it is and nothing of it is recorded. Laid against the
+        log, such a list would be recorded again as new, and the context sent
+        in its place would undo what rewrote or trimmed it.
+        """
+        given = list(data.model_data.input)
+        if self._start is not None or self._sent is not None:
+            marks = _marks(given)
+            if not self._is_own(marks):
+                return data.model_data
+            self._start, self._sent = None, marks
+            self._added.clear()
+        messages, ids = await self._input(given)
         recorded: list[Message] = []
         context = await sync(self.compactor, self.session_id, messages, ids=ids, recorded=recorded)
         self._filter_recorded += [content_hash(message) for message in recorded]
         if context is None:
             return data.model_data
         return ModelInputData(input=_answered(to_items(context)), instructions=data.model_data.instructions)
+
+    def _is_own(self, marks: list[str]) -> bool:
+        """Whether a model input is the run's own list: it goes on from the last or the session's items.
+
+        It also holds every item ``add_items`` was given since (a streamed run saves its input after
+        the first model call): a handoff filter that drops the newest of them rewrote it.
+        """
+        if not (_extends(marks, self._sent) or _extends(marks, self._start)):
+            return False
+        return not self._added - Counter(marks)
 
     async def _input(self, given: list[TResponseInputItem]) -> tuple[list[Message], list[str | None]]:
         """The model input as messages to sync, and their ids.
@@ -286,6 +332,16 @@ class CompactingSession:
                 new, new_ids = from_items(given[len(held) :])
                 return [*context, *new], [None] * len(context) + new_ids
         return from_items(given)
+
+
+def _marks(items: Sequence[Any]) -> list[str]:
+    """Each item as the model sees it (ids and metadata left out), to tell whether a list extends another."""
+    plain = [_plain(item) for item in items]
+    return [f"{_kind(item)}:{content_hash(from_items([item])[0][0])}" for item in plain]
+
+
+def _extends(marks: list[str], start: list[str] | None) -> bool:
+    return start is not None and marks[: len(start)] == start
 
 
 def _answered(items: list[TResponseInputItem]) -> list[TResponseInputItem]:
