@@ -25,6 +25,13 @@ which keeps every original, records the conversation withdrawn from the oldest
 edited message on and what stays of it again, so a replay gives the edited
 conversation.
 
+The system prompt a run's messages open with is the one the thread stands
+under, not a turn of it. A prompt that changed — a ``dynamic`` one pydantic-ai
+renders anew on every run, an agent rebuilt with another — takes the old one's
+place at the head of the working context and is recorded in the log where it
+took effect; no turn is recorded or sent again. A run given no history gets the
+thread's turns under its own prompt. ``instructions`` never enter the history.
+
 Each request part and each response becomes one contextfold message, with its
 pydantic-ai form kept in metadata, so every part kind — thinking, files,
 native tool calls, kinds newer than this module — comes back as it was.
@@ -59,11 +66,12 @@ from .._episodes import (
     SystemMessageEpisode,
     ToolResultEpisode,
     UserMessageEpisode,
+    episode_for,
 )
 from .._errors import ConfigError
 from .._messages import SUMMARY_METADATA_KEY, TOOL_ERROR_METADATA_KEY, Message, Role, ToolCall
 from .._sync import KEY_METADATA_KEY, content_hash, message_key
-from ..stores._base import StoredMessage
+from ..stores._base import Store, StoredMessage
 from ._edits import record_edit, replace_context, said
 
 __all__ = ["CompactionCapability", "from_pydantic_ai", "to_pydantic_ai"]
@@ -250,18 +258,76 @@ def _is_summary(message: Message) -> bool:
     return message.is_summary or message.text.startswith(SUMMARY_PREFIX)
 
 
+def _opening(messages: Sequence[Message]) -> int:
+    """How many system messages ``messages`` opens with: the system prompt the conversation stands under."""
+    n = 0
+    while n < len(messages) and messages[n].role is Role.SYSTEM:
+        n += 1
+    return n
+
+
+def _is_prompt_record(message: Message) -> bool:
+    stored = message.metadata.get(_KEY)
+    return isinstance(stored, dict) and stored.get("system_prompt") is True
+
+
+def _prompts(messages: Sequence[Message]) -> list[bool]:
+    """Which of ``messages`` (a conversation) is a system prompt it stood under, not a turn of it.
+
+    Those it opens with, and each one the capability recorded when a run's
+    system prompt changed (see ``CompactionCapability._stand``).
+    """
+    out: list[bool] = []
+    opening = True
+    for message in messages:
+        prompt = _is_prompt_record(message) or (opening and message.role is Role.SYSTEM)
+        opening = opening and prompt
+        out.append(prompt)
+    return out
+
+
+def _as_prompt_record(message: Message) -> Message:
+    """``message`` (a part of a run's system prompt) as recorded: marked, and in a request of no run."""
+    stored = message.metadata.get(_KEY)
+    part = stored.get("part") if isinstance(stored, dict) else None
+    record = {"request": {"kind": "request"}, "part": part, "system_prompt": True}
+    return _with_key(message.model_copy(update={"metadata": {**message.metadata, _KEY: record}}), None)
+
+
+def _overlap(head: Sequence[str], tail: Sequence[str]) -> int:
+    """The length of the longest prefix of ``head`` that is a suffix of ``tail`` (KMP, linear)."""
+    joined: list[str | None] = [*head, None, *tail[-len(head) :]] if head else []
+    border = [0] * len(joined)
+    for i in range(1, len(joined)):
+        k = border[i - 1]
+        while k and joined[i] != joined[k]:
+            k = border[k - 1]
+        border[i] = k + 1 if joined[i] == joined[k] else k
+    return border[-1] if joined else 0
+
+
+def _same(first: Sequence[Message], second: Sequence[Message]) -> bool:
+    return len(first) == len(second) and all(
+        content_hash(a) == content_hash(b) for a, b in zip(first, second, strict=True)
+    )
+
+
 def _compared(message: Message) -> bool:
     """Whether a change to ``message`` is an edit: not for a summary, nor a prompt pydantic-ai renders anew.
 
     pydantic-ai re-renders a ``dynamic`` system prompt in the history it is
-    given on every run; that is not the application's edit.
+    given on every run; that is not the application's edit. A statement of an
+    ``on_change="append"`` one (it has a ``context_id``) stays as it was.
     """
     if _is_summary(message):
         return False
     stored = message.metadata.get(_KEY)
     part = stored.get("part") if isinstance(stored, dict) else None
     return not (
-        isinstance(part, dict) and part.get("part_kind") == "system-prompt" and part.get("dynamic_ref")
+        isinstance(part, dict)
+        and part.get("part_kind") == "system-prompt"
+        and part.get("dynamic_ref")
+        and not part.get("context_id")
     )
 
 
@@ -330,6 +396,8 @@ class _Log:
     compared: list[bool] = field(default_factory=list)
     ends: list[tuple[str, str] | None] = field(default_factory=list)
     """A tool result's first and last characters, to know the original of one contextfold cut."""
+    prompts: dict[int, Message] = field(default_factory=dict)
+    """Each system prompt the conversation stood under (see ``_prompts``), by position."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
@@ -340,11 +408,65 @@ class _Log:
         return log
 
     def add(self, message: Message) -> None:
+        opening = len(self.prompts) == len(self.digests)
+        if _is_prompt_record(message) or (opening and message.role is Role.SYSTEM):
+            self.prompts[len(self.digests)] = message
         self.digests.append(content_hash(message))
         self.keys.append(message_key(message))
-        self.compared.append(_compared(message))
+        self.compared.append(_compared(message) and len(self.digests) - 1 not in self.prompts)
         text = message.text if message.role is Role.TOOL else None
         self.ends.append((text[:_ENDS], text[-_ENDS:]) if text is not None else None)
+
+    def prompt(self) -> list[Message]:
+        """The system prompt the conversation stands under now: the newest run of recorded ones."""
+        out: list[Message] = []
+        for n in range(len(self.digests) - 1, -1, -1):
+            if n in self.prompts:
+                out.append(self.prompts[n])
+            elif out:
+                break
+        return out[::-1]
+
+    def placed(
+        self, messages: Sequence[Message], ids: Sequence[str | None]
+    ) -> tuple[list[Message], list[str | None]]:
+        """``messages`` (a run's, without the system prompt they open with) as ``sync`` lays them on the log.
+
+        The system prompts the log holds among the turns ``messages`` shares
+        with its end are put back where the log holds them, each as recorded
+        (by its key), so the shared turns are known as the log's, and what
+        follows them is new.
+        """
+        if not self.prompts:
+            return list(messages), list(ids)
+        turns: list[str] = []
+        prompts: list[tuple[int, Message]] = []  # each prompt, after how many turns
+        for n, digest in enumerate(self.digests):
+            if n in self.prompts:
+                prompts.append((len(turns), self.prompts[n]))
+            else:
+                turns.append(digest)
+        listed = [index for index, message in enumerate(messages) if not _is_summary(message)]
+        shared = _overlap([self._digest(messages[index], ids[index]) for index in listed], turns)
+        start = len(turns) - shared
+        at: dict[int, list[Message]] = {}
+        for after, prompt in prompts:
+            if after >= start:
+                index = (
+                    listed[after - start]
+                    if after - start < shared
+                    else (listed[shared - 1] + 1 if shared else 0)
+                )
+                at.setdefault(index, []).append(prompt)
+        out: list[Message] = []
+        keys: list[str | None] = []
+        for index in range(len(messages) + 1):
+            out += at.get(index, ())
+            keys += [None] * len(at.get(index, ()))
+            if index < len(messages):
+                out.append(messages[index])
+                keys.append(ids[index])
+        return out, keys
 
     def apply(self, records: Sequence[EpisodeRecord]) -> None:
         """Take the records not taken yet, as ``conversation`` reads them."""
@@ -362,6 +484,7 @@ class _Log:
                     keep = 0 if isinstance(episode, HistoryClearedEpisode) else len(self.keys) - episode.count
                     keep = max(0, keep)
                     del self.digests[keep:], self.keys[keep:], self.compared[keep:], self.ends[keep:]
+                    self.prompts = {n: prompt for n, prompt in self.prompts.items() if n < keep}
 
     def held(self, given: Sequence[Message], ids: Sequence[str | None]) -> tuple[list[int], list[str]]:
         """The messages of ``given`` an edit counts for, and their digests.
@@ -369,7 +492,7 @@ class _Log:
         A tool result contextfold cut to fit (``all_messages()`` holds it so)
         has its original's digest.
         """
-        listed = [index for index, message in enumerate(given) if _compared(message)]
+        listed = _turns(given)
         return listed, [self._digest(given[index], ids[index]) for index in listed]
 
     def _digest(self, message: Message, id_: str | None) -> str:
@@ -413,13 +536,22 @@ def _unedited(
     new messages) is no edit.
     """
     if any(map(_is_summary, given)) or not any(map(_is_summary, context)):
-        expected = [content_hash(_as_sent(message)) for message in context if _compared(message)]
-        held = [content_hash(message) for message in given if _compared(message)]
+        expected = [content_hash(_as_sent(context[n])) for n in _turns(context)]
+        held = [content_hash(given[n]) for n in _turns(given)]
         return _occurs(expected, held)
     if log is None:
         return False
     expected = [digest for digest, compared in zip(log.digests, log.compared, strict=True) if compared]
     return _occurs(expected, log.held(given, ids)[1])
+
+
+def _turns(messages: Sequence[Message]) -> list[int]:
+    """The positions of the messages of ``messages`` an edit counts for: no system prompt, no summary."""
+    return [
+        n
+        for n, (message, prompt) in enumerate(zip(messages, _prompts(messages), strict=True))
+        if not prompt and _compared(message)
+    ]
 
 
 def _edit_of(
@@ -514,10 +646,13 @@ class CompactionCapability(AbstractCapability[Any]):
             at = {n: stored for n, stored in zip(positions, window, strict=True) if n is not None}
             if any(_is_summary(stored.message) for stored in window) and not touched <= at.keys():
                 # The summary speaks for a message the edit changed: the edited conversation replaces
-                # it, unfolded, until the next fold.
-                return [
+                # it, unfolded, until the next fold, under the system prompt the context stands under.
+                prompts = _prompts([message for message, _ in edited])
+                head = _opening([stored.message for stored in window])
+                return [(stored.message, stored.tokens) for stored in window[:head]] + [
                     (at[n].message, at[n].tokens) if n is not None and n in at else (message, None)
-                    for message, n in edited
+                    for (message, n), prompt in zip(edited, prompts, strict=True)
+                    if not prompt
                 ]
             out: list[tuple[Message, int | None]] = []
             for n, stored in zip(positions, window, strict=True):
@@ -534,6 +669,56 @@ class CompactionCapability(AbstractCapability[Any]):
         again = [message for message, _ in edited[first:]]
         await record_edit(compactor, thread, said=len(conversation), first=first, again=again)
 
+    async def _stand(self, thread: str, prompt: list[Message]) -> None:
+        """Make ``prompt``, the system prompt a run's messages open with, the one the thread stands under.
+
+        A prompt that changed (a ``dynamic`` one rendered anew, an agent
+        rebuilt with another) is recorded in the log where it took effect, and
+        takes the place of the old one at the head of the working context; the
+        conversation itself is neither withdrawn nor recorded again.
+        """
+        if not prompt:
+            return  # a run of an agent without a system prompt goes on under the thread's
+        compactor = self.compactor
+        log = await self._log(thread)
+        current = log.prompt()
+        if not _same(current, prompt):
+            current = [_as_prompt_record(message) for message in prompt]
+            if not log.digests:
+                await compactor.append(thread, current)  # the thread opens with it
+                return
+            episodes = [episode_for(message) for message in current]
+            store = compactor.episodic
+            if isinstance(store, Store):
+                await store.record_and_append(thread, episodes, [], [])
+            else:
+                for episode in episodes:
+                    await store.record(thread, episode)
+        if not _same((context := await compactor.context(thread))[: _opening(context)], prompt):
+
+            def rebuild(window: Sequence[StoredMessage]) -> list[tuple[Message, int | None]]:
+                rest = window[_opening([stored.message for stored in window]) :]
+                return [(message, None) for message in current] + [
+                    (stored.message, stored.tokens) for stored in rest
+                ]
+
+            await replace_context(compactor, thread, rebuild)
+
+    async def _sync(
+        self, thread: str, messages: list[Message], ids: list[str | None], *, compact: bool
+    ) -> list[Message] | None:
+        """``sync`` the run's messages; the working context when it is not what they hold, else ``None``.
+
+        The system prompt the messages open with is left out (``_stand`` keeps
+        it), and the prompts the log holds among their turns are put back, so
+        a changed prompt makes no turn new.
+        """
+        head = _opening(messages)
+        listed, keys = (await self._log(thread)).placed(messages[head:], ids[head:])
+        context = await self.compactor.sync(thread, listed, ids=keys, compact=compact)
+        context = listed if context is None else context
+        return None if _same(context, messages) else context
+
     async def before_model_request(
         self, ctx: RunContext[Any], request_context: ModelRequestContext
     ) -> ModelRequestContext:
@@ -542,7 +727,8 @@ class CompactionCapability(AbstractCapability[Any]):
         if ctx.run_id is not None and any(m.run_id != ctx.run_id for m in request_context.messages):
             # The run was given a history (a run given none is given the thread's): follow its edits.
             await self._follow(thread, messages, ids)
-        context = await self.compactor.sync(thread, messages, ids=ids)
+        await self._stand(thread, messages[: _opening(messages)])
+        context = await self._sync(thread, messages, ids, compact=True)
         if context is not None:
             rewritten = _the_runs_own(to_pydantic_ai(context), request_context.messages)
             request_context.messages = list(rewritten)
@@ -552,6 +738,8 @@ class CompactionCapability(AbstractCapability[Any]):
     async def after_model_request(
         self, ctx: RunContext[Any], *, request_context: ModelRequestContext, response: ModelResponse
     ) -> ModelResponse:
-        messages, ids = from_pydantic_ai([*request_context.messages, response])
-        await self.compactor.sync(self._thread(ctx), messages, ids=ids, compact=False)
+        # The run's messages, not the request's: the model's rendering of a system prompt in mid-conversation
+        # (as a ``<system>`` user prompt, say) is not a new message.
+        messages, ids = from_pydantic_ai([*ctx.messages, response])
+        await self._sync(self._thread(ctx), messages, ids, compact=False)
         return response
