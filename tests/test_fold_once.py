@@ -8,6 +8,7 @@ over what it had read before.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -149,3 +150,30 @@ async def test_a_worker_leased_just_after_another_workers_fold_summarizes_nothin
         assert len(sent) == folded.dropped_messages  # A's summary alone; B sent nothing
         assert len(set(sent)) == len(sent)
         assert await b.context(THREAD) == (await store_a.load(THREAD)).plain
+
+
+async def test_a_slow_subscriber_does_not_make_the_fold_uncancellable(handles: Handles) -> None:
+    """Only the write is shielded: a deadline ends the step while a subscriber hangs, the fold stands."""
+    sent: list[str] = []
+    heard = anyio.Event()
+
+    async def hanging_webhook(event: object) -> None:
+        heard.set()
+        await anyio.sleep(10)  # a webhook post that hangs
+
+    async with handles() as (store, _):
+        compactor = Compactor(
+            store,
+            options=OPTIONS,
+            summarizer=Recording(sent),
+            counter=ApproximateCounter(),
+            subscribers=[hanging_webhook],
+        )
+        await grow_past_the_trigger(compactor, store)
+        started = time.monotonic()
+        with anyio.move_on_after(0.5) as deadline:
+            await compactor.compact_now(THREAD)
+        assert heard.is_set() and deadline.cancelled_caught
+        assert time.monotonic() - started < 5  # at the deadline, not when the webhook gave up
+        context = await compactor.context(THREAD)
+        assert context[1].is_summary and context == (await store.load(THREAD)).plain

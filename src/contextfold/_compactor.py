@@ -875,12 +875,7 @@ class Compactor:
                 )
                 if not isinstance(prepared, _Prepared):
                     return prepared
-                # The summary is paid for: a cancellation now would throw it away, and the next
-                # fold would send the same messages again. The write is short; the caller's
-                # cancellation is raised at its next checkpoint.
-                with anyio.CancelScope(shield=True):
-                    result = await self._apply(prepared, settings, span=span)
-                return result
+                return await self._apply(prepared, settings, span=span)
 
     async def _window(self, thread: str, settings: Settings) -> tuple[_Rows, int, int]:
         """The rows a fold plans over, the thread's version and its total tokens."""
@@ -1079,30 +1074,25 @@ class Compactor:
         )
 
     async def _apply(
-        self, prepared: _Prepared, settings: Settings, *, span: FoldSpan, background: bool = False
+        self,
+        prepared: _Prepared,
+        settings: Settings,
+        *,
+        span: FoldSpan,
+        background: _Background | None = None,
     ) -> CompactionResult | None:
+        """Write the fold, then tell the subscribers; ``background`` receives the result once written.
+
+        The summary is paid for: the write is shielded from cancellation, so a
+        cancelled caller does not throw it away (the next fold would send the
+        same messages again), and the cancellation is raised at the next
+        checkpoint. The subscribers are not shielded: a slow one cannot make
+        the fold impossible to cancel.
+        """
         thread = prepared.thread
         try:
-            if self._store is not None:
-                record = await self._store.fold(
-                    thread,
-                    checkpoint=prepared.checkpoint,
-                    through_seq=prepared.through_seq,
-                    expected_version=prepared.version,
-                    replacement=prepared.replacement,
-                    tokens=prepared.tokens,
-                )
-                checkpoint_seq: int | None = record.seq
-            else:
-                # Two stores: swap first, then record, so every checkpoint in the log was applied.
-                await self.short_term.replace_prefix(
-                    thread,
-                    through_seq=prepared.through_seq,
-                    expected_version=prepared.version,
-                    replacement=prepared.replacement,
-                    tokens=prepared.tokens,
-                )
-                checkpoint_seq = (await self.episodic.record(thread, prepared.checkpoint)).seq
+            with anyio.CancelScope(shield=True):
+                checkpoint_seq = await self._write_fold(prepared)
         except ConflictError:
             # Another worker folded this prefix first: its fold stands, and ours is
             # dropped without summarizing the same messages again.
@@ -1112,7 +1102,7 @@ class Compactor:
             usage = dropped.usage if dropped is not None else Usage()
             elapsed = time.perf_counter() - prepared.started
             lost: CompactionEvent
-            if background:
+            if background is not None:
                 lost = BackgroundSummaryDiscarded(
                     thread=thread,
                     reason=prepared.reason,
@@ -1141,7 +1131,7 @@ class Compactor:
         self._backoff.pop(thread, None)
         current = self._seen.get(thread)
         linked = checkpoint_seq if self._store is not None else None  # replace_prefix links nothing
-        self._after_fold(thread, prepared, settings, background=background, checkpoint_seq=linked)
+        self._after_fold(thread, prepared, settings, background=background is not None, checkpoint_seq=linked)
         tokens_after = prepared.checkpoint.tokens_after
         if current is not None and current.total_tokens > prepared.tokens_before:
             tokens_after += current.total_tokens - prepared.tokens_before
@@ -1161,9 +1151,11 @@ class Compactor:
             degraded=summary is not None and summary.degraded,
             checkpoint_seq=checkpoint_seq,
             through_seq=prepared.through_seq,
-            background=background,
+            background=background is not None,
         )
-        kind = BackgroundSummaryApplied if background else FoldApplied
+        if background is not None:
+            background.result = result
+        kind = BackgroundSummaryApplied if background is not None else FoldApplied
         event = kind(
             thread=thread,
             reason=result.reason,
@@ -1182,6 +1174,29 @@ class Compactor:
         span.record(event)
         await self._emit(event)
         return result
+
+    async def _write_fold(self, prepared: _Prepared) -> int:
+        """Write the prepared fold; the checkpoint's seq. Raises ``ConflictError`` if the prefix changed."""
+        thread = prepared.thread
+        if self._store is not None:
+            record = await self._store.fold(
+                thread,
+                checkpoint=prepared.checkpoint,
+                through_seq=prepared.through_seq,
+                expected_version=prepared.version,
+                replacement=prepared.replacement,
+                tokens=prepared.tokens,
+            )
+            return record.seq
+        # Two stores: swap first, then record, so every checkpoint in the log was applied.
+        await self.short_term.replace_prefix(
+            thread,
+            through_seq=prepared.through_seq,
+            expected_version=prepared.version,
+            replacement=prepared.replacement,
+            tokens=prepared.tokens,
+        )
+        return (await self.episodic.record(thread, prepared.checkpoint)).seq
 
     def _after_fold(
         self,
@@ -1461,9 +1476,8 @@ class Compactor:
                         )
                         if isinstance(prepared, _Prepared):
                             # The lease is held until the fold is written, so no other worker
-                            # summarizes the same prefix meanwhile.
-                            with anyio.CancelScope(shield=True):
-                                job.result = await self._apply(prepared, settings, span=span, background=True)
+                            # summarizes the same prefix meanwhile; the write itself is shielded.
+                            await self._apply(prepared, settings, span=span, background=job)
                         else:
                             job.result = prepared
                     except Exception as exc:  # raised in the next step, where the caller can see it
@@ -1472,7 +1486,7 @@ class Compactor:
         finally:
             job.ended.set()
             job.done.set()
-            if not finished:
+            if not finished and job.result is None:
                 # Cancelled before its fold was written: the owner closed.
                 with anyio.CancelScope(shield=True):
                     await self._emit(
