@@ -557,6 +557,10 @@ async def test_read_only_commands_refuse_a_schema_without_a_store(
         ("host=db password='hunter 2' user=app", "host=db password=*** user=app"),
         ("postgresql://app@db:5432/agents", "postgresql://app@db:5432/agents"),
         ("sqlite:///runs/agent.db", "sqlite:///runs/agent.db"),
+        # libpq reads the user info up to the last '@': these are passwords, not a path or a query
+        ("postgresql://app:s3c#ret@db/agents", "postgresql://app:***@db/agents"),
+        ("postgresql://app:s3c/ret@db/agents", "postgresql://app:***@db/agents"),
+        ("postgresql://app:s3c?ret@db/agents", "postgresql://app:***@db/agents"),
     ],
 )  # fmt: skip
 def test_redact_url_masks_only_the_password(url: str, shown: str) -> None:

@@ -21,7 +21,6 @@ from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, unquote, urlsplit
 
 import anyio
 import click
@@ -44,6 +43,7 @@ from ._episodes import (
 from ._errors import ConfigError, ContextfoldError
 from ._loop import StepLoop
 from ._resource import AsyncResource
+from ._secrets import url_passwords
 from ._tokens import TiktokenCounter
 from .cli import open_store, redact_url
 from .stores._base import Store, StoredMessage
@@ -137,14 +137,8 @@ def _hidden(text: str, url: str | None) -> str:
 
 
 def _passwords(url: str) -> set[str]:
-    """The passwords a store URL carries, as written and decoded."""
-    try:
-        parts = urlsplit(url)
-        found = [parts.password or ""]
-    except ValueError:  # an unclosed "[" of an IPv6 host: no password to read
-        return set()
-    found += [value for key, value in parse_qsl(parts.query) if key.lower() == "password"]
-    return {text for secret in found for text in (secret, unquote(secret)) if len(text) >= _SHORTEST_SECRET}
+    """The passwords a store URL carries, as written and decoded, but those too short to look for."""
+    return {secret for secret in url_passwords(url) if len(secret) >= _SHORTEST_SECRET}
 
 
 def _cli_words(text: str) -> str:

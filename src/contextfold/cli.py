@@ -7,12 +7,12 @@ contextfold`` never imports either.
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ._errors import ConfigError
+from ._secrets import masked_url
 from .stores._base import Store
 
 __all__ = ["CLI_EXTRA_HINT", "main", "open_store", "redact_url"]
@@ -22,17 +22,12 @@ CLI_EXTRA_HINT = "the contextfold command needs its extra: pip install 'contextf
 _POSTGRES_SCHEMES = ("postgresql", "postgres")
 _URL_FORMS = "sqlite:///PATH, a file path, or postgresql://USER@HOST/DB"
 _DEFAULT_SCHEMA = "contextfold"  # PostgresStore's
-_MASK = "***"
-# The password of a URL's user info: up to the netloc's last "@", as urlsplit reads it.
-_URL_PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:/?#@]*):[^/?#]*@")
-# password=... in a URL's query or a key=value connection string, quoted or not.
-_PARAM_PASSWORD = re.compile(r"(?i)(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|[^&#\s]*)")
 _CONNECT_TIMEOUT_SECONDS = 10
 
 
 def redact_url(url: str) -> str:
     """``url`` with its password shown as ``***``, to print: ``postgresql://app:***@host/db``."""
-    return _PARAM_PASSWORD.sub(rf"\g<1>{_MASK}", _URL_PASSWORD.sub(rf"\g<1>:{_MASK}@", url))
+    return masked_url(url)
 
 
 def open_store(url: str, *, create: bool = True) -> Store:

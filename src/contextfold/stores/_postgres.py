@@ -46,7 +46,6 @@ from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any, Self, TypeVar
-from urllib.parse import unquote
 
 import anyio
 import psycopg
@@ -66,6 +65,7 @@ from .._messages import Message
 from .._pacing import wake
 from .._policy import EpisodicCompactionPressure
 from .._resource import AsyncResource
+from .._secrets import masked_url, url_passwords
 from .._threads import holding
 from ._base import ContextWindow, StoredMessage, ThreadInfo, ThreadState, ThreadStats, Tombstone
 from ._rows import (
@@ -356,43 +356,14 @@ def _where(dsn: str) -> str:
     port = str(params.get("port") or 5432)
     dbname = str(params.get("dbname") or params.get("user") or "")
     where = f"{host}:{port}/{dbname}"
-    for password in _passwords(dsn):  # a URL libpq split elsewhere than at its '@' (a '/' in the password)
+    for password in url_passwords(dsn):  # a URL libpq split elsewhere than at its '@' (a '/' in the password)
         where = where.replace(password, "***")
     return where
 
 
 _URL_SCHEME = re.compile(r"\s*([A-Za-z][A-Za-z0-9+.-]*)://")
-_PASSWORD_OPTION = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'?|[^\s&]*)", re.IGNORECASE)
-"""A ``password=`` option of a key=value DSN or a URL's query; an unclosed quote runs to the end."""
 _QUOTED = re.compile(r'"([^"]*)"')
 _ACCEPTED = "a postgresql:// (or postgres://) URL such as postgresql://user:password@host:5432/dbname"
-
-
-def _masked(dsn: str) -> str:
-    """``dsn`` with its password shown as ``***``, in the URL's user info and in any ``password=``."""
-    match = _URL_SCHEME.match(dsn)
-    if match is not None:
-        rest = dsn[match.end() :]
-        at = rest.rfind("@")  # libpq takes the user info up to an '@'; the last one masks the most
-        if at >= 0 and ":" in rest[:at]:
-            user = rest[:at].split(":", 1)[0]
-            dsn = f"{dsn[: match.end()]}{user}:***{rest[at:]}"
-    return _PASSWORD_OPTION.sub(r"\1***", dsn)
-
-
-def _passwords(dsn: str) -> list[str]:
-    """Every part of ``dsn`` that may be a password, as written, unquoted and percent-decoded."""
-    found: list[str] = []
-    match = _URL_SCHEME.match(dsn)
-    if match is not None:
-        rest = dsn[match.end() :]
-        at = rest.rfind("@")
-        if at >= 0 and ":" in rest[:at]:
-            found.append(rest[:at].split(":", 1)[1])
-    found += [option.group(2) for option in _PASSWORD_OPTION.finditer(dsn)]
-    found += [value.strip("'") for value in found]
-    found += [unquote(value) for value in found]
-    return [value for value in set(found) if value]
 
 
 def _scrubbed(dsn: str, error: psycopg.Error) -> str:
@@ -403,13 +374,13 @@ def _scrubbed(dsn: str, error: psycopg.Error) -> str:
     and one that is a piece of a password is shown as ``***``. A password
     still found anywhere after that drops psycopg's text altogether.
     """
-    passwords = _passwords(dsn)
+    passwords = url_passwords(dsn)
 
     def clean(quoted: re.Match[str]) -> str:
         part = quoted.group(1)
         if part and any(part in password for password in passwords):
             return '"***"'
-        part = _masked(part)
+        part = masked_url(part)
         for password in passwords:
             part = part.replace(password, "***")
         return f'"{part}"'
@@ -607,7 +578,7 @@ class PostgresStore(AsyncResource):
         try:
             check_text("dsn", dsn, example="postgresql://user@host:5432/dbname")
         except ConfigError as exc:  # its value would be the DSN, password and all
-            raise ConfigError("dsn", exc.reason, value=_masked(dsn)) from None
+            raise ConfigError("dsn", exc.reason, value=masked_url(dsn)) from None
         scheme = _URL_SCHEME.match(dsn)
         if scheme is not None and scheme.group(1) not in ("postgresql", "postgres"):  # libpq: lower case only
             name = scheme.group(1)
@@ -620,7 +591,7 @@ class PostgresStore(AsyncResource):
             raise ConfigError(
                 "dsn",
                 f"has the scheme {name!r}, which PostgreSQL does not read; use {_ACCEPTED}{hint}",
-                value=_masked(dsn),
+                value=masked_url(dsn),
             )
         try:
             given = conninfo_to_dict(dsn)
@@ -628,7 +599,7 @@ class PostgresStore(AsyncResource):
             raise ConfigError(
                 "dsn",
                 f"is not a valid PostgreSQL connection string ({_scrubbed(dsn, exc)}); use {_ACCEPTED}",
-                value=_masked(dsn),
+                value=masked_url(dsn),
             ) from None
         check_text("schema", schema, example="contextfold")
         if len(schema.encode()) > _IDENTIFIER_MAX_BYTES:
