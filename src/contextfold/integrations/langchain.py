@@ -30,8 +30,12 @@ under its id with ``update_state``, a run continued from an earlier checkpoint,
 a state emptied with ``RemoveMessage(REMOVE_ALL_MESSAGES)``. The working
 context takes the edit, and the log, which keeps every original, records the
 conversation withdrawn from the oldest edited message on and what stays of it
-again, so a replay gives the edited conversation. Without a checkpointer the
-state starts empty on every run, and the thread supplies the history.
+again, so a replay gives the edited conversation. A step whose state holds
+the messages the last step saw or handed back, unchanged, and new ones after
+them (every step of a run, and a run that continues one) made no edit: it
+reads nothing more from the store and converts only the new messages. Without
+a checkpointer the state starts empty on every run, and the thread supplies
+the history.
 """
 
 from __future__ import annotations
@@ -39,8 +43,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import operator
+import threading
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import anyio
@@ -66,7 +74,7 @@ from .._episodes import Usage
 from .._errors import ConfigError, SummarizerError
 from .._messages import TOOL_ERROR_METADATA_KEY, Message, Role, ToolCall
 from .._strategies import MASKED_METADATA_KEY
-from .._sync import KEY_METADATA_KEY, SUMMARY_KEY_PREFIX, message_key
+from .._sync import KEY_METADATA_KEY, SUMMARY_KEY_PREFIX, _off_loop, message_key
 from ..stores._base import StoredMessage
 from ..summarizers._base import Summary
 from ..summarizers._prompt import SYSTEM_PROMPT, render_messages, user_prompt
@@ -78,6 +86,7 @@ _LANGCHAIN_KEY = "langchain"
 _NS_SEP = "|"
 """What joins the parts of a LangGraph ``checkpoint_ns`` (``langgraph._internal._constants.NS_SEP``)."""
 _MODELLED = frozenset({"content", "id", "tool_calls", "tool_call_id", "type"})
+_REMEMBERED_THREADS = 1024
 _T = TypeVar("_T")
 
 
@@ -264,6 +273,46 @@ def _same(first: Message, second: Message) -> bool:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Last:
+    """The agent state's message list as the middleware last saw or handed it back, and as converted."""
+
+    messages: list[BaseMessage]
+    converted: list[Message]
+
+
+async def _extended(last: _Last | None, messages: Sequence[BaseMessage]) -> list[Message] | None:
+    """``messages`` converted when they are ``last``'s list with new ones at its end, else ``None``.
+
+    Such a state made no edit, so the step neither reads the working context
+    nor compares it with the state, and only the new messages are converted.
+    Within a run the state holds the very message objects of the previous step
+    (the identity check, linear but a pointer comparison each); a new run's
+    state, loaded from the checkpointer, holds equal copies, compared off the
+    event loop when there are many. A message an application changes in place,
+    without a state update, is not noticed.
+    """
+    if last is None or len(messages) < len(last.messages):
+        return None
+    held = len(last.messages)
+    prefix = messages[:held]
+    if not all(map(operator.is_, prefix, last.messages)) and not await _off_loop(
+        held, operator.eq, list(prefix), last.messages
+    ):
+        return None
+    return [*last.converted, *map(from_langchain, messages[held:])]
+
+
+def _converted(messages: Sequence[BaseMessage]) -> list[Message]:
+    return [from_langchain(message) for message in messages]
+
+
+def _hand_back(context: Sequence[Message]) -> tuple[list[BaseMessage], list[Message]]:
+    """The working context as the state's new messages, and those as the next step converts them."""
+    handed = [to_langchain(message) for message in context]
+    return handed, _converted(handed)
+
+
 def _run_blocking(fn: Callable[[], Awaitable[_T]]) -> _T:
     """Run ``fn`` to completion from synchronous code, in a worker thread if an event loop is running here."""
     try:
@@ -288,21 +337,45 @@ class CompactionMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
             raise ConfigError("compactor", "must be a contextfold.Compactor", value=compactor)
         self.compactor = compactor
         self.thread = thread
+        self._last: OrderedDict[str, _Last] = OrderedDict()
+        """Per thread, the list the last step saw or handed back: a state extending it made no edit."""
+        self._last_lock = threading.Lock()  # ``before_model`` runs each step in a loop of its own
 
     async def _update(
         self, run: _Run, messages: Sequence[BaseMessage], *, compact: bool = True
     ) -> dict[str, Any] | None:
         thread = run.thread
-        converted = [from_langchain(message) for message in messages]
         ids = [message.id for message in messages]
-        by_id = {id_: message for id_, message in zip(ids, converted, strict=True) if id_}
-        edit = _edit_of(await self.compactor.context(thread), by_id, persistent=run.persistent)
-        if edit is not None and (not edit.cleared or await _kept_earlier_runs(run)):
-            await self._follow(thread, edit)
+        last = self._forget(thread)  # remembered again once this step is through, not if it fails
+        converted = await _extended(last, messages)
+        if converted is None:
+            converted = await _off_loop(len(messages), _converted, messages)
+            await self._check_edit(run, ids, converted)
         context = await self.compactor.sync(thread, converted, ids=ids, compact=compact)
         if context is None or not compact:
+            self._remember(thread, _Last(list(messages), converted))
             return None
-        return {"messages": [RemoveMessage(id=REMOVE_ALL_MESSAGES), *map(to_langchain, context)]}
+        handed, handed_converted = await _off_loop(len(context), _hand_back, context)
+        self._remember(thread, _Last(handed, handed_converted))
+        return {"messages": [RemoveMessage(id=REMOVE_ALL_MESSAGES), *handed]}
+
+    async def _check_edit(self, run: _Run, ids: Sequence[str | None], converted: Sequence[Message]) -> None:
+        """Find the edit the state made to the working context (a read, a full comparison); follow it."""
+        by_id = {id_: message for id_, message in zip(ids, converted, strict=True) if id_}
+        context = await self.compactor.context(run.thread)
+        edit = await _off_loop(len(context), partial(_edit_of, persistent=run.persistent), context, by_id)
+        if edit is not None and (not edit.cleared or await _kept_earlier_runs(run)):
+            await self._follow(run.thread, edit)
+
+    def _forget(self, thread: str) -> _Last | None:
+        with self._last_lock:
+            return self._last.pop(thread, None)
+
+    def _remember(self, thread: str, seen: _Last) -> None:
+        with self._last_lock:
+            self._last[thread] = seen
+            while len(self._last) > _REMEMBERED_THREADS:
+                self._last.popitem(last=False)
 
     async def _follow(self, thread: str, edit: _Edit) -> None:
         """Make the working context and the log follow ``edit``; the log keeps every original.
