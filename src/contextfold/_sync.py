@@ -43,7 +43,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 
@@ -122,6 +122,19 @@ class _Seen:
         del self.keys[keep:], self.hashes[keep:], self.marks[keep:]
 
 
+class _Reading(Protocol):
+    """What ``_catch_up`` brings up to date: ``_Seen``, or an adapter's own reading of a thread's log."""
+
+    next_seq: int
+
+    @property
+    def keys(self) -> Sequence[str | None]: ...
+
+    def add(self, message: Message) -> None: ...
+
+    def retract(self, count: int) -> None: ...
+
+
 def _by_content(key: str) -> bool:
     """Whether a key is one ``sync`` made (``c:``, for a message that came without an id)."""
     return key.startswith("c:")
@@ -134,7 +147,7 @@ def _seen(compactor: Compactor, thread: str) -> _Seen:
     return _SEEN.setdefault(compactor, {}).setdefault(thread, _Seen())
 
 
-async def _catch_up(compactor: Compactor, thread: str, seen: _Seen) -> None:
+async def _catch_up(compactor: Compactor, thread: str, seen: _Reading) -> None:
     """Read the episodes recorded since the last read (all of them on first sight of the thread)."""
     records = [record async for record in compactor.episodic.replay(thread, from_seq=seen.next_seq)]
     if records:
@@ -142,7 +155,7 @@ async def _catch_up(compactor: Compactor, thread: str, seen: _Seen) -> None:
         await _off_loop(len(records), _apply, seen, records)
 
 
-def _apply(seen: _Seen, records: Sequence[EpisodeRecord]) -> None:
+def _apply(seen: _Reading, records: Sequence[EpisodeRecord]) -> None:
     for record in records:
         episode = record.episode
         if isinstance(episode, UserMessageEpisode | SystemMessageEpisode | ToolResultEpisode):

@@ -43,8 +43,9 @@ import difflib
 import json
 import re
 import threading
-import uuid
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,20 +58,12 @@ from pydantic_ai.messages import (
 from pydantic_ai.models import ModelRequestContext
 from pydantic_ai.tools import RunContext
 
-from .._compactor import SUMMARY_PREFIX, TRUNCATED_METADATA_KEY, Compactor
-from .._episodes import (
-    EpisodeRecord,
-    HistoryClearedEpisode,
-    LlmCallEpisode,
-    MessagesRetractedEpisode,
-    SystemMessageEpisode,
-    ToolResultEpisode,
-    UserMessageEpisode,
-    episode_for,
-)
+from .._compactor import _CACHED_THREADS, SUMMARY_PREFIX, TRUNCATED_METADATA_KEY, Compactor
+from .._episodes import episode_for
 from .._errors import ConfigError
 from .._messages import SUMMARY_METADATA_KEY, TOOL_ERROR_METADATA_KEY, Message, Role, ToolCall
-from .._sync import KEY_METADATA_KEY, content_hash, message_key
+from .._sync import _catch_up, _off_loop, _overlap, _same_content, _with_key, content_hash, message_key
+from .._threads import holding
 from ..stores._base import Store, StoredMessage
 from ._edits import record_edit, replace_context, said
 
@@ -249,6 +242,11 @@ def _the_runs_own(rewritten: list[ModelMessage], given: Sequence[ModelMessage]) 
     return [own.get(_parts_of(message), message) for message in rewritten]
 
 
+def _rewritten(context: Sequence[Message], given: Sequence[ModelMessage]) -> list[ModelMessage]:
+    """A run's messages as ``context``, each the run gave the capability as its own object."""
+    return _the_runs_own(to_pydantic_ai(context), given)
+
+
 def _parts_of(message: ModelMessage) -> str:
     data = _dump(message)
     return json.dumps([data.get("kind"), data.get("parts")], sort_keys=True)
@@ -294,22 +292,12 @@ def _as_prompt_record(message: Message) -> Message:
     return _with_key(message.model_copy(update={"metadata": {**message.metadata, _KEY: record}}), None)
 
 
-def _overlap(head: Sequence[str], tail: Sequence[str]) -> int:
-    """The length of the longest prefix of ``head`` that is a suffix of ``tail`` (KMP, linear)."""
-    joined: list[str | None] = [*head, None, *tail[-len(head) :]] if head else []
-    border = [0] * len(joined)
-    for i in range(1, len(joined)):
-        k = border[i - 1]
-        while k and joined[i] != joined[k]:
-            k = border[k - 1]
-        border[i] = k + 1 if joined[i] == joined[k] else k
-    return border[-1] if joined else 0
-
-
-def _same(first: Sequence[Message], second: Sequence[Message]) -> bool:
-    return len(first) == len(second) and all(
-        content_hash(a) == content_hash(b) for a, b in zip(first, second, strict=True)
-    )
+async def _same(first: Sequence[Message], second: Sequence[Message]) -> bool:
+    """Whether the two lists hold what a model sees alike; a message both hold is not hashed."""
+    if len(first) != len(second):
+        return False
+    pairs = [(a, b) for a, b in zip(first, second, strict=True) if a is not b]
+    return await _off_loop(len(pairs), _same_content, [a for a, _ in pairs], [b for _, b in pairs])
 
 
 def _compared(message: Message) -> bool:
@@ -355,12 +343,6 @@ def _occurs(needle: list[str], haystack: list[str]) -> bool:
     return ",".join(needle) in ",".join(haystack)
 
 
-def _with_key(message: Message, id_: str | None) -> Message:
-    """``message`` as recorded: known by its framework id, else by a new key (as ``sync`` keys it)."""
-    key = id_ or f"c:{uuid.uuid4().hex}"
-    return message.model_copy(update={"metadata": {**message.metadata, KEY_METADATA_KEY: key}})
-
-
 @dataclass(frozen=True, slots=True)
 class _Edit:
     """What the application's history changed of the log's conversation, by position in it."""
@@ -388,7 +370,10 @@ class _Edit:
 
 @dataclass(slots=True)
 class _Log:
-    """What a thread's log says, as far as the capability read it: each message's digest and key."""
+    """What a thread's log says, as far as the capability read it: each message's digest and key.
+
+    ``_sync._catch_up`` brings it up to date, with ``lock`` held (``CompactionCapability._reading``).
+    """
 
     next_seq: int = 0
     digests: list[str] = field(default_factory=list)
@@ -399,6 +384,7 @@ class _Log:
     prompts: dict[int, Message] = field(default_factory=dict)
     """Each system prompt the conversation stood under (see ``_prompts``), by position."""
     lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held while the log is read or brought up to date, from any event loop (see ``holding``)."""
 
     @classmethod
     def of(cls, said: Sequence[Message]) -> _Log:
@@ -417,15 +403,18 @@ class _Log:
         text = message.text if message.role is Role.TOOL else None
         self.ends.append((text[:_ENDS], text[-_ENDS:]) if text is not None else None)
 
+    def retract(self, count: int) -> None:
+        keep = max(0, len(self.keys) - count)
+        del self.digests[keep:], self.keys[keep:], self.compared[keep:], self.ends[keep:]
+        self.prompts = {n: prompt for n, prompt in self.prompts.items() if n < keep}
+
     def prompt(self) -> list[Message]:
         """The system prompt the conversation stands under now: the newest run of recorded ones."""
-        out: list[Message] = []
-        for n in range(len(self.digests) - 1, -1, -1):
-            if n in self.prompts:
-                out.append(self.prompts[n])
-            elif out:
-                break
-        return out[::-1]
+        positions = sorted(self.prompts)
+        first = len(positions)
+        while first and (first == len(positions) or positions[first - 1] == positions[first] - 1):
+            first -= 1
+        return [self.prompts[n] for n in positions[first:]]
 
     def placed(
         self, messages: Sequence[Message], ids: Sequence[str | None]
@@ -467,24 +456,6 @@ class _Log:
                 out.append(messages[index])
                 keys.append(ids[index])
         return out, keys
-
-    def apply(self, records: Sequence[EpisodeRecord]) -> None:
-        """Take the records not taken yet, as ``conversation`` reads them."""
-        with self.lock:
-            for record in records:
-                if record.seq < self.next_seq:
-                    continue
-                self.next_seq = record.seq + 1
-                episode = record.episode
-                if isinstance(episode, UserMessageEpisode | SystemMessageEpisode | ToolResultEpisode):
-                    self.add(episode.message)
-                elif isinstance(episode, LlmCallEpisode):
-                    self.add(episode.reply)
-                elif isinstance(episode, MessagesRetractedEpisode | HistoryClearedEpisode):
-                    keep = 0 if isinstance(episode, HistoryClearedEpisode) else len(self.keys) - episode.count
-                    keep = max(0, keep)
-                    del self.digests[keep:], self.keys[keep:], self.compared[keep:], self.ends[keep:]
-                    self.prompts = {n: prompt for n, prompt in self.prompts.items() if n < keep}
 
     def held(self, given: Sequence[Message], ids: Sequence[str | None]) -> tuple[list[int], list[str]]:
         """The messages of ``given`` an edit counts for, and their digests.
@@ -601,7 +572,10 @@ class CompactionCapability(AbstractCapability[Any]):
 
     compactor: Compactor
     thread: str | None = None
-    _logs: dict[str, _Log] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _logs: OrderedDict[str, _Log] = field(default_factory=OrderedDict, init=False, repr=False, compare=False)
+    """What each thread's log says, for the threads used last (as many as the compactor caches)."""
+    _runs: OrderedDict[str, None] = field(default_factory=OrderedDict, init=False, repr=False, compare=False)
+    """The runs (the latest ones) whose given history ``_follow`` took: their later requests do not."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.compactor, Compactor):
@@ -621,21 +595,54 @@ class CompactionCapability(AbstractCapability[Any]):
             )
         return thread
 
-    async def _log(self, thread: str) -> _Log:
-        """What ``thread``'s log says, brought up to date (only the episodes added since are read)."""
-        log = self._logs.setdefault(thread, _Log())
-        log.apply([record async for record in self.compactor.episodic.replay(thread, from_seq=log.next_seq)])
-        return log
+    @asynccontextmanager
+    async def _reading(self, thread: str) -> AsyncIterator[_Log]:
+        """What ``thread``'s log says, brought up to date (only the episodes added since are read), held.
+
+        A thread met first reads its whole log, in a worker thread when it is long.
+        """
+        logs = self._logs
+        log = logs.get(thread)
+        if log is None:
+            log = logs[thread] = _Log()
+            while len(logs) > _CACHED_THREADS:
+                logs.popitem(last=False)
+        else:
+            logs.move_to_end(thread)
+        async with holding(log.lock):
+            await _catch_up(self.compactor, thread, log)
+            yield log
+
+    def _first_request(self, ctx: RunContext[Any]) -> bool:
+        """Whether no model request of ``ctx``'s run went past ``_follow`` yet (see ``_followed``)."""
+        run = ctx.run_id
+        if run is None:
+            return False
+        if run in self._runs:
+            self._runs.move_to_end(run)
+            return False
+        return True
+
+    def _followed(self, run: str) -> None:
+        runs = self._runs
+        runs[run] = None
+        while len(runs) > _CACHED_THREADS:
+            runs.popitem(last=False)
 
     async def _follow(self, thread: str, messages: list[Message], ids: list[str | None]) -> None:
         """Make the working context and the log follow an edit ``messages`` made, if they made one."""
         compactor = self.compactor
         context = await compactor.context(thread)
-        folded = any(map(_is_summary, context)) and not any(map(_is_summary, messages))
-        if _unedited(context, messages, ids, await self._log(thread) if folded else None):
+        size = len(context) + len(messages)
+        if any(map(_is_summary, context)) and not any(map(_is_summary, messages)):
+            async with self._reading(thread) as log:
+                unedited = await _off_loop(size, _unedited, context, messages, ids, log)
+        else:
+            unedited = await _off_loop(size, _unedited, context, messages, ids, None)
+        if unedited:
             return
         conversation = await said(compactor, thread)
-        edit = _edit_of(conversation, context, messages, ids) if conversation else None
+        edit = await _off_loop(size, _edit_of, conversation, context, messages, ids) if conversation else None
         if edit is None:
             return
         edited = edit.conversation(conversation)
@@ -669,23 +676,24 @@ class CompactionCapability(AbstractCapability[Any]):
         again = [message for message, _ in edited[first:]]
         await record_edit(compactor, thread, said=len(conversation), first=first, again=again)
 
-    async def _stand(self, thread: str, prompt: list[Message]) -> None:
+    async def _stand(self, thread: str, log: _Log, prompt: list[Message]) -> None:
         """Make ``prompt``, the system prompt a run's messages open with, the one the thread stands under.
 
         A prompt that changed (a ``dynamic`` one rendered anew, an agent
         rebuilt with another) is recorded in the log where it took effect, and
         takes the place of the old one at the head of the working context; the
-        conversation itself is neither withdrawn nor recorded again.
+        conversation itself is neither withdrawn nor recorded again. ``log``
+        (held) is brought up to date with it.
         """
         if not prompt:
             return  # a run of an agent without a system prompt goes on under the thread's
         compactor = self.compactor
-        log = await self._log(thread)
         current = log.prompt()
-        if not _same(current, prompt):
+        if not _same_content(current, prompt):
             current = [_as_prompt_record(message) for message in prompt]
             if not log.digests:
                 await compactor.append(thread, current)  # the thread opens with it
+                await _catch_up(compactor, thread, log)
                 return
             episodes = [episode_for(message) for message in current]
             store = compactor.episodic
@@ -694,7 +702,8 @@ class CompactionCapability(AbstractCapability[Any]):
             else:
                 for episode in episodes:
                     await store.record(thread, episode)
-        if not _same((context := await compactor.context(thread))[: _opening(context)], prompt):
+            await _catch_up(compactor, thread, log)
+        if not _same_content((context := await compactor.context(thread))[: _opening(context)], prompt):
 
             def rebuild(window: Sequence[StoredMessage]) -> list[tuple[Message, int | None]]:
                 rest = window[_opening([stored.message for stored in window]) :]
@@ -710,27 +719,33 @@ class CompactionCapability(AbstractCapability[Any]):
         """``sync`` the run's messages; the working context when it is not what they hold, else ``None``.
 
         The system prompt the messages open with is left out (``_stand`` keeps
-        it), and the prompts the log holds among their turns are put back, so
-        a changed prompt makes no turn new.
+        it, before a request), and the prompts the log holds among their turns
+        are put back, so a changed prompt makes no turn new.
         """
         head = _opening(messages)
-        listed, keys = (await self._log(thread)).placed(messages[head:], ids[head:])
+        async with self._reading(thread) as log:
+            if compact:
+                await self._stand(thread, log, messages[:head])
+            listed, keys = await _off_loop(len(messages) - head, log.placed, messages[head:], ids[head:])
         context = await self.compactor.sync(thread, listed, ids=keys, compact=compact)
         context = listed if context is None else context
-        return None if _same(context, messages) else context
+        return None if await _same(context, messages) else context
 
     async def before_model_request(
         self, ctx: RunContext[Any], request_context: ModelRequestContext
     ) -> ModelRequestContext:
         thread = self._thread(ctx)
-        messages, ids = from_pydantic_ai(request_context.messages)
-        if ctx.run_id is not None and any(m.run_id != ctx.run_id for m in request_context.messages):
-            # The run was given a history (a run given none is given the thread's): follow its edits.
-            await self._follow(thread, messages, ids)
-        await self._stand(thread, messages[: _opening(messages)])
+        given = list(request_context.messages)
+        messages, ids = await _off_loop(len(given), from_pydantic_ai, given)
+        if ctx.run_id is not None and self._first_request(ctx):
+            if any(m.run_id != ctx.run_id for m in given):
+                # The run was given a history (a run given none is given the thread's): follow its edits.
+                # Only at the run's first request: the later ones add the run's own messages, no edit.
+                await self._follow(thread, messages, ids)
+            self._followed(ctx.run_id)
         context = await self._sync(thread, messages, ids, compact=True)
         if context is not None:
-            rewritten = _the_runs_own(to_pydantic_ai(context), request_context.messages)
+            rewritten = await _off_loop(len(context) + len(given), _rewritten, context, given)
             request_context.messages = list(rewritten)
             ctx.messages[:] = rewritten
         return request_context
@@ -740,6 +755,7 @@ class CompactionCapability(AbstractCapability[Any]):
     ) -> ModelResponse:
         # The run's messages, not the request's: the model's rendering of a system prompt in mid-conversation
         # (as a ``<system>`` user prompt, say) is not a new message.
-        messages, ids = from_pydantic_ai([*ctx.messages, response])
+        given = [*ctx.messages, response]
+        messages, ids = await _off_loop(len(given), from_pydantic_ai, given)
         await self._sync(self._thread(ctx), messages, ids, compact=False)
         return response
