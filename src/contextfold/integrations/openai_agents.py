@@ -15,7 +15,11 @@ nothing of it is recorded: a handoff's ``input_filter`` or
 ``nest_handoff_history`` rewrote it, a ``session_input_callback`` or
 ``SessionSettings(limit=...)`` trimmed it, or it is a sub-agent's
 (``Agent.as_tool`` runs with its parent's ``RunConfig``). The SDK passes
-``add_items`` what such a run adds, and the session folds there.
+``add_items`` what such a run adds, and the session folds there. A model
+input that is the run's last one, or the session's items, item for item with
+new items at its end (holding what ``add_items`` was given since) is the
+run's own: such a call hashes and converts only its new items, and the rest
+is compared for equality, off the event loop when long.
 ``pop_item`` and ``clear_session`` are recorded in the log
 (``MessagesRetractedEpisode``, ``HistoryClearedEpisode``), so replaying the
 log with ``contextfold.conversation()`` gives back exactly the session.
@@ -31,6 +35,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 from agents import TResponseInputItem
@@ -41,7 +46,7 @@ from .._compactor import TRUNCATED_METADATA_KEY, Compactor
 from .._episodes import Episode, HistoryClearedEpisode, MessagesRetractedEpisode, episode_for
 from .._errors import ConfigError
 from .._messages import Message, Role, ToolCall
-from .._sync import append, content_hash, sync
+from .._sync import _off_loop, append, content_hash, sync
 
 __all__ = ["CompactingSession", "from_items", "to_items"]
 
@@ -109,23 +114,60 @@ def _assistant(group: list[dict[str, Any]]) -> tuple[Message, str | None]:
 
 def from_items(items: Sequence[Any]) -> tuple[list[Message], list[str | None]]:
     """Responses-API items as contextfold messages, and the id each is known by (``None``: by content)."""
+    converted = _convert(items)
+    return converted.messages, converted.ids
+
+
+@dataclass(frozen=True, slots=True)
+class _Converted:
+    """Items as messages, the id each is known by, and where the last message's items start."""
+
+    messages: list[Message]
+    ids: list[str | None]
+    last: int | None
+    """The index of the last message's first item (0 when there is none): a group may go on from there.
+
+    ``None`` when the last message is the session's own, standing for items of the input.
+    """
+
+    def extended(self, items: Sequence[Any]) -> _Converted | None:
+        """The conversion of ``items``, which go on from the items converted: only the new ones read."""
+        if self.last is None:
+            return None
+        more = _convert(items[self.last :])
+        keep = len(self.messages) - 1 if self.messages else 0
+        return _Converted(
+            [*self.messages[:keep], *more.messages],
+            [*self.ids[:keep], *more.ids],
+            self.last + (more.last or 0),
+        )
+
+
+def _convert(items: Sequence[Any]) -> _Converted:
     messages: list[Message] = []
     ids: list[str | None] = []
     group: list[dict[str, Any]] = []
+    first = 0  # of the group
+    last = 0
 
     def flush() -> None:
+        nonlocal last
         if group:
             message, key = _assistant(list(group))
             messages.append(message)
             ids.append(key)
+            last = first
             group.clear()
 
-    for raw in items:
+    for index, raw in enumerate(items):
         item = _plain(raw)
         if _is_model_output(item):
+            if not group:
+                first = index
             group.append(item)
             continue
         flush()
+        last = index
         metadata = {_ITEMS_KEY: [item]}
         if _is_output(item) and item.get("call_id"):
             output = item.get("output", "")
@@ -145,7 +187,7 @@ def from_items(items: Sequence[Any]) -> tuple[list[Message], list[str | None]]:
             )
             ids.append(None)
     flush()
-    return messages, ids
+    return _Converted(messages, ids, last)
 
 
 def _fresh(message: Message) -> list[dict[str, Any]]:
@@ -190,21 +232,32 @@ class CompactingSession:
         self.compactor = compactor
         self._filter_recorded: list[str] = []
         """Content hashes of what ``model_input_filter`` recorded, in order, until ``add_items`` comes."""
-        self._start: list[str] | None = None
-        """The items ``get_items`` last gave whole (see ``_marks``), until a model input starts with them."""
-        self._sent: list[str] | None = None
+        self._start: list[Any] | None = None
+        """The items ``get_items`` last gave whole, until a model input starts with them."""
+        self._start_context: list[Message] = []
+        """The working context those items are of: it stands for them in the input synced."""
+        self._start_marks: list[str] | None = None
+        """The marks of ``_start`` (see ``_marks``), once a model input had to be compared by them."""
+        self._sent: list[Any] | None = None
         """The run's own list at its last model call: the next call's input starts with it."""
+        self._sent_marks: list[str] | None = None
+        """The marks of ``_sent``, when known."""
+        self._held: Counter[str] = Counter()
+        """Marks known to be among ``_sent``'s: at least those of every item a call of the run added."""
+        self._converted: _Converted | None = None
+        """``_sent`` as it was synced, so the next call converts only what it adds."""
         self._added: Counter[str] = Counter()
         """What ``add_items`` was given since the last model call or read: the next input holds it."""
 
     async def get_items(self, limit: int | None = None) -> list[TResponseInputItem]:
         """The working context as items: the newest ``limit`` of them when given (a negative one: all)."""
-        items = to_items(await self.compactor.context(self.session_id))
+        context = await self.compactor.context(self.session_id)
+        items = to_items(context)
         # A run's first model input starts with the items whole, less the calls no output answers (the
         # SDK sends none). Cut by a ``limit``, they are a trimmed list, left as the SDK sends it; the SDK
         # also reads the newest few to check its own writes in the middle of a run.
         if limit is None or limit < 0 or limit >= len(items):
-            self._start = _marks(_answered(items))
+            self._start, self._start_context, self._start_marks = list(_answered(items)), list(context), None
         self._added.clear()
         if limit is None or limit < 0:  # as the SDK's SQLiteSession, whose SQL LIMIT -1 means none
             return items
@@ -288,33 +341,100 @@ class CompactingSession:
         since, is sent as it is and nothing of it is recorded. Laid against the
         log, such a list would be recorded again as new, and the context sent
         in its place would undo what rewrote or trimmed it.
+
+        The run's own input is the last one, or the session's items, with new
+        items at its end: found so, a call reads and converts only those.
         """
         given = list(data.model_data.input)
+        converted: _Converted | None = None
         if self._start is not None or self._sent is not None:
-            marks = _marks(given)
-            if not self._is_own(marks):
+            base = await self._goes_on(given)
+            if base is None and not await self._is_own(given):
                 return data.model_data
-            self._start, self._sent = None, marks
+            if base is self._sent and self._converted is not None:
+                converted = self._converted.extended(given)
+            elif base is not None and base is self._start:
+                converted = self._standing(given, base)
+            self._start, self._start_context, self._sent = None, [], given
             self._added.clear()
-        messages, ids = await self._input(given)
+        if converted is None:
+            converted = await self._input(given)
+        self._converted = converted
         recorded: list[Message] = []
-        context = await sync(self.compactor, self.session_id, messages, ids=ids, recorded=recorded)
+        context = await sync(
+            self.compactor, self.session_id, converted.messages, ids=converted.ids, recorded=recorded
+        )
         self._filter_recorded += [content_hash(message) for message in recorded]
         if context is None:
             return data.model_data
         return ModelInputData(input=_answered(to_items(context)), instructions=data.model_data.instructions)
 
-    def _is_own(self, marks: list[str]) -> bool:
+    async def _goes_on(self, given: list[Any]) -> list[Any] | None:
+        """The list (``_sent`` or ``_start``) ``given`` is, item for item, with new items after it.
+
+        Such an input is the run's own when the new items, with those the run
+        added before, hold every item ``add_items`` was given since: only the
+        new items are read. ``None`` when that does not settle it.
+        """
+        for base in (self._sent, self._start):
+            if base is None or len(base) > len(given):
+                continue
+            if not await _off_loop(len(base), _copies, given[: len(base)], base):
+                continue
+            new = _marks(given[len(base) :])
+            held = Counter(new)
+            if base is self._sent:
+                held.update({mark: self._held[mark] for mark in self._added})
+            if self._added - held:
+                continue
+            known = self._sent_marks if base is self._sent else self._start_marks
+            self._sent_marks = None if known is None else [*known, *new]
+            if base is self._sent:
+                self._held.update(new)
+            else:
+                self._held = Counter(new)
+            return base
+        return None
+
+    async def _is_own(self, given: list[Any]) -> bool:
         """Whether a model input is the run's own list: it goes on from the last or the session's items.
 
-        It also holds every item ``add_items`` was given since (a streamed run saves its input after
-        the first model call): a handoff filter that drops the newest of them rewrote it.
+        Compared item by item as the model sees them. It also holds every item ``add_items`` was
+        given since (a streamed run saves its input after the first model call): a handoff filter
+        that drops the newest of them rewrote it.
         """
-        if not (_extends(marks, self._sent) or _extends(marks, self._start)):
+        marks = await _off_loop(len(given), _marks, given)
+        extends = False
+        if self._sent is not None and len(self._sent) <= len(marks):
+            if self._sent_marks is None:
+                self._sent_marks = await _off_loop(len(self._sent), _marks, self._sent)
+            extends = _extends(marks, self._sent_marks)
+        if not extends and self._start is not None and len(self._start) <= len(marks):
+            if self._start_marks is None:
+                self._start_marks = await _off_loop(len(self._start), _marks, self._start)
+            extends = _extends(marks, self._start_marks)
+        if not extends or self._added - Counter(marks):
             return False
-        return not self._added - Counter(marks)
+        self._sent_marks, self._held = marks, Counter(marks)
+        return True
 
-    async def _input(self, given: list[TResponseInputItem]) -> tuple[list[Message], list[str | None]]:
+    def _standing(self, given: list[Any], start: list[Any]) -> _Converted | None:
+        """The input as the session's messages, for the items ``get_items`` gave, then the new items.
+
+        The session's own messages stand for its items: the input holds them less the calls no
+        output answers, so read item by item it is not the log's end. ``None`` when the new items
+        open with model output, which would go on from the last of those messages.
+        """
+        new_items = given[len(start) :]
+        if not new_items or _is_model_output(_plain(new_items[0])):
+            return None
+        new = _convert(new_items)
+        context = self._start_context
+        return _Converted(
+            [*context, *new.messages], [*(None for _ in context), *new.ids], len(start) + (new.last or 0)
+        )
+
+    async def _input(self, given: list[TResponseInputItem]) -> _Converted:
         """The model input as messages to sync, and their ids.
 
         The SDK builds the input from ``get_items`` without the calls no output
@@ -329,15 +449,28 @@ class CompactingSession:
             items = to_items(context)
             held = _answered(items)
             if len(held) < len(items) and [_plain(item) for item in given[: len(held)]] == held:
-                new, new_ids = from_items(given[len(held) :])
-                return [*context, *new], [None] * len(context) + new_ids
-        return from_items(given)
+                new = _convert(given[len(held) :])
+                last = len(held) + (new.last or 0) if new.messages else None
+                return _Converted([*context, *new.messages], [*(None for _ in context), *new.ids], last)
+        return await _off_loop(len(given), _convert, given)
 
 
 def _marks(items: Sequence[Any]) -> list[str]:
     """Each item as the model sees it (ids and metadata left out), to tell whether a list extends another."""
     plain = [_plain(item) for item in items]
     return [f"{_kind(item)}:{content_hash(from_items([item])[0][0])}" for item in plain]
+
+
+def _copies(items: Sequence[Any], kept: Sequence[Any]) -> bool:
+    """Whether ``items`` are equal to ``kept``, each a copy of its own.
+
+    The SDK builds every model input afresh. An item that is one of ``kept``
+    itself may have been changed in place since it was kept (by a handoff's
+    ``input_filter``, say), so it proves nothing.
+    """
+    return len(items) == len(kept) and all(
+        item is not held and item == held for item, held in zip(items, kept, strict=True)
+    )
 
 
 def _extends(marks: list[str], start: list[str] | None) -> bool:
