@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,8 @@ from contextfold import (
     conversation,
 )
 from contextfold._messages import from_anthropic, from_openai
-from contextfold.episodes import SummaryCheckpoint
+from contextfold.episodes import EpisodeRecord, SummaryCheckpoint
+from contextfold.stores import ContextWindow, MemoryStore
 from contextfold.tokens import ApproximateCounter
 
 TURNS = 40
@@ -293,3 +295,23 @@ def _anthropic_stream(reply: Message, usage: tuple[int, int]) -> Iterator[str]:
     )
     events.append(("message_stop", {"type": "message_stop"}))
     return _sse(events)
+
+
+class CountingStore(MemoryStore):
+    """The memory store, counting its reads of the working context and of the log."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: Counter[str] = Counter()
+
+    async def tail(self, thread: str, *, after_seq: int) -> ContextWindow:
+        self.reads["tail"] += 1
+        return await super().tail(thread, after_seq=after_seq)
+
+    async def load(self, thread: str, *, max_tokens: int | None = None) -> ContextWindow:
+        self.reads["load"] += 1
+        return await super().load(thread, max_tokens=max_tokens)
+
+    def replay(self, thread: str, *, from_seq: int = 0) -> AsyncIterator[EpisodeRecord]:
+        self.reads["replay"] += 1
+        return super().replay(thread, from_seq=from_seq)

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from contextfold import Compactor, Message, RunOptions, SummarizeOptions
-from contextfold.episodes import EpisodeRecord
-from contextfold.stores import ContextWindow, MemoryStore
+
+from .scenario import CountingStore
 
 pytest.importorskip("langchain")
 
@@ -26,26 +25,6 @@ from contextfold.integrations.langchain import CompactionMiddleware
 NEVER_FOLDS = RunOptions(compaction=SummarizeOptions(trigger_token_budget=100_000))
 CONFIG: Any = {"configurable": {"thread_id": "t"}}
 TURNS = 30
-
-
-class CountingStore(MemoryStore):
-    """The memory store, counting its reads of the working context and of the log."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads: Counter[str] = Counter()
-
-    async def tail(self, thread: str, *, after_seq: int) -> ContextWindow:
-        self.reads["tail"] += 1
-        return await super().tail(thread, after_seq=after_seq)
-
-    async def load(self, thread: str, *, max_tokens: int | None = None) -> ContextWindow:
-        self.reads["load"] += 1
-        return await super().load(thread, max_tokens=max_tokens)
-
-    def replay(self, thread: str, *, from_seq: int = 0) -> AsyncIterator[EpisodeRecord]:
-        self.reads["replay"] += 1
-        return super().replay(thread, from_seq=from_seq)
 
 
 class Echo(GenericFakeChatModel):

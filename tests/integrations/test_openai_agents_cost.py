@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from pytest_httpserver import HTTPServer
 
 from contextfold import Compactor, Message, RunOptions, SummarizeOptions
-from contextfold.episodes import EpisodeRecord
-from contextfold.stores import ContextWindow, MemoryStore
 
-from .scenario import FakeProvider, agent, question
+from .scenario import CountingStore, FakeProvider, agent, question
 
 pytest.importorskip("agents")
 
@@ -27,26 +24,6 @@ from .test_openai_agents import make_agent, researcher
 
 NEVER_FOLDS = RunOptions(compaction=SummarizeOptions(trigger_token_budget=100_000))
 TURNS = 16
-
-
-class CountingStore(MemoryStore):
-    """The memory store, counting its reads of the working context and of the log."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads: Counter[str] = Counter()
-
-    async def tail(self, thread: str, *, after_seq: int) -> ContextWindow:
-        self.reads["tail"] += 1
-        return await super().tail(thread, after_seq=after_seq)
-
-    async def load(self, thread: str, *, max_tokens: int | None = None) -> ContextWindow:
-        self.reads["load"] += 1
-        return await super().load(thread, max_tokens=max_tokens)
-
-    def replay(self, thread: str, *, from_seq: int = 0) -> AsyncIterator[EpisodeRecord]:
-        self.reads["replay"] += 1
-        return super().replay(thread, from_seq=from_seq)
 
 
 class Counted(CompactingSession):
