@@ -438,32 +438,44 @@ async def test_the_hard_trigger_on_another_threads_loop_waits_for_the_background
 async def test_a_step_appending_while_the_background_fold_reads_the_context_is_not_cached_twice(
     store: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The step's reply lands while the background task reads the rows after its cache: sent once.
+    """The step's reply lands while the background task reads the thread under its lease: sent once.
 
     Both bring the one cached context up to date: the step's ``append`` adds
     its rows, and the background read (begun before them) may return them too.
-    Before, the step's reply reached ``context()`` twice and stayed so.
+    Before, the background read the rows after its cache, and the step's reply
+    reached ``context()`` twice and stayed so. Whichever read the background
+    makes first under the lease (stats or tail) is held until the step appended.
     """
-    lock, tail = store.compaction_lock, store.tail
+    lock, tail, stats = store.compaction_lock, store.tail, store.stats
     may_fold, reading, read = anyio.Event(), anyio.Event(), anyio.Event()
     armed = False
 
     @asynccontextmanager
     async def gated_lock(thread: str) -> AsyncIterator[Any]:
+        nonlocal armed
         await may_fold.wait()  # the background task begins once the step has read its context
         async with lock(thread) as held:
+            armed = True
             yield held
 
-    async def slow_tail(thread: str, *, after_seq: int) -> Any:
+    async def held_back() -> None:
         nonlocal armed
-        if armed:  # the background task's read of the rows after its cache takes a while
+        if armed:  # the background task's first read under the lease takes a while
             armed = False
             reading.set()
             await read.wait()
+
+    async def slow_tail(thread: str, *, after_seq: int) -> Any:
+        await held_back()
         return await tail(thread, after_seq=after_seq)
+
+    async def slow_stats(thread: str) -> Any:
+        await held_back()
+        return await stats(thread)
 
     monkeypatch.setattr(store, "compaction_lock", gated_lock)
     monkeypatch.setattr(store, "tail", slow_tail)
+    monkeypatch.setattr(store, "stats", slow_stats)
     summarizer = SlowSummarizer(0.0)
     async with Compactor(
         store, options=options(), summarizer=summarizer, counter=ApproximateCounter()
@@ -475,7 +487,6 @@ async def test_a_step_appending_while_the_background_fold_reads_the_context_is_n
             n += 1
         assert await compactor.maybe_compact(THREAD) is None  # starts the background summary
         await compactor.context(THREAD)  # the step's request
-        armed = True
         may_fold.set()
         with anyio.fail_after(10):
             await reading.wait()

@@ -66,3 +66,26 @@ def test_the_cache_after_a_fold_is_the_cache_of_the_folded_rows(
     expected.last_seq = len(messages)
     assert folded == expected
     assert list(folded.open_calls.items()) == list(expected.open_calls.items())
+
+
+@PROPERTY_SETTINGS
+@given(st.data(), st.lists(messages_, min_size=1, max_size=16))
+def test_rows_the_cache_holds_already_are_not_added_again(
+    data: st.DataObject, messages: list[Message]
+) -> None:
+    """Two updates of one cache overlapping (a step's append, a background read) give each row once."""
+    rows = [row(n + 1, message, 1, n) for n, message in enumerate(messages)]
+    held = data.draw(st.integers(0, len(rows)))
+    start = data.draw(st.integers(0, held))
+    cache = _Cache(1)
+    cache.extend(rows[:held])
+    cache.extend(rows[start:])  # read from an older seq than the cache's newest
+    expected = cache_of(messages, [1] * len(messages))
+    assert (cache.plain, cache.seqs, cache.links, cache.total_tokens, cache.turns, cache.last_seq) == (
+        expected.plain,
+        expected.seqs,
+        expected.links,
+        expected.total_tokens,
+        expected.turns,
+        expected.last_seq,
+    )

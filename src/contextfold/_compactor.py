@@ -944,9 +944,11 @@ class Compactor:
         started = time.perf_counter()
         await self._ready_counter()  # the fold counts its summary: not a tokenizer load on the loop
         # The lease is held now. What the check saw came before it, and another worker may have
-        # folded meanwhile: the window is read again (a step's cache is kept, only its newest
-        # rows and version are read), so no summary covers a prefix that is already folded.
-        self._forget_seen(thread)
+        # folded meanwhile: the thread's stats are read again (a point read, as the check's), and
+        # the cache is read anew only if they moved, so no summary covers a folded prefix. (With
+        # two stores the window below is loaded whole anyway.)
+        if self._store is not None:
+            self._seen[thread] = await self.short_term.stats(thread)
         rows, version, total = await self._window(thread, settings)
         if not recovery and await self._close_abandoned(thread, rows, settings):
             rows, version, total = await self._window(thread, settings)
