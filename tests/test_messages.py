@@ -201,3 +201,12 @@ def test_a_tool_field_that_does_not_suit_the_role_is_refused(
     Message(
         **{**fields, "role": "assistant", "tool_call_id": None, "tool_calls": ()}
     )  # the fields alone are fine
+
+
+def test_tool_arguments_nested_past_the_recursion_limit_are_an_invalid_message() -> None:
+    """Python's JSON decoder recursed into a bare RecursionError; it is the argument's own error."""
+    too_deep = "nested deeper than the interpreter's recursion limit"
+    with pytest.raises(InvalidMessageError, match=too_deep) as info:
+        ToolCall(id="c1", name="f", arguments="[" * 100_000)
+    assert info.value.field == "arguments"
+    assert ToolCall(id="c1", name="f", arguments="[" * 50 + "]" * 50).parsed_arguments()

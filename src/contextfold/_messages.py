@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from enum import StrEnum
 from typing import Any
@@ -180,6 +181,11 @@ def check_arguments(value: str) -> str:
         _ARGUMENTS.decode(value)
     except ValueError as exc:
         raise ValueError(f"must be a JSON text, got {value[:80]!r} ({exc})") from None
+    except RecursionError:  # Python's decoder recurses per level of nesting
+        raise ValueError(
+            f"must be a JSON text Python can read, got {value[:80]!r} (nested deeper than the "
+            f"interpreter's recursion limit, {sys.getrecursionlimit()})"
+        ) from None
     return value
 
 
