@@ -381,10 +381,19 @@ async def _record(compactor: Compactor, thread: str, seen: _Seen, new: list[Mess
         await compactor.maybe_compact(thread)
 
 
+def alike(first: Message, second: Message) -> bool:
+    """Whether a model sees the two messages alike (what ``content_hash`` digests), without hashing them."""
+    return first is second or (
+        first.role,
+        first.content,
+        first.tool_calls,
+        first.tool_call_id,
+        first.name,
+    ) == (second.role, second.content, second.tool_calls, second.tool_call_id, second.name)
+
+
 def _same_content(first: Sequence[Message], second: Sequence[Message]) -> bool:
-    return len(first) == len(second) and all(
-        content_hash(a) == content_hash(b) for a, b in zip(first, second, strict=True)
-    )
+    return len(first) == len(second) and all(alike(a, b) for a, b in zip(first, second, strict=True))
 
 
 def _keyed(message: Message) -> Message:

@@ -41,7 +41,7 @@ class Echo(GenericFakeChatModel):
 def work(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     """How often the middleware converts a message and compares one with the working context."""
     counts: Counter[str] = Counter()
-    convert, same = module.from_langchain, module._same
+    convert, same = module.from_langchain, module.alike
 
     def counted_convert(message: BaseMessage) -> Message:
         counts["from_langchain"] += 1
@@ -52,7 +52,7 @@ def work(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
         return same(first, second)
 
     monkeypatch.setattr(module, "from_langchain", counted_convert)
-    monkeypatch.setattr(module, "_same", counted_same)
+    monkeypatch.setattr(module, "alike", counted_same)
     return counts
 
 

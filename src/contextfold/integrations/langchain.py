@@ -74,7 +74,7 @@ from .._episodes import Usage
 from .._errors import ConfigError, SummarizerError
 from .._messages import TOOL_ERROR_METADATA_KEY, Message, Role, ToolCall
 from .._strategies import MASKED_METADATA_KEY
-from .._sync import KEY_METADATA_KEY, SUMMARY_KEY_PREFIX, _off_loop, message_key
+from .._sync import KEY_METADATA_KEY, SUMMARY_KEY_PREFIX, _off_loop, alike, message_key
 from ..stores._base import StoredMessage
 from ..summarizers._base import Summary
 from ..summarizers._prompt import SYSTEM_PROMPT, render_messages, user_prompt
@@ -255,22 +255,11 @@ def _edit_of(context: Sequence[Message], state: Mapping[str, Message], *, persis
     for message, key in kept:
         held = state.get(key)
         rewritten = message.metadata.get(TRUNCATED_METADATA_KEY) or message.metadata.get(MASKED_METADATA_KEY)
-        if held is not None and not rewritten and not _same(held, message):
+        if held is not None and not rewritten and not alike(held, message):
             changed[key] = held
     if not removed and not changed:
         return None
     return _Edit(removed, changed, cleared=False)
-
-
-def _same(first: Message, second: Message) -> bool:
-    """Whether a model sees the two messages alike (what ``content_hash`` digests), without hashing them."""
-    return (first.role, first.content, first.tool_calls, first.tool_call_id, first.name) == (
-        second.role,
-        second.content,
-        second.tool_calls,
-        second.tool_call_id,
-        second.name,
-    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -292,14 +292,6 @@ def _as_prompt_record(message: Message) -> Message:
     return _with_key(message.model_copy(update={"metadata": {**message.metadata, _KEY: record}}), None)
 
 
-async def _same(first: Sequence[Message], second: Sequence[Message]) -> bool:
-    """Whether the two lists hold what a model sees alike; a message both hold is not hashed."""
-    if len(first) != len(second):
-        return False
-    pairs = [(a, b) for a, b in zip(first, second, strict=True) if a is not b]
-    return await _off_loop(len(pairs), _same_content, [a for a, _ in pairs], [b for _, b in pairs])
-
-
 def _compared(message: Message) -> bool:
     """Whether a change to ``message`` is an edit: not for a summary, nor a prompt pydantic-ai renders anew.
 
@@ -729,7 +721,7 @@ class CompactionCapability(AbstractCapability[Any]):
             listed, keys = await _off_loop(len(messages) - head, log.placed, messages[head:], ids[head:])
         context = await self.compactor.sync(thread, listed, ids=keys, compact=compact)
         context = listed if context is None else context
-        return None if await _same(context, messages) else context
+        return None if await _off_loop(len(messages), _same_content, context, messages) else context
 
     async def before_model_request(
         self, ctx: RunContext[Any], request_context: ModelRequestContext
