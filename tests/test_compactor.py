@@ -1032,3 +1032,38 @@ async def test_a_thread_over_the_compaction_window_is_folded_whole_with_the_docu
         "loading it whole" in caplog.messages
     )
     assert result.tokens_after <= 1_000
+
+
+async def test_provider_overhead_from_usage_holds_steady_through_step_loop_steps(store: Any) -> None:
+    """Each step's usage teaches the same 500-token overhead; the trigger fires once messages + 500 pass it.
+
+    ``Step.request_tokens`` is what the messages count; had it held the
+    overhead learnt at the step before, the next reply's usage would teach an
+    overhead of 0, and every other check would miss the tool schemas.
+    """
+    from contextfold import StepLoop, Usage
+
+    schemas = 500
+    counter = ApproximateCounter()
+    compactor = Compactor(store, options=options(budget=2_000), counter=counter, summarizer=recorder())
+    loop = StepLoop(compactor)
+    await loop.append(THREAD, Message.user("hello"))
+    overheads: list[int] = []
+    before: list[int] = []  # the messages' tokens each step's check saw
+    for n in range(40):
+        before.append(sum(counter.count(m) for m in await compactor.context(THREAD)))
+        async with loop.step(THREAD) as step:
+            if step.compaction is not None and step.compaction.compacted:
+                break
+            sent = sum(counter.count(m) for m in step.messages)
+            assert step.request_tokens == sent
+            _, seen = await compactor.context_tokens(THREAD)
+            overheads.append(seen - sent)
+            usage = Usage(input_tokens=sent + schemas, output_tokens=5)
+            await step.record(Message.assistant(f"reply {n} " + "word " * 60), usage=usage)
+        await loop.append(THREAD, Message.user(f"and now task {n}"))
+    else:
+        raise AssertionError(f"no fold in 40 steps: the check saw {before} tokens of messages")
+    assert overheads[1:] == [schemas] * (len(overheads) - 1)
+    # The fold came at the first check whose messages and schemas passed the 2,000-token budget.
+    assert before[-1] + schemas > 2_000 >= before[-2] + schemas

@@ -544,9 +544,9 @@ class CountingCompactor(Compactor):
 
     context_calls = 0
 
-    async def context_tokens(self, thread: str) -> tuple[list[Message], int]:
+    async def _counted_context(self, thread: str) -> tuple[list[Message], int]:
         self.context_calls += 1
-        return await super().context_tokens(thread)
+        return await super()._counted_context(thread)
 
 
 async def test_a_step_sends_the_compactors_context() -> None:

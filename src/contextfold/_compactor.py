@@ -519,7 +519,9 @@ class Compactor:
         is written first, so no message reaches the context unrecorded. The
         LLM-call fields describe the request that produced an assistant reply;
         its ``usage`` teaches the check what the provider counts beyond the
-        messages (tool schemas, instructions). ``started`` names tool calls
+        messages (tool schemas, instructions): ``usage.input_tokens`` less
+        ``request_tokens``, the sent messages' tokens as this compactor counts
+        them (``Step.request_tokens``, without that overhead). ``started`` names tool calls
         that ran: each is recorded as a ``ToolCallEpisode`` right before the
         result that answers it, in the same transaction (so
         ``append(thread, [reply, *results], started=reply.tool_calls)`` records
@@ -624,11 +626,21 @@ class Compactor:
 
     async def context_tokens(self, thread: str) -> tuple[list[Message], int]:
         """The working context and its tokens as the trigger sees them (provider overhead included)."""
+        messages, tokens = await self._counted_context(thread)
+        return messages, tokens + self._overhead.get(thread, 0)
+
+    async def _counted_context(self, thread: str) -> tuple[list[Message], int]:
+        """The working context and its messages' own tokens: what a step's ``request_tokens`` is.
+
+        Without the provider overhead: ``append`` learns that overhead as the
+        reply's ``usage.input_tokens`` minus ``request_tokens``, so a request
+        size that held the overhead already would cancel it out every other step.
+        """
         cache = await self._fresh_cache(thread)
         if cache is not None:
-            return cache.messages, cache.total_tokens + self._overhead.get(thread, 0)
+            return cache.messages, cache.total_tokens
         window = await self.short_term.load(thread)
-        return window.plain, window.total_tokens + self._overhead.get(thread, 0)
+        return window.plain, window.total_tokens
 
     # The per-step check ----------------------------------------------------------
 

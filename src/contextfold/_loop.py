@@ -143,6 +143,7 @@ class Step:
     messages: list[Message] = field(default_factory=list)
     """The working context to send, after compaction."""
     request_tokens: int = 0
+    """The tokens of ``messages`` as the compactor's counter counts them (no provider overhead)."""
     compaction: CompactionResult | None = None
     recorded: list[Message] = field(default_factory=list)
     """What this step added to the thread, in order."""
@@ -412,8 +413,8 @@ async def _guarded(hook: Hook, event: str, call: Awaitable[None]) -> None:
 
 
 async def _request(compactor: Compactor, thread: str) -> tuple[list[Message], int]:
-    """The working context a step sends and its tokens, from the compactor's per-thread cache."""
-    return await compactor.context_tokens(thread)
+    """The working context a step sends and its messages' tokens, from the compactor's per-thread cache."""
+    return await compactor._counted_context(thread)
 
 
 _BLOCKING_SHAPE = "async def llm(messages) -> Message | Reply"
