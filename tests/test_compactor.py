@@ -1067,3 +1067,133 @@ async def test_provider_overhead_from_usage_holds_steady_through_step_loop_steps
     assert overheads[1:] == [schemas] * (len(overheads) - 1)
     # The fold came at the first check whose messages and schemas passed the 2,000-token budget.
     assert before[-1] + schemas > 2_000 >= before[-2] + schemas
+
+
+def _words(n: int, word: str = "word") -> str:
+    return " ".join([word] * n)
+
+
+async def test_a_large_pinned_head_squeezes_the_summary_so_the_fold_ends_at_the_target(
+    store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Head 462 tokens, target 500, a summarizer that ignores its limit: the summary is cut to the 38 left.
+
+    The fold used to keep a 64-token floor for the summary and let it run 8
+    tokens past its room, so the context ended at 537 tokens; the log blamed
+    "the protected recent turns", of which there were none.
+    """
+
+    async def verbose(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        return "fact " * 400
+
+    counter = ApproximateCounter()
+    run = RunOptions(
+        max_history_tokens=1_000,
+        compaction=SummarizeOptions(
+            trigger_token_budget=1_000, target_tokens=500, min_recent_turns=0, min_recent_messages=0
+        ),
+    )
+    compactor = Compactor(store, options=run, summarizer=FunctionSummarizer(verbose), counter=counter)
+    head = Message.system(_words(370, "rule"))
+    await compactor.append(THREAD, [head])
+    n = 0
+    while (await store.stats(THREAD)).total_tokens <= 1_000:
+        await compactor.append(THREAD, [Message.user(f"{_words(20)} {n}")])
+        n += 1
+    with caplog.at_level(logging.INFO, logger="contextfold"):
+        result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.compacted
+    context, tokens = await compactor.context_tokens(THREAD)
+    assert context[0].text == head.text and context[1].is_summary
+    assert 0 < context[1].text.count("fact") < 400  # cut to fit, not dropped
+    assert tokens == result.tokens_after <= 500
+    assert counter.count(context[0]) + counter.count(context[1]) <= 500
+    assert "the pinned head holds 462 tokens" in caplog.text
+    assert "protected recent turns" not in caplog.text
+
+
+@pytest.mark.parametrize("seed", range(24))
+async def test_with_nothing_protected_every_fold_ends_at_or_under_the_target(seed: int) -> None:
+    """Random budgets, targets and heads, a summarizer writing up to 3x its limit: no fold ends over target.
+
+    The summary message's prefix and role were not counted in its room, and
+    a summary up to 8 tokens over it was kept: 8 of 60 such sessions ended a
+    fold 1-7 tokens over the target.
+    """
+    import random
+
+    rnd = random.Random(seed)
+    budget = rnd.choice([400, 800, 1_500, 3_000])
+    target = rnd.randint(budget // 4, budget - 1)
+    overshoot = rnd.choice([1.0, 1.02, 1.05, 1.5, 3.0])
+
+    async def fill(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        return "fact " * max(1, int(limit * overshoot * 4 / 5) - 6)
+
+    counter = ApproximateCounter()
+    settings = SummarizeOptions(
+        trigger_token_budget=budget, target_tokens=target, min_recent_turns=0, min_recent_messages=0
+    )
+    async with MemoryStore() as store:
+        compactor = Compactor(store, options=settings, summarizer=FunctionSummarizer(fill), counter=counter)
+        await compactor.append(THREAD, [Message.system("system " * rnd.randint(1, max(2, target // 10)))])
+        folds = 0
+        for _ in range(60):
+            await compactor.append(THREAD, [Message.user("w " * rnd.randint(5, budget // 6))])
+            result = await compactor.maybe_compact(THREAD)
+            if result is not None and result.compacted:
+                folds += 1
+                _, tokens = await compactor.context_tokens(THREAD)
+                assert tokens == result.tokens_after <= target
+    assert folds
+
+
+async def test_a_forgotten_thread_starts_over_without_the_erased_conversations_fold_hold_back(
+    store: Any,
+) -> None:
+    """After ``forget``, a new conversation under the same id folds once it passes the budget.
+
+    The hold-back a fold over the target set ("the next fold waits for N
+    tokens") belonged to the erased conversation, but outlived it: the new one
+    reached 1,225 tokens against a 1,000-token budget unfolded.
+    """
+    settings = SummarizeOptions(trigger_token_budget=1_000, min_recent_messages=0, min_recent_turns=8)
+    compactor = Compactor(store, options=settings, counter=ApproximateCounter(), log_events=False)
+    for n in range(14):  # eight protected turns of ~95 tokens: every fold ends over the 500 target
+        await compactor.append(THREAD, [Message.user(f"{_words(75)} {n}")])
+        await compactor.maybe_compact(THREAD)
+    await store.forget(THREAD)
+    for n in range(13):
+        await compactor.append(THREAD, [Message.user(f"{_words(75)} new {n}")])
+    before = [m.text for m in await compactor.context(THREAD)]
+    _, tokens = await compactor.context_tokens(THREAD)
+    assert tokens > 1_000
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.compacted
+    context = await compactor.context(THREAD)
+    assert context[0].is_summary and [m.text for m in context[1:]] == before[-len(context) + 1 :]
+    assert result.tokens_after < tokens
+
+
+async def test_another_workers_fold_voids_this_workers_hold_back(store: Any) -> None:
+    """An operator's manual recovery folds the thread small: this worker folds again once past the budget.
+
+    Its hold-back was set by its own fold over the target, for a context the
+    operator's fold replaced; it let the context grow to 1,381 tokens against
+    a 1,000-token budget unfolded.
+    """
+    settings = SummarizeOptions(trigger_token_budget=1_000, min_recent_messages=0, min_recent_turns=8)
+    worker = Compactor(store, options=settings, counter=ApproximateCounter(), log_events=False)
+    operator = Compactor(store, options=settings, counter=ApproximateCounter(), log_events=False)
+    for n in range(14):
+        await worker.append(THREAD, [Message.user(f"{_words(75)} {n}")])
+        await worker.maybe_compact(THREAD)
+    recovered = await operator.manual_recovery(THREAD)
+    assert recovered is not None and recovered.compacted
+    for n in range(12):  # more turns than are protected, past the budget
+        await worker.append(THREAD, [Message.user(f"{_words(75)} new {n}")])
+    _, tokens = await worker.context_tokens(THREAD)
+    assert tokens > 1_000
+    result = await worker.maybe_compact(THREAD)
+    assert result is not None and result.compacted, f"{tokens} tokens, over the 1,000-token budget"
+    assert result.tokens_before == tokens > result.tokens_after

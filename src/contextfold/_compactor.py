@@ -103,7 +103,6 @@ LATE_RESULT_METADATA_KEY = "contextfold.late_result"
 """Metadata key on the note that carries a tool result arriving after its call was closed."""
 
 _MAX_BACKOFF_SKIPS = 32
-_MIN_SUMMARY_TOKENS = 64
 _CACHED_THREADS = 1024
 
 
@@ -452,7 +451,12 @@ class Compactor:
         self._cache: OrderedDict[str, _Cache] = OrderedDict()
         self._seen: dict[str, ThreadStats] = {}
         self._overhead: dict[str, int] = {}
-        self._next_fold_at: dict[str, int] = {}
+        self._next_fold_at: dict[str, tuple[int, int]] = {}
+        """Per thread, the version a fold left and the tokens the next token fold waits for on it.
+
+        Void once the thread's version moves: another worker folded it, or it
+        was forgotten and started over, and the wait was for a context gone.
+        """
         self._pending_since: dict[tuple[str, str], float] = {}
         self._background: dict[str, _Background] = {}
         self._task_group: TaskGroup | None = None
@@ -675,8 +679,13 @@ class Compactor:
                 # records and checks would otherwise reach the hard trigger before it began.
                 await anyio.lowlevel.checkpoint()
             return None
-        if reason in TOKEN_REASONS and tokens <= self._next_fold_at.get(thread, 0):
-            return None
+        if reason in TOKEN_REASONS:
+            held = self._next_fold_at.get(thread)
+            if held is not None:
+                if held[0] != stats.version:
+                    del self._next_fold_at[thread]
+                elif tokens <= held[1]:
+                    return None
         backoff = self._backoff.get(thread)
         if backoff is not None and backoff.skips_left > 0:
             backoff.skips_left -= 1
@@ -1020,14 +1029,32 @@ class Compactor:
         new_head: list[Message] = list(plan.pinned)
         summary_tokens = 0
         if settings.summarize and plan.dropped:
+            # The summary message's framing (its prefix and role) counts in the context: the
+            # summarizer is asked for the text, at most max_summary_tokens of it.
+            framing = self.counter.count(self._summary_frame(settings))
             room = settings.max_summary_tokens
             if target is not None:
-                # Only the head can squeeze the summary: protected turns that are too big are
-                # handled by holding the next fold back (see _after_fold), not by losing history.
-                room = min(room, target - plan.pinned_tokens - overhead)
-            # The summary gives way to fit the target, but not below a useful size: when the
-            # protected turns are what is too big, an empty summary would lose the history.
-            room = max(room, min(settings.max_summary_tokens, _MIN_SUMMARY_TOKENS))
+                head_room = target - plan.pinned_tokens - overhead - framing
+                beside_tail = head_room - sum(kept_tokens)
+                # The summary gives way to end the fold at the target: the plan left it room for
+                # max_summary_tokens beside the kept turns, less its framing at most. When it kept
+                # more (the protected turns are too big), only the head squeezes the summary, and
+                # the next fold is held back instead (see _after_fold): history is not lost for them.
+                whole = settings.max_summary_tokens - framing
+                fit = max(1, beside_tail if beside_tail >= whole else head_room)
+                if fit < room:
+                    room = fit
+                    logger.info(
+                        "thread %r: the summary is cut to %d tokens (max_summary_tokens %d) to end the "
+                        "fold at the %d-token target: the pinned head holds %d tokens%s, the kept turns %d",
+                        thread,
+                        room,
+                        settings.max_summary_tokens,
+                        target,
+                        plan.pinned_tokens,
+                        f" and the provider adds {overhead}" if overhead else "",
+                        sum(kept_tokens),
+                    )
             try:
                 summary = await self._summarize(
                     plan, settings, room, thread=thread, reason=reason, tokens=total
@@ -1040,7 +1067,7 @@ class Compactor:
                     settings,
                     f"the summarizer failed ({skipped.cause}); nothing folded",
                 )
-            message, summary_tokens = self._summary_message(summary, settings, room)
+            message, summary_tokens = self._summary_message(summary, settings, room + framing)
             new_head.append(message)
         elif plan.previous_summary is not None:
             new_head.append(plan.previous_summary)
@@ -1255,7 +1282,7 @@ class Compactor:
             hard = settings.hard_limit
             if hard is not None and after < hard:
                 waits = min(waits, hard)
-            self._next_fold_at[thread] = waits
+            self._next_fold_at[thread] = (prepared.version + 1, waits)
             # Routine while the kept turns are large (INFO); a warning once they hold more than the
             # trigger budget itself, when the next fold can do no better.
             logger.log(
@@ -1265,7 +1292,7 @@ class Compactor:
                 thread,
                 after,
                 target,
-                self._next_fold_at[thread],
+                waits,
             )
         else:
             self._next_fold_at.pop(thread, None)
@@ -1392,27 +1419,38 @@ class Compactor:
         )
         return summary.model_copy(update={"degraded": True})
 
+    @staticmethod
+    def _summary_frame(settings: Settings, text: str = "", metadata: dict[str, Any] | None = None) -> Message:
+        """The message a summary's ``text`` opens the context as."""
+        return Message(role=settings.summary_role, content=SUMMARY_PREFIX + text, metadata=metadata or {})
+
     def _summary_message(self, summary: Summary, settings: Settings, room: int) -> tuple[Message, int]:
-        """The summary as the message that opens the context, and its tokens."""
+        """The summary as the message that opens the context, and its tokens: at most ``room``.
+
+        A summarizer that overshoots is cut to fit, keeping its start and its end.
+        """
         metadata: dict[str, Any] = {
             SUMMARY_METADATA_KEY: True,
             "contextfold.summary_model": summary.model,
         }
         if summary.degraded:
             metadata["contextfold.degraded"] = True
-        message = Message(
-            role=settings.summary_role, content=SUMMARY_PREFIX + summary.text, metadata=metadata
-        )
-        tokens = self.counter.count(message)
-        if tokens <= room + 8:
-            return message, tokens
-        # A summarizer that overshoots is cut to the room left, keeping its start and its end.
         text = summary.text
-        keep = max(1, int(len(text) * room / tokens * 0.9))
+        message = self._summary_frame(settings, text, metadata)
+        tokens = self.counter.count(message)
+        keep = len(text)
         marker = "\n[... summary cut to fit the target ...]\n"
-        cut = text[: keep * 2 // 3] + marker + text[len(text) - keep // 3 :]
-        message = message.model_copy(update={"content": SUMMARY_PREFIX + cut})
-        return message, self.counter.count(message)
+        while tokens > room and keep > 0:
+            keep = min(keep - 1, int(keep * room / tokens * 0.9))
+            if keep <= 0:
+                cut = ""
+            elif keep > 4 * len(marker):
+                cut = text[: keep * 2 // 3] + marker + text[len(text) - keep // 3 :]
+            else:
+                cut = text[:keep]
+            message = self._summary_frame(settings, cut, metadata)
+            tokens = self.counter.count(message)
+        return message, tokens
 
     # Background folding -------------------------------------------------------------
 
