@@ -1197,3 +1197,46 @@ async def test_another_workers_fold_voids_this_workers_hold_back(store: Any) -> 
     result = await worker.maybe_compact(THREAD)
     assert result is not None and result.compacted, f"{tokens} tokens, over the 1,000-token budget"
     assert result.tokens_before == tokens > result.tokens_after
+
+
+@pytest.mark.parametrize("backend", ["memory", "sqlite"])
+@pytest.mark.parametrize("cold", [False, True], ids=["cached", "cold"])
+async def test_a_turn_trigger_counts_the_turns_the_plan_counts_not_the_system_prompt(
+    backend: str, cold: bool, tmp_path: Path
+) -> None:
+    """``TurnCount(4)`` with a system prompt and 4 user turns: no check fires; a fifth turn folds.
+
+    The check counted the system prompt as a turn (every message, before the
+    context was cached), the plan did not: every check fired, took the lease
+    and planned, and the plan declined, with no back-off.
+    """
+    from contextlib import asynccontextmanager
+
+    from contextfold import TokenBudget, TurnCount
+
+    leases: list[str] = []
+    base = MemoryStore if backend == "memory" else SQLiteStore
+
+    class Leases(base):  # type: ignore[valid-type,misc]
+        @asynccontextmanager
+        async def compaction_lock(self, thread: str) -> AsyncIterator[bool]:
+            leases.append(thread)
+            async with super().compaction_lock(thread) as held:
+                yield held
+
+    store = Leases() if backend == "memory" else Leases(tmp_path / "cf.db")
+    async with store:
+        policy: dict[str, Any] = {"trigger": TurnCount(4), "strategy": TokenBudget(10_000)}
+        writer = Compactor(store, **policy, counter=ApproximateCounter())
+        await writer.append(THREAD, [Message.system("be terse")])
+        for n in range(4):
+            await writer.append(THREAD, [Message.user(f"q{n}")])
+        # A cold compactor (a restarted process) has no cached context to count turns in.
+        checker = Compactor(store, **policy, counter=ApproximateCounter())
+        compactor = checker if cold else writer
+        assert [await compactor.maybe_compact(THREAD) for _ in range(5)] == [None] * 5
+        assert leases == []
+        await compactor.append(THREAD, [Message.user("q4")])
+        result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.compacted and result.reason == "turn_count"
+    assert leases == [THREAD]

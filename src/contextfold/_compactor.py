@@ -60,7 +60,7 @@ from ._events import (
 from ._messages import SUMMARY_METADATA_KEY, Message, Role, ToolCall
 from ._pacing import Pacer
 from ._policy import TOKEN_REASONS, EpisodicCompactionPressure, Pressure, Reason, Trigger
-from ._strategies import CompactionPlan, SlidingWindow, Strategy, unanswered_calls
+from ._strategies import CompactionPlan, SlidingWindow, Strategy, _bounds, split_head, unanswered_calls
 from ._telemetry import FoldSpan, Telemetry, error_type
 from ._tokens import TiktokenCounter, TokenCounter, check_counter
 from ._trusted import trusted
@@ -667,6 +667,15 @@ class Compactor:
         reason = settings.config.trigger.reason(
             Pressure(turns, tokens, messages=stats.message_count, episodic=episodic)
         )
+        if (
+            reason is not None
+            and turns
+            and settings.config.trigger.reason(
+                Pressure(0, tokens, messages=stats.message_count, episodic=episodic)
+            )
+            is None
+        ):  # the turns made it fire: the plan's own count of them decides
+            reason = await self._turns_confirmed(thread, settings, stats, tokens, episodic)
         if reason is None:
             if (
                 settings.background_at is not None
@@ -695,6 +704,32 @@ class Compactor:
             await self._background_done(running)
             return self._take_background(thread, running)
         return await self._compact(thread, settings, reason, episodic=episodic)
+
+    async def _turns_confirmed(
+        self,
+        thread: str,
+        settings: Settings,
+        stats: ThreadStats,
+        tokens: int,
+        episodic: EpisodicCompactionPressure | None,
+    ) -> str | None:
+        """The trigger's reason with the turns the plan counts: the body's units, not the head's.
+
+        The check's count is a bound (every message but tool results, or every
+        message before the context is cached), which counts the system prompt
+        and the summary too. Where it makes a turn trigger fire, the context's
+        own units decide, so a check never takes the lease for a plan that
+        declines. Only a check that the turns alone make fire pays for this:
+        a turn trigger near its limit (a context of about that many turns).
+        """
+        cache = await self._fresh_cache(thread)
+        self._seen[thread] = stats  # the stats are as current as before: the step's context() needs no read
+        messages = cache.messages if cache is not None else (await self.short_term.load(thread)).plain
+        pinned, previous = split_head(messages, settings.config.keep_first)
+        turns = len(_bounds(messages[pinned + (previous is not None) :]).starts)
+        return settings.config.trigger.reason(
+            Pressure(turns, tokens, messages=stats.message_count, episodic=episodic)
+        )
 
     async def compact_now(self, thread: str, *, summarize: bool = True) -> CompactionResult | None:
         """Compact ``thread`` now toward the token target, whatever the triggers say."""
