@@ -1240,3 +1240,35 @@ async def test_a_turn_trigger_counts_the_turns_the_plan_counts_not_the_system_pr
         result = await compactor.maybe_compact(THREAD)
     assert result is not None and result.compacted and result.reason == "turn_count"
     assert leases == [THREAD]
+
+
+@pytest.mark.parametrize("restarted", [False, True], ids=["same", "restarted"])
+async def test_abandon_after_seconds_counts_from_when_the_call_was_made(store: Any, restarted: bool) -> None:
+    """A call unanswered past ``abandon_after_seconds`` is closed by the next fold, the first one included.
+
+    The clock started at the first fold that noticed the call, in process
+    memory: a call 0.4 s old under ``abandon_after_seconds=0.25`` stayed open
+    through that fold, and a restarted process started counting again.
+    """
+    from contextfold._compactor import ABANDONED_METADATA_KEY
+
+    settings = SummarizeOptions(
+        trigger_token_budget=1_000,
+        min_recent_messages=0,
+        min_recent_turns=1,
+        abandon_after_turns=None,
+        abandon_after_seconds=0.25,
+    )
+    maker = Compactor(store, options=settings, counter=ApproximateCounter(), log_events=False)
+    call = ToolCall(id="c1", name="slow", arguments="{}")
+    await maker.append(THREAD, [Message.user("do it"), Message.assistant(None, tool_calls=[call])])
+    await anyio.sleep(0.4)
+    restart = Compactor(store, options=settings, counter=ApproximateCounter(), log_events=False)
+    compactor = restart if restarted else maker
+    for n in range(12):
+        await compactor.append(THREAD, [Message.user(f"{_words(80)} {n}")])
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.compacted
+    closed = [m for m in conversation([r async for r in store.replay(THREAD)]) if m.tool_call_id == "c1"]
+    assert len(closed) == 1 and closed[0].metadata[ABANDONED_METADATA_KEY] is True
+    assert "within 0.25 s" in closed[0].text

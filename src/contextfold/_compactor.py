@@ -28,7 +28,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, NamedTuple, Self
 
 import anyio
@@ -961,7 +961,13 @@ class Compactor:
         closing: list[Message] = []
         tool = Role.TOOL
         for index, call in unanswered:
-            since = self._pending_since.setdefault((thread, call.id), now)
+            since = self._pending_since.get((thread, call.id))
+            if since is None:
+                # Counted from when the call was made, as the log recorded it (another worker or
+                # an earlier process may have made it), else from now.
+                made = await self._made_at(thread, rows.links[index]) if seconds is not None else None
+                since = now - max(0.0, (datetime.now(UTC) - made).total_seconds()) if made else now
+                self._pending_since[(thread, call.id)] = since
             later_turns = sum(1 for m in messages[index + 1 :] if m.role is not tool)
             by_turns = turns_after is not None and later_turns >= turns_after
             by_time = seconds is not None and now - since >= seconds
@@ -985,6 +991,20 @@ class Compactor:
         )
         await self.append(thread, closing)
         return True
+
+    async def _made_at(self, thread: str, seq: int | None) -> datetime | None:
+        """When the log recorded episode ``seq`` of ``thread`` (``None`` without one)."""
+        if seq is None:
+            return None
+        records = self.episodic.replay(thread, from_seq=seq)
+        try:
+            async for record in records:
+                return record.at if record.seq == seq else None
+            return None
+        finally:
+            close = getattr(records, "aclose", None)  # a generator: closed here, not by the collector
+            if close is not None:
+                await close()
 
     async def _prepare(
         self,
