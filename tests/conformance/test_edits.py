@@ -2,17 +2,30 @@
 
 ``Store.record_and_replace`` records the episodes of an edit (the conversation
 withdrawn from a message on, and what stays of it recorded again) and swaps
-the working context's prefix in one transaction.
+the working context's prefix in one transaction; ``integrations._edits.follow``
+plans the edit and writes it that way, holding the thread's ``sync`` lock.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+import anyio
 import pytest
+from anyio.lowlevel import checkpoint
 
-from contextfold import ConfigError, ConflictError, Message, StoreError
+from contextfold import (
+    Compactor,
+    ConfigError,
+    ConflictError,
+    Message,
+    RunOptions,
+    StoreError,
+    SummarizeOptions,
+)
 from contextfold.episodes import (
     HistoryClearedEpisode,
     MessagesRetractedEpisode,
@@ -20,11 +33,15 @@ from contextfold.episodes import (
     UserMessageEpisode,
     conversation,
 )
-from contextfold.stores import ThreadStats
+from contextfold.integrations._edits import Edit, Row, follow, kept, said, withdrawal
+from contextfold.stores import StoredMessage, ThreadStats
+from contextfold.tokens import ApproximateCounter
 
 from .conftest import SQL_BACKENDS, RawSQL, dialect
 from .test_failures import CANCEL_AFTER, cancelled_after
 from .test_store import FAIL_MESSAGE_INSERT, everything
+
+NEVER_FOLDS = RunOptions(compaction=SummarizeOptions(trigger_token_budget=100_000))
 
 # The database refuses the episode that withdraws the conversation: the log's half of an edit.
 FAIL_WITHDRAWAL = {
@@ -246,3 +263,175 @@ async def test_record_and_replace_failing_in_the_database_writes_neither(
     with pytest.raises(StoreError, match="injected failure"):
         await redact(store, "t", tokens=[10, 10, 666])
     assert await everything(store, "t") == before
+
+
+# Following an edit through ``_edits.follow``: the adapters' one path.
+
+
+async def synced(store: Any, thread: str, *texts: str) -> Compactor:
+    """A compactor over ``store`` whose thread holds one user message per text, each keyed by its text."""
+    compactor = Compactor(store, options=NEVER_FOLDS, counter=ApproximateCounter())
+    await compactor.sync(thread, [Message.user(text) for text in texts], ids=list(texts), compact=False)
+    return compactor
+
+
+def removing(compactor: Compactor, thread: str, key: str) -> Any:
+    """The plan that removes the message keyed ``key`` from the context and the conversation."""
+
+    async def plan(window: Sequence[StoredMessage]) -> Edit:
+        context = [kept(stored) for stored in window if stored.message.metadata.get("contextfold.key") != key]
+        said_now = await said(compactor, thread)
+        first = next(n for n, m in enumerate(said_now) if m.metadata.get("contextfold.key") == key)
+        again = [m for m in said_now[first + 1 :]]
+        return withdrawal(len(said_now), first, again, context)
+
+    return plan
+
+
+async def test_a_followed_edit_links_what_it_records_again(store: Any) -> None:
+    """The kept head keeps its episodes; each message after the removed one links its new episode."""
+    compactor = await synced(store, "t", "a", "b", "c", "d")
+    await follow(compactor, "t", removing(compactor, "t", "b"))
+    assert await agree(store, "t") == ["a", "c", "d"]
+    log = [record async for record in store.replay("t")]
+    assert [r.episode for r in log[4:5]] == [MessagesRetractedEpisode(count=3)]
+    assert [(m.seq, m.episode_seq) for m in (await store.load("t")).messages] == [(2, 1), (3, 6), (4, 7)]
+    assert await compactor.context("t") == (await store.load("t")).plain
+
+
+async def test_an_edit_cancelled_at_any_point_leaves_the_log_and_the_context_agreeing(store: Any) -> None:
+    """Cancelling a followed edit anywhere leaves both memories edited, or both as they were."""
+    outcomes = set()
+    for turns in CANCEL_AFTER:
+        thread = f"t{turns}"
+        compactor = await synced(store, thread, "a", "b", "c")
+
+        async def edit(compactor: Compactor = compactor, thread: str = thread) -> None:
+            await follow(compactor, thread, removing(compactor, thread, "b"))
+
+        await cancelled_after(turns, edit)
+        outcomes.add(tuple(await agree(store, thread)))
+        # The thread's lock was given back: a step of it goes on.
+        await compactor.sync(thread, [Message.user("next")], ids=["next"], compact=False)
+    assert outcomes == {("a", "b", "c"), ("a", "c")}
+
+
+@pytest.mark.parametrize("backend", SQL_BACKENDS)
+async def test_an_edit_whose_log_write_fails_leaves_both_memories_as_they_were(
+    backend: str, store: Any, raw_sql: RawSQL
+) -> None:
+    """The database refusing the withdrawal leaves the context unedited too; the edit can be made again."""
+    compactor = await synced(store, "t", "a", "b", "c")
+    before = await everything(store, "t")
+    for statement in FAIL_WITHDRAWAL[dialect(backend)]:
+        await raw_sql(statement, [])
+    with pytest.raises(StoreError, match="injected failure"):
+        await follow(compactor, "t", removing(compactor, "t", "b"))
+    assert await everything(store, "t") == before
+    assert await compactor.context("t") == before[0].plain
+    await raw_sql(
+        "DROP TRIGGER fail_withdrawal" + (" ON episodes" if dialect(backend) == "postgres" else ""), []
+    )
+    await follow(compactor, "t", removing(compactor, "t", "b"))
+    assert await agree(store, "t") == ["a", "c"]
+
+
+async def test_an_edit_a_fold_comes_between_is_planned_again_and_written_once(store: Any) -> None:
+    """A replacement between the edit's load and its write conflicts; the edit loads again, then applies."""
+    compactor = await synced(store, "t", "a", "b", "c")
+    plans = []
+    remove_b = removing(compactor, "t", "b")
+
+    async def plan(window: Sequence[StoredMessage]) -> Edit:
+        plans.append([stored.seq for stored in window])
+        if len(plans) == 1:  # another worker's fold, say, rewrites the head meanwhile
+            head = window[0]
+            await store.replace_prefix(
+                "t",
+                through_seq=head.seq,
+                expected_version=0,
+                replacement=[head.message],
+                tokens=[head.tokens],
+            )
+        return await remove_b(window)
+
+    await follow(compactor, "t", plan)
+    assert plans == [[1, 2, 3], [1, 2, 3]]
+    assert await agree(store, "t") == ["a", "c"]
+    withdrawals = [r async for r in store.replay("t") if isinstance(r.episode, MessagesRetractedEpisode)]
+    assert len(withdrawals) == 1
+    assert (await store.stats("t")).version == 2
+
+
+async def test_a_step_of_the_thread_waits_for_an_edit_under_way(store: Any) -> None:
+    """A sync started while an edit is between its reads and its write lands after the write, and stays."""
+    compactor = await synced(store, "t", "a", "b", "c")
+    stepped = anyio.Event()
+    remove_b = removing(compactor, "t", "b")
+
+    async def step() -> None:
+        await compactor.sync("t", [Message.user("meanwhile")], ids=["m"], compact=False)
+        stepped.set()
+
+    async with anyio.create_task_group() as group:
+
+        async def plan(window: Sequence[StoredMessage]) -> Edit:
+            edit = await remove_b(window)  # the log is read: the worst moment for a step to land
+            group.start_soon(step)
+            for _ in range(200):
+                await checkpoint()
+            assert not stepped.is_set()
+            return edit
+
+        await follow(compactor, "t", plan)
+    assert stepped.is_set()
+    assert await agree(store, "t") == ["a", "c", "meanwhile"]
+    withdrawn = [r async for r in store.replay("t") if isinstance(r.episode, MessagesRetractedEpisode)]
+    assert [r.episode.count for r in withdrawn] == [2]
+
+
+async def test_an_edit_with_nothing_to_replace_records_its_episodes(store: Any) -> None:
+    """An empty context (nothing to cut) still records the edit's episodes, in one write."""
+    compactor = Compactor(store, options=NEVER_FOLDS, counter=ApproximateCounter())
+    await store.record("t", UserMessageEpisode(message=Message.user("only logged")))
+
+    async def plan(window: Sequence[StoredMessage]) -> Edit:
+        assert list(window) == []
+        return Edit([HistoryClearedEpisode()], [Row(Message.user("x"), None)])
+
+    await follow(compactor, "t", plan)
+    assert await agree(store, "t") == []
+
+
+async def test_a_step_on_another_event_loop_waits_for_an_edit_under_way(store: Any) -> None:
+    """An edit made on an event loop of its own (LangChain's invoke) holds back a sync on this loop."""
+    compactor = await synced(store, "t", "a", "b", "c")
+    planning, planned = threading.Event(), threading.Event()
+    remove_b = removing(compactor, "t", "b")
+
+    async def plan(window: Sequence[StoredMessage]) -> Edit:
+        edit = await remove_b(window)
+        planning.set()
+        await anyio.to_thread.run_sync(planned.wait)
+        return edit
+
+    def edit_on_a_loop_of_its_own() -> None:
+        anyio.run(follow, compactor, "t", plan)
+
+    stepped = anyio.Event()
+
+    async def step() -> None:
+        await compactor.sync("t", [Message.user("meanwhile")], ids=["m"], compact=False)
+        stepped.set()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(anyio.to_thread.run_sync, edit_on_a_loop_of_its_own)
+        await anyio.to_thread.run_sync(planning.wait)
+        group.start_soon(step)
+        try:
+            for _ in range(200):
+                await checkpoint()
+            assert not stepped.is_set()
+        finally:
+            planned.set()
+    assert await agree(store, "t") == ["a", "c", "meanwhile"]
