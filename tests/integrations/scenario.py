@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
 import threading
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import anyio
+from anyio.abc import TaskGroup
+from anyio.lowlevel import checkpoint
 from werkzeug import Request, Response
 
 from contextfold import (
@@ -315,3 +321,82 @@ class CountingStore(MemoryStore):
     def replay(self, thread: str, *, from_seq: int = 0) -> AsyncIterator[EpisodeRecord]:
         self.reads["replay"] += 1
         return super().replay(thread, from_seq=from_seq)
+
+
+class RacingStore(MemoryStore):
+    """The memory store, running ``meanwhile`` once after a read of a whole log, before its reader goes on.
+
+    Following an edit reads the conversation between its load of the working
+    context and its write: the worst moment for another step of the thread.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.meanwhile: Callable[[], Awaitable[None]] | None = None
+
+    async def replay(self, thread: str, *, from_seq: int = 0) -> AsyncIterator[EpisodeRecord]:
+        async for record in super().replay(thread, from_seq=from_seq):
+            yield record
+        meanwhile = self.meanwhile
+        if from_seq == 0 and meanwhile is not None:
+            self.meanwhile = None
+            await meanwhile()
+
+
+def race(store: RacingStore, c: Compactor, thread: str, group: TaskGroup) -> anyio.Event:
+    """Make ``store`` start a step of ``thread`` (a sync adding "meanwhile") in ``group`` at a whole read.
+
+    The reader waits for the step up to 1,000 turns of the event loop: plenty
+    for it to finish on a memory store, unless the thread's lock holds it back.
+    The event is set once the step is through.
+    """
+    done = anyio.Event()
+
+    async def step() -> None:
+        await c.sync(thread, [Message.user("meanwhile")], ids=["meanwhile"])
+        done.set()
+
+    async def meanwhile() -> None:
+        group.start_soon(step)
+        for _ in range(1_000):
+            if done.is_set():
+                return
+            await checkpoint()
+
+    store.meanwhile = meanwhile
+    return done
+
+
+async def agreeing(store: Any, thread: str) -> list[str]:
+    """The working context's texts, once known to be the conversation a replay of the log gives."""
+    replayed = [text_of(m) for m in conversation([r async for r in store.replay(thread)])]
+    context = [text_of(m) for m in (await store.load(thread)).plain]
+    assert replayed == context, f"the log replays {replayed}, the context holds {context}"
+    return context
+
+
+@contextmanager
+def refusing_withdrawals(path: Path) -> Iterator[None]:
+    """For the block, the SQLite file at ``path`` refuses each episode withdrawing part of a conversation.
+
+    That is what an edit's log half records: a failure injected between its two halves.
+    """
+    _execute(
+        path,
+        "CREATE TRIGGER fail_withdrawal BEFORE INSERT ON episodes "
+        "WHEN NEW.kind IN ('messages_retracted', 'history_cleared') "
+        "BEGIN SELECT RAISE(ABORT, 'injected failure'); END",
+    )
+    try:
+        yield
+    finally:
+        _execute(path, "DROP TRIGGER fail_withdrawal")
+
+
+def _execute(path: Path, statement: str) -> None:
+    conn = sqlite3.connect(path)
+    try:
+        with conn:
+            conn.execute(statement)
+    finally:
+        conn.close()

@@ -8,10 +8,10 @@ import anyio
 import pytest
 from pydantic import Field
 
-from contextfold import Compactor, RunOptions, SummarizeOptions, conversation
+from contextfold import Compactor, RunOptions, StoreError, SummarizeOptions, conversation
 from contextfold.stores import MemoryStore, SQLiteStore
 
-from .scenario import compactor, question
+from .scenario import COUNTER, RacingStore, agreeing, compactor, question, race, refusing_withdrawals
 
 pytest.importorskip("langchain")
 
@@ -180,3 +180,78 @@ async def test_a_message_removed_after_a_fold_stays_removed(tmp_path: Any) -> No
             f"answer to {long(12)}",
         ]
         assert long(11) in await asked(store)
+
+
+async def both(store: Any) -> tuple[Any, ...]:
+    """All the thread holds in both memories."""
+    return (await store.load("t"), [r async for r in store.replay("t")])
+
+
+async def test_an_edit_whose_log_write_fails_leaves_both_memories_as_they_were(tmp_path: Any) -> None:
+    """The log refusing the edit leaves the working context unedited too; the next step makes the edit.
+
+    Before, the context took the edit in a write of its own: the model no
+    longer saw the removed message, and a replay of the log still gave it.
+    """
+    path = tmp_path / "edits.db"
+    async with SQLiteStore(path) as store:
+        graph, model = build(Compactor(store, options=NEVER_FOLDS))
+        await graph.ainvoke({"messages": [HumanMessage("my password is hunter2", id="h1")]}, CONFIG)
+        answer = (await graph.aget_state(CONFIG)).values["messages"][-1]
+        await graph.aupdate_state(
+            CONFIG, {"messages": [RemoveMessage(id="h1"), AIMessage("[redacted]", id=answer.id)]}
+        )
+        before = await both(store)
+        with refusing_withdrawals(path), pytest.raises(StoreError, match="injected failure"):
+            await graph.ainvoke({"messages": [HumanMessage("hello again", id="h2")]}, CONFIG)
+        assert await both(store) == before
+        await graph.ainvoke({"messages": [HumanMessage("hello again", id="h2")]}, CONFIG)
+        assert model.requests[-1] == ["[redacted]", "hello again"]
+        assert await agreeing(store, "t") == ["[redacted]", "hello again", "answer to hello again"]
+
+
+async def test_a_step_of_the_thread_cannot_land_inside_an_edit() -> None:
+    """A sync started while the middleware follows an update_state lands after it, in both memories.
+
+    Before, it landed between the edit's read of the log and its write; the
+    clear the edit then recorded took it from the log, and the context kept it.
+    """
+    store = RacingStore()
+    async with store:
+        c = Compactor(store, options=NEVER_FOLDS, counter=COUNTER)
+        graph, _ = build(c)
+        await graph.ainvoke({"messages": [HumanMessage("my password is hunter2", id="h1")]}, CONFIG)
+        answer = (await graph.aget_state(CONFIG)).values["messages"][-1]
+        await graph.aupdate_state(
+            CONFIG, {"messages": [RemoveMessage(id="h1"), AIMessage("[redacted]", id=answer.id)]}
+        )
+        async with anyio.create_task_group() as group:
+            stepped = race(store, c, "t", group)
+            await graph.ainvoke({"messages": [HumanMessage("hello again", id="h2")]}, CONFIG)
+        assert stepped.is_set()
+        context = await agreeing(store, "t")
+        assert "meanwhile" in context and "[redacted]" in context
+        assert "my password is hunter2" not in context
+
+
+async def test_with_two_stores_an_edit_reaches_both() -> None:
+    """A compactor over a separate context and log follows the edit in both (two writes, context first)."""
+    async with MemoryStore() as context, MemoryStore() as log:
+        graph, model = build(Compactor(options=NEVER_FOLDS, short_term=context, episodic=log))
+        await graph.ainvoke({"messages": [HumanMessage("my password is hunter2", id="h1")]}, CONFIG)
+        answer = (await graph.aget_state(CONFIG)).values["messages"][-1]
+        await graph.aupdate_state(
+            CONFIG, {"messages": [RemoveMessage(id="h1"), AIMessage("[redacted]", id=answer.id)]}
+        )
+        await graph.ainvoke({"messages": [HumanMessage("hello again", id="h2")]}, CONFIG)
+        assert model.requests[-1] == ["[redacted]", "hello again"]
+        replayed = [m.text for m in conversation([r async for r in log.replay("t")])]
+        assert (
+            replayed
+            == [m.text for m in (await context.load("t")).plain]
+            == [
+                "[redacted]",
+                "hello again",
+                "answer to hello again",
+            ]
+        )

@@ -5,13 +5,27 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import anyio
 import pytest
 
-from contextfold import Compactor, Message, RunOptions, SummarizeOptions, conversation
+from contextfold import Compactor, Message, RunOptions, StoreError, SummarizeOptions, conversation
 from contextfold.episodes import SummaryCheckpoint
-from contextfold.stores import MemoryStore
+from contextfold.stores import MemoryStore, SQLiteStore
 
-from .scenario import check_log, check_requests, compactor, question, record_text, text_of, transcript
+from .scenario import (
+    COUNTER,
+    RacingStore,
+    agreeing,
+    check_log,
+    check_requests,
+    compactor,
+    question,
+    race,
+    record_text,
+    refusing_withdrawals,
+    text_of,
+    transcript,
+)
 
 pytest.importorskip("pydantic_ai")
 
@@ -189,3 +203,50 @@ async def test_a_kept_turn_left_out_of_all_messages_after_a_fold_stays_out() -> 
         assert question(11) not in [m.text for m in sent]
         assert await said(store) == transcript([*range(11), 12])
         assert question(11) in await asked(store)
+
+
+async def both(store: Any) -> tuple[Any, ...]:
+    """All the thread holds in both memories."""
+    return (await store.load("c"), [r async for r in store.replay("c")])
+
+
+async def test_an_edit_whose_log_write_fails_leaves_both_memories_as_they_were(tmp_path: Any) -> None:
+    """The log refusing the edit leaves the working context unedited too; the run made again makes it.
+
+    Before, the context took the edit in a write of its own, and a replay of
+    the log still gave the exchange left out.
+    """
+    path = tmp_path / "edits.db"
+    async with SQLiteStore(path) as store:
+        bot, model = echo_agent(store)
+        first = await bot.run("my card number is 4111-1111", conversation_id="c")
+        second = await bot.run("what's the weather?", message_history=first.all_messages())
+        before = await both(store)
+        with refusing_withdrawals(path), pytest.raises(StoreError, match="injected failure"):
+            await bot.run("and tomorrow?", message_history=second.all_messages()[2:])
+        assert await both(store) == before
+        await bot.run("and tomorrow?", message_history=second.all_messages()[2:])
+        sent = ["what's the weather?", "answer to what's the weather?", "and tomorrow?"]
+        assert model.requests[-1] == sent
+        assert await agreeing(store, "c") == [*sent, "answer to and tomorrow?"]
+
+
+async def test_a_step_of_the_thread_cannot_land_inside_an_edit() -> None:
+    """A sync started while the capability follows an edited history lands after it, in both memories.
+
+    Before, it landed between the edit's read of the log and its write, and
+    the edit, which had not seen it, withdrew it from the log, not the context.
+    """
+    store = RacingStore()
+    async with store:
+        c = Compactor(store, options=NEVER_FOLDS, counter=COUNTER)
+        bot = Agent(FunctionModel(Echo()), capabilities=[CompactionCapability(c)])
+        first = await bot.run("my card number is 4111-1111", conversation_id="c")
+        second = await bot.run("what's the weather?", message_history=first.all_messages())
+        async with anyio.create_task_group() as group:
+            stepped = race(store, c, "c", group)
+            await bot.run("and tomorrow?", message_history=second.all_messages()[2:])
+        assert stepped.is_set()
+        context = await agreeing(store, "c")
+        assert "meanwhile" in context and "and tomorrow?" in context
+        assert "my card number is 4111-1111" not in context

@@ -78,7 +78,7 @@ from .._sync import KEY_METADATA_KEY, SUMMARY_KEY_PREFIX, _off_loop, alike, mess
 from ..stores._base import StoredMessage
 from ..summarizers._base import Summary
 from ..summarizers._prompt import SYSTEM_PROMPT, render_messages, user_prompt
-from ._edits import record_edit, replace_context, said
+from ._edits import Edit, Row, follow, kept, said, withdrawal
 
 __all__ = ["CompactionMiddleware", "LangChainSummarizer", "from_langchain", "to_langchain"]
 
@@ -373,36 +373,37 @@ class CompactionMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
         place. The log records the conversation withdrawn from the oldest
         message edited on (``MessagesRetractedEpisode``, or ``HistoryClearedEpisode``
         from the start), then what stays of it again, as edited: a replay gives
-        the edited conversation.
+        the edited conversation. Both in one write, holding the thread's lock
+        (see ``_edits.follow``); the edit is by key, so a message another step
+        recorded since it was found stays.
         """
+        compactor = self.compactor
 
-        def rebuild(window: Sequence[StoredMessage]) -> list[tuple[Message, int | None]]:
-            replacement: list[tuple[Message, int | None]] = []
+        async def plan(window: Sequence[StoredMessage]) -> Edit:
+            context: list[Row] = []
             for stored in window:
                 key = message_key(stored.message)
                 if edit.cleared or key in edit.removed:
                     continue
                 if key is not None and key in edit.changed:
-                    replacement.append((edit.changed[key], None))
+                    context.append(Row(edit.changed[key], None, stored.seq))
                 else:
-                    replacement.append((stored.message, stored.tokens))
-            return replacement
+                    context.append(kept(stored))
+            conversation = await said(compactor, thread)
+            edited = edit.removed | edit.changed.keys()
+            first = 0
+            if not edit.cleared:  # the newest message of each key is the context's (a provider may reuse ids)
+                newest = {message_key(message): n for n, message in enumerate(conversation)}
+                first = min((newest[key] for key in edited if key in newest), default=len(conversation))
+            again: list[Message] = []
+            if not edit.cleared:
+                for message in conversation[first:]:
+                    key = message_key(message)
+                    if key is None or key not in edit.removed:
+                        again.append(edit.changed.get(key, message) if key else message)
+            return withdrawal(len(conversation), first, again, context)
 
-        compactor = self.compactor
-        await replace_context(compactor, thread, rebuild)
-        conversation = await said(compactor, thread)
-        edited = edit.removed | edit.changed.keys()
-        first = 0
-        if not edit.cleared:  # the newest message of each key is the context's (a provider may reuse ids)
-            newest = {message_key(message): n for n, message in enumerate(conversation)}
-            first = min((newest[key] for key in edited if key in newest), default=len(conversation))
-        again: list[Message] = []
-        if not edit.cleared:
-            for message in conversation[first:]:
-                key = message_key(message)
-                if key is None or key not in edit.removed:
-                    again.append(edit.changed.get(key, message) if key else message)
-        await record_edit(compactor, thread, said=len(conversation), first=first, again=again)
+        await follow(compactor, thread, plan)
 
     async def abefore_model(self, state: AgentState[Any], runtime: Runtime[Any]) -> dict[str, Any] | None:
         return await self._update(_run_of(self.thread), state["messages"])

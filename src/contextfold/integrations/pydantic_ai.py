@@ -64,8 +64,8 @@ from .._errors import ConfigError
 from .._messages import SUMMARY_METADATA_KEY, TOOL_ERROR_METADATA_KEY, Message, Role, ToolCall
 from .._sync import _catch_up, _off_loop, _overlap, _same_content, _with_key, content_hash, message_key
 from .._threads import holding
-from ..stores._base import Store, StoredMessage
-from ._edits import record_edit, replace_context, said
+from ..stores._base import StoredMessage
+from ._edits import Edit, Row, follow, kept, said, withdrawal
 
 __all__ = ["CompactionCapability", "from_pydantic_ai", "to_pydantic_ai"]
 
@@ -558,6 +558,35 @@ def _edit_of(
     return edit if edit.instead or edit.before else None
 
 
+def _followed(edit: _Edit, said: Sequence[Message], window: Sequence[StoredMessage]) -> Edit:
+    """What following ``edit`` of ``said`` (the log's conversation) writes to ``window``'s context."""
+    edited = edit.conversation(said)
+    touched = edit.instead.keys() | edit.before.keys()
+    positions = _positions(said, [stored.message for stored in window])
+    at = {n: stored for n, stored in zip(positions, window, strict=True) if n is not None}
+    context: list[Row] = []
+    if any(_is_summary(stored.message) for stored in window) and not touched <= at.keys():
+        # The summary speaks for a message the edit changed: the edited conversation replaces
+        # it, unfolded, until the next fold, under the system prompt the context stands under.
+        prompts = _prompts([message for message, _ in edited])
+        context += map(kept, window[: _opening([stored.message for stored in window])])
+        context += [
+            kept(at[n]) if n is not None and n in at else Row(message, None)
+            for (message, n), prompt in zip(edited, prompts, strict=True)
+            if not prompt
+        ]
+    else:
+        for n, stored in zip(positions, window, strict=True):
+            if n is not None:
+                context += [Row(message, None) for message in edit.before.get(n, ())]
+            if n is not None and n in edit.instead:
+                context += [Row(message, None) for message in edit.instead[n]]
+            else:
+                context.append(kept(stored))
+    first = edit.first
+    return withdrawal(len(said), first, [message for message, _ in edited[first:]], context)
+
+
 @dataclass
 class CompactionCapability(AbstractCapability[Any]):
     """Compacts the run's message history before each model request (``Agent(capabilities=[...])``)."""
@@ -622,88 +651,69 @@ class CompactionCapability(AbstractCapability[Any]):
             runs.popitem(last=False)
 
     async def _follow(self, thread: str, messages: list[Message], ids: list[str | None]) -> None:
-        """Make the working context and the log follow an edit ``messages`` made, if they made one."""
+        """Make the working context and the log follow an edit ``messages`` made, if they made one.
+
+        The edit is found and followed holding the thread's log (``_reading``),
+        then its ``sync`` lock (see ``_edits.follow``), the order ``_sync`` takes
+        them in: no step of the thread lands between the read and the write.
+        """
         compactor = self.compactor
         context = await compactor.context(thread)
+        reading = any(map(_is_summary, context)) and not any(map(_is_summary, messages))
         size = len(context) + len(messages)
-        if any(map(_is_summary, context)) and not any(map(_is_summary, messages)):
-            async with self._reading(thread) as log:
-                unedited = await _off_loop(size, _unedited, context, messages, ids, log)
-        else:
-            unedited = await _off_loop(size, _unedited, context, messages, ids, None)
-        if unedited:
-            return
-        conversation = await said(compactor, thread)
-        edit = await _off_loop(size, _edit_of, conversation, context, messages, ids) if conversation else None
-        if edit is None:
-            return
-        edited = edit.conversation(conversation)
-        touched = edit.instead.keys() | edit.before.keys()
+        if not reading and await _off_loop(size, _unedited, context, messages, ids, None):
+            return  # the common run (no edit), told without reading the log
+        async with self._reading(thread) as log:
+            if reading and await _off_loop(size, _unedited, context, messages, ids, log):
+                return
 
-        def rebuild(window: Sequence[StoredMessage]) -> list[tuple[Message, int | None]]:
-            positions = _positions(conversation, [stored.message for stored in window])
-            at = {n: stored for n, stored in zip(positions, window, strict=True) if n is not None}
-            if any(_is_summary(stored.message) for stored in window) and not touched <= at.keys():
-                # The summary speaks for a message the edit changed: the edited conversation replaces
-                # it, unfolded, until the next fold, under the system prompt the context stands under.
-                prompts = _prompts([message for message, _ in edited])
-                head = _opening([stored.message for stored in window])
-                return [(stored.message, stored.tokens) for stored in window[:head]] + [
-                    (at[n].message, at[n].tokens) if n is not None and n in at else (message, None)
-                    for (message, n), prompt in zip(edited, prompts, strict=True)
-                    if not prompt
-                ]
-            out: list[tuple[Message, int | None]] = []
-            for n, stored in zip(positions, window, strict=True):
-                if n is not None:
-                    out += [(message, None) for message in edit.before.get(n, ())]
-                if n is not None and n in edit.instead:
-                    out += [(message, None) for message in edit.instead[n]]
-                else:
-                    out.append((stored.message, stored.tokens))
-            return out
+            async def plan(window: Sequence[StoredMessage]) -> Edit | None:
+                held = [stored.message for stored in window]
+                size = len(held) + len(messages)
+                if await _off_loop(size, _unedited, held, messages, ids, log):
+                    return None  # another step took the context where the history is
+                conversation = await said(compactor, thread)
+                if not conversation:
+                    return None
+                edit = await _off_loop(size, _edit_of, conversation, held, messages, ids)
+                return None if edit is None else await _off_loop(size, _followed, edit, conversation, window)
 
-        await replace_context(compactor, thread, rebuild)
-        first = edit.first
-        again = [message for message, _ in edited[first:]]
-        await record_edit(compactor, thread, said=len(conversation), first=first, again=again)
+            await follow(compactor, thread, plan)
 
     async def _stand(self, thread: str, log: _Log, prompt: list[Message]) -> None:
         """Make ``prompt``, the system prompt a run's messages open with, the one the thread stands under.
 
         A prompt that changed (a ``dynamic`` one rendered anew, an agent
         rebuilt with another) is recorded in the log where it took effect, and
-        takes the place of the old one at the head of the working context; the
-        conversation itself is neither withdrawn nor recorded again. ``log``
-        (held) is brought up to date with it.
+        takes the place of the old one at the head of the working context, in
+        one write; the conversation itself is neither withdrawn nor recorded
+        again. ``log`` (held) is brought up to date with it.
         """
         if not prompt:
             return  # a run of an agent without a system prompt goes on under the thread's
         compactor = self.compactor
         current = log.prompt()
-        if not _same_content(current, prompt):
+        changed = not _same_content(current, prompt)
+        if changed:
             current = [_as_prompt_record(message) for message in prompt]
             if not log.digests:
                 await compactor.append(thread, current)  # the thread opens with it
                 await _catch_up(compactor, thread, log)
                 return
-            episodes = [episode_for(message) for message in current]
-            store = compactor.episodic
-            if isinstance(store, Store):
-                await store.record_and_append(thread, episodes, [], [])
-            else:
-                for episode in episodes:
-                    await store.record(thread, episode)
+        elif _same_content((context := await compactor.context(thread))[: _opening(context)], prompt):
+            return
+        episodes = [episode_for(message) for message in current] if changed else []
+
+        async def plan(window: Sequence[StoredMessage]) -> Edit:
+            head = _opening([stored.message for stored in window])
+            if _same_content([stored.message for stored in window[:head]], prompt):
+                return Edit(episodes, None)
+            rows = [Row(message, None, recorded=n if changed else None) for n, message in enumerate(current)]
+            return Edit(episodes, rows + [kept(stored) for stored in window[head:]])
+
+        await follow(compactor, thread, plan)
+        if changed:
             await _catch_up(compactor, thread, log)
-        if not _same_content((context := await compactor.context(thread))[: _opening(context)], prompt):
-
-            def rebuild(window: Sequence[StoredMessage]) -> list[tuple[Message, int | None]]:
-                rest = window[_opening([stored.message for stored in window]) :]
-                return [(message, None) for message in current] + [
-                    (stored.message, stored.tokens) for stored in rest
-                ]
-
-            await replace_context(compactor, thread, rebuild)
 
     async def _sync(
         self, thread: str, messages: list[Message], ids: list[str | None], *, compact: bool

@@ -2,8 +2,8 @@
 
 ``ShortTermStore`` (the working context) and ``EpisodicStore`` (the
 append-only log) are the two memories; ``Store`` is both in one backend, where
-recording a step and folding a prefix are each one transaction. Every bundled
-backend is a ``Store``.
+recording a step, folding a prefix and applying an edit of the conversation are
+each one transaction. Every bundled backend is a ``Store``.
 
 ``PostgresStore`` needs the optional ``contextfold[postgres]`` extra; its
 module (and psycopg) is imported only when the name is first looked up.

@@ -243,7 +243,7 @@ class Store(ShortTermStore, EpisodicStore, Protocol):
     two writes, not one: each write is atomic on its own, but a crash or a
     failure between them can leave episodes that never reached the context,
     or a checkpoint whose prefix swap did not happen. Only a ``Store`` makes
-    ``record_and_append`` and ``fold`` one transaction.
+    ``record_and_append``, ``fold`` and ``record_and_replace`` one transaction.
     """
 
     async def state(self, thread: str, *, now: datetime | None = None) -> ThreadState:
@@ -305,6 +305,39 @@ class Store(ShortTermStore, EpisodicStore, Protocol):
           the replacement (``Message.is_summary``) gets the checkpoint's seq
           instead. A checkpoint without one (a fold that only drops or masks)
           links no row, and a previous summary it carries over keeps its link.
+        """
+        ...
+
+    async def record_and_replace(
+        self,
+        thread: str,
+        episodes: Sequence[Episode],
+        *,
+        through_seq: int,
+        expected_version: int,
+        replacement: Sequence[Message],
+        tokens: Sequence[int],
+        message_episodes: Sequence[int | None] | None = None,
+        stands_for: Sequence[int | None] | None = None,
+    ) -> ThreadStats:
+        """Record ``episodes`` and ``replace_prefix`` in one transaction; return the stats after it.
+
+        How an edit of the conversation is applied (a message removed or
+        rewritten, a history cleared): the log records the conversation withdrawn
+        (``MessagesRetractedEpisode``, ``HistoryClearedEpisode``) and what stays
+        of it again, and the working context takes the edit, or neither does.
+        Raises ``ConflictError`` exactly when ``replace_prefix`` would, and then
+        writes nothing, no episode either. The episodes take the log's next seqs.
+
+        Each replacement message links an episode as a fold's do:
+
+        - ``message_episodes[i]``, when not ``None``, is the index in ``episodes``
+          of the episode that records ``replacement[i]``: the row links its seq;
+        - else ``stands_for[i]``, when not ``None``, is the seq of the replaced
+          row the message stands for (the same message, kept or rewritten in
+          place): the row keeps that row's ``episode_seq``. A seq that is not one
+          of the replaced rows links no episode;
+        - else the row links no episode, as after ``replace_prefix``.
         """
         ...
 

@@ -56,6 +56,8 @@ from ._rows import (
     check_thread,
     check_total,
     decode_episode,
+    edit_links,
+    encode_edit,
     encode_episode,
     encode_recording,
     encode_rows,
@@ -465,6 +467,40 @@ class MemoryStore(AsyncResource):
             )
             self._apply(context, cut, stats, through_seq, rows, links)
         return record
+
+    async def record_and_replace(
+        self,
+        thread: str,
+        episodes: Sequence[Episode],
+        *,
+        through_seq: int,
+        expected_version: int,
+        replacement: Sequence[Message],
+        tokens: Sequence[int],
+        message_episodes: Sequence[int | None] | None = None,
+        stands_for: Sequence[int | None] | None = None,
+    ) -> ThreadStats:
+        await self._enter()
+        check_thread(thread)
+        check_replace(through_seq, expected_version)
+        recording, kept = await off_loop_if_heavy(
+            replacement, encode_edit, episodes, replacement, tokens, message_episodes, stands_for
+        )
+        rows = recording.rows
+        self._check_open()
+        with self._lock:
+            context, cut, stats = self._swap(thread, through_seq, expected_version, rows)
+            seqs = self._record_bodies(thread, recording.episodes, recording.bodies, datetime.now(UTC))
+            replaced = context.messages[:cut]
+            wanted = {seq for seq in kept if seq is not None}
+            links = edit_links(
+                recording.links,
+                seqs,
+                kept,
+                {row.seq: row.episode_seq for row in replaced if row.seq in wanted},
+            )
+            self._apply(context, cut, stats, through_seq, rows, links)
+        return stats
 
     async def forget(self, thread: str) -> Tombstone:
         await self._enter()

@@ -82,6 +82,7 @@ from ._rows import (
     check_thread,
     check_total,
     decode_episode,
+    encode_edit,
     encode_episodes,
     encode_messages,
     encode_recording,
@@ -482,7 +483,7 @@ _ADDED_CTE = """
             WITH ORDINALITY AS u(tokens, body, episode, n))
 """
 
-_FOLD = """
+_SWAP = """
 WITH
     guard AS (
         SELECT thread FROM {s}.threads
@@ -497,34 +498,61 @@ WITH
         SELECT count(*) AS n, coalesce(sum(tokens), 0) AS tokens,
             count(*) FILTER (WHERE seq < %(from_seq)s::bigint) AS head
         FROM gone),
-    replaced AS (SELECT episode_seq, row_number() OVER (ORDER BY seq) AS i FROM gone),
+    replaced AS (SELECT seq, episode_seq, row_number() OVER (ORDER BY seq) AS i FROM gone),
     {record},
     added AS (
         INSERT INTO {s}.messages (thread, seq, tokens, body, episode_seq)
-        SELECT %(thread)s, %(through_seq)s - %(m_n)s + u.n, u.tokens, u.body,
-            CASE WHEN u.n = %(m_summary)s::bigint THEN e.last_seq ELSE r.episode_seq END
-        FROM removed CROSS JOIN e CROSS JOIN
-            unnest(%(m_tokens)s::bigint[], %(m_bodies)s::text[]) WITH ORDINALITY AS u(tokens, body, n)
-            -- the head the fold keeps, one for one, then the newest replaced rows (fold_links)
-            LEFT JOIN replaced AS r ON r.i = CASE WHEN u.n <= removed.head THEN u.n
-                ELSE removed.n - %(m_n)s + u.n END
-                AND (u.n <= removed.head OR r.i > removed.head)
+        SELECT %(thread)s, %(through_seq)s - %(m_n)s + u.n, u.tokens, u.body, {link}
+        FROM removed LEFT JOIN e ON true CROSS JOIN
+            unnest(%(m_tokens)s::bigint[], %(m_bodies)s::text[]{columns})
+                WITH ORDINALITY AS u(tokens, body{names}, n)
+            LEFT JOIN replaced AS r ON {stands_for}
         WHERE removed.n > 0),
-    folded AS (
+    swapped AS (
         UPDATE {s}.threads AS t SET
             message_count = t.message_count + %(m_n)s - removed.n,
             total_tokens = t.total_tokens + %(m_total)s - removed.tokens,
             version = t.version + 1
         FROM removed
         WHERE t.thread = %(thread)s AND EXISTS (SELECT 1 FROM guard)
-        RETURNING t.version)
+        RETURNING t.version, t.message_count, t.total_tokens, t.last_seq)
 SELECT
-    (SELECT version FROM folded),
+    (SELECT version FROM swapped),
     (SELECT max(seq) FROM recorded),
     (SELECT max(at) FROM recorded),
     (SELECT version FROM {s}.threads WHERE thread = %(thread)s),
-    EXISTS (SELECT 1 FROM {s}.messages WHERE thread = %(thread)s AND seq = %(through_seq)s)
+    EXISTS (SELECT 1 FROM {s}.messages WHERE thread = %(thread)s AND seq = %(through_seq)s),
+    (SELECT message_count FROM swapped),
+    (SELECT total_tokens FROM swapped),
+    (SELECT last_seq FROM swapped)
 """
+"""A guarded prefix swap that records a batch of episodes (``_RECORD_CTES``) in the same statement.
+
+Every write is gated on one locked, checked row (the thread at
+``expected_version``, holding ``through_seq``), so it does all of them or none.
+``{link}`` is each replacement row's ``episode_seq``, from the recorded batch
+(``e``) and the replaced row it is joined to (``r``, on ``{stands_for}``).
+"""
+
+_FOLD_LINK = "CASE WHEN u.n = %(m_summary)s::bigint THEN e.last_seq ELSE r.episode_seq END"
+# The head the fold keeps, one for one, then the newest replaced rows (fold_links).
+_FOLD_STANDS_FOR = """r.i = CASE WHEN u.n <= removed.head THEN u.n ELSE removed.n - %(m_n)s + u.n END
+                AND (u.n <= removed.head OR r.i > removed.head)"""
+
+_EDIT_LINK = "coalesce(e.last_seq - %(e_n)s + 1 + u.episode, r.episode_seq)"
+"""The batch's episode that records the row, else the link of the replaced row it stands for (edit_links)."""
+
+
+def _swap_conflict(
+    thread: str, action: str, current: int | None, expected_version: int, found: bool, through_seq: int
+) -> ConflictError:
+    """Why a guarded swap (``_SWAP``) wrote nothing."""
+    if (current or 0) != expected_version:
+        return version_conflict(thread, current or 0, expected_version)
+    if not found:
+        return missing_seq_conflict(thread, through_seq)
+    return ConflictError(f"thread {thread!r} changed during the {action}; load it again and retry")
+
 
 _COUNTER_COLUMNS = (
     "e.last_seq, e.total_user_messages, e.user_messages_since_boundary, e.run_completed_since_boundary,"
@@ -1194,20 +1222,62 @@ class PostgresStore(AsyncResource):
             **batch,
             **_batch([checkpoint], [body]),
         }
-        query = self._composed(
-            "fold",
-            lambda: sql.SQL(_FOLD).format(
-                s=self._s, record=sql.SQL(_RECORD_CTES).format(s=self._s, source=sql.SQL("FROM guard"))
-            ),
-        )
-        version, seq, at, current, found = await self._one("fold", thread, query, params, write=True)
+        query = self._composed("fold", lambda: self._swap_query(_FOLD_LINK, _FOLD_STANDS_FOR, edit=False))
+        version, seq, at, current, found, *_ = await self._one("fold", thread, query, params, write=True)
         if version is None:
-            if (current or 0) != expected_version:
-                raise version_conflict(thread, current or 0, expected_version)
-            if not found:
-                raise missing_seq_conflict(thread, through_seq)
-            raise ConflictError(f"thread {thread!r} changed during the fold; load it again and retry")
+            raise _swap_conflict(thread, "fold", current, expected_version, found, through_seq)
         return EpisodeRecord(thread=thread, seq=int(seq), at=_as_utc(at), episode=checkpoint)
+
+    async def record_and_replace(
+        self,
+        thread: str,
+        episodes: Sequence[Episode],
+        *,
+        through_seq: int,
+        expected_version: int,
+        replacement: Sequence[Message],
+        tokens: Sequence[int],
+        message_episodes: Sequence[int | None] | None = None,
+        stands_for: Sequence[int | None] | None = None,
+    ) -> ThreadStats:
+        """Record ``episodes`` and swap the prefix in one statement; on a conflict, write nothing."""
+        check_thread(thread)
+        check_replace(through_seq, expected_version)
+        recording, kept = await off_loop_if_heavy(
+            replacement, encode_edit, episodes, replacement, tokens, message_episodes, stands_for
+        )
+        params: dict[str, Any] = {
+            "thread": thread,
+            "at": None,
+            "through_seq": through_seq,
+            "expected_version": expected_version,
+            "from_seq": None,
+            **_row_params(thread, [(body, count) for body, count, _ in recording.rows]),
+            **_batch(recording.episodes, recording.bodies),
+            "m_episodes": recording.links,
+            "m_stands_for": kept,
+        }
+        query = self._composed(
+            "record_and_replace", lambda: self._swap_query(_EDIT_LINK, "r.seq = u.stands_for", edit=True)
+        )
+        version, _, _, current, found, count, total, last_seq = await self._one(
+            "record_and_replace", thread, query, params, write=True
+        )
+        if version is None:
+            raise _swap_conflict(thread, "edit", current, expected_version, found, through_seq)
+        return _thread_stats((count, total, version, last_seq))
+
+    def _swap_query(self, link: str, stands_for: str, *, edit: bool) -> sql.Composed:
+        """``_SWAP`` with its links; an edit's batch may be empty, and then records nothing."""
+        source = "FROM guard WHERE %(e_n)s > 0" if edit else "FROM guard"
+        return sql.SQL(_SWAP).format(
+            s=self._s,
+            record=sql.SQL(_RECORD_CTES).format(s=self._s, source=sql.SQL(source)),
+            link=sql.SQL(link),
+            stands_for=sql.SQL(stands_for),
+            columns=sql.SQL(", %(m_episodes)s::bigint[], %(m_stands_for)s::bigint[]" if edit else ""),
+            names=sql.SQL(", episode, stands_for" if edit else ""),
+        )
 
     @asynccontextmanager
     async def compaction_lock(self, thread: str) -> AsyncIterator[bool]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from types import UnionType
 from typing import Any, NamedTuple, TypeVar, get_args
@@ -58,11 +58,14 @@ __all__ = [
     "check_path",
     "check_replace",
     "check_seconds",
+    "check_stands_for",
     "check_text",
     "check_thread",
     "check_total",
     "decode_episode",
     "decode_message",
+    "edit_links",
+    "encode_edit",
     "encode_episode",
     "encode_episodes",
     "encode_messages",
@@ -558,9 +561,15 @@ def encode_recording(
     episodes: Sequence[Episode],
     messages: Sequence[Message],
     tokens: Sequence[int],
-    message_episodes: Sequence[int] | None,
+    message_episodes: Sequence[int | None] | None,
+    *,
+    field: str = "messages",
+    unlinked: bool = False,
 ) -> Recording:
     """A step's episode bodies, message rows and links, each message encoded and read back once.
+
+    ``field`` names the messages in errors; with ``unlinked``, ``message_episodes``
+    may hold ``None`` for a message no episode of the batch records.
 
     A message recorded by its own episode (what ``Compactor.append`` does for
     every message) is not encoded a second time for the episode: the row's
@@ -569,14 +578,14 @@ def encode_recording(
     """
     if not_a_sequence(episodes):
         raise ConfigError("episodes", "must be a sequence of episodes", value=episodes)
-    rows = encode_rows(messages, tokens)
-    links = check_message_episodes(message_episodes, len(rows), len(episodes))
+    rows = encode_rows(messages, tokens, field=field)
+    links = check_message_episodes(message_episodes, len(rows), len(episodes), unlinked=unlinked)
     shared: dict[int, tuple[str, str]] = {}  # episode index: (its message's field, that message's JSON)
     for (body, _, _), message, link in zip(rows, messages, links, strict=True):
         if link is not None:
-            field = message_field(episodes[link])
-            if field is not None and getattr(episodes[link], field) is message:
-                shared[link] = (field, body)
+            holder = message_field(episodes[link])
+            if holder is not None and getattr(episodes[link], holder) is message:
+                shared[link] = (holder, body)
     bodies: list[str] = []
     for index, episode in enumerate(episodes):
         try:
@@ -670,30 +679,34 @@ def _reply_head(episode: Episode) -> str:
 
 
 def check_message_episodes(
-    message_episodes: Sequence[int] | None, messages: int, episodes: int
+    message_episodes: Sequence[int | None] | None, messages: int, episodes: int, *, unlinked: bool = False
 ) -> list[int | None]:
-    """For each message, the index of the episode that records it (``None`` when not given)."""
+    """For each message, the index of the episode that records it (``None`` when not given).
+
+    With ``unlinked``, an item may be ``None`` too: a message no episode of the batch records.
+    """
     if message_episodes is None:
         return [None] * messages
-    if not_a_sequence(message_episodes):
-        raise ConfigError(
-            "message_episodes",
-            "must be a sequence of episode indexes, one per message",
-            value=message_episodes,
-        )
-    if len(message_episodes) != messages:
-        raise ConfigError(
-            "message_episodes",
-            f"needs one episode index per message: got {len(message_episodes)} for {messages} messages",
-        )
+    _check_per_message("message_episodes", message_episodes, messages, "episode index", "episode indexes")
     for index, value in enumerate(message_episodes):
+        if value is None and unlinked:
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < episodes:
             raise ConfigError(
                 f"message_episodes[{index}]",
-                f"must index the episodes passed with it (0 to {episodes - 1})",
+                f"must index the episodes passed with it (0 to {episodes - 1})"
+                + (", or be None" if unlinked else ""),
                 value=value,
             )
     return list(message_episodes)
+
+
+def _check_per_message(key: str, values: Sequence[object], messages: int, one: str, many: str) -> None:
+    """That ``values`` is a sequence of one item (``one``, ``many`` of them) per message."""
+    if not_a_sequence(values):
+        raise ConfigError(key, f"must be a sequence of {many}, one per message", value=values)
+    if len(values) != messages:
+        raise ConfigError(key, f"needs one {one} per message: got {len(values)} for {messages} messages")
 
 
 def check_checkpoint(checkpoint: Any) -> str:
@@ -756,6 +769,52 @@ def fold_links(
         links.append(last[row - offset][1] if row >= max(head, offset) else None)
     if summary_at is not None:
         links[summary_at] = checkpoint_seq
+    return links
+
+
+def check_stands_for(stands_for: Sequence[int | None] | None, messages: int) -> list[int | None]:
+    """For each replacement message, the seq of the replaced row it stands for (``None`` when not given)."""
+    if stands_for is None:
+        return [None] * messages
+    _check_per_message("stands_for", stands_for, messages, "seq (or None)", "seqs (or None)")
+    for index, value in enumerate(stands_for):
+        if value is not None:
+            _whole_number(f"stands_for[{index}]", value, minimum=1)
+    return list(stands_for)
+
+
+def encode_edit(
+    episodes: Sequence[Episode],
+    replacement: Sequence[Message],
+    tokens: Sequence[int],
+    message_episodes: Sequence[int | None] | None,
+    stands_for: Sequence[int | None] | None,
+) -> tuple[Recording, list[int | None]]:
+    """``record_and_replace``'s input, checked and encoded: its recording, and what each row stands for."""
+    recording = encode_recording(
+        episodes, replacement, tokens, message_episodes, field="replacement", unlinked=True
+    )
+    return recording, check_stands_for(stands_for, len(replacement))
+
+
+def edit_links(
+    recorded: Sequence[int | None],
+    episode_seqs: Sequence[int],
+    stands_for: Sequence[int | None],
+    replaced: Mapping[int, int | None],
+) -> list[int | None]:
+    """The ``episode_seq`` of each replacement row of ``Store.record_and_replace`` (see there).
+
+    ``recorded[i]`` is the index of the episode that records row ``i``, whose
+    seq is in ``episode_seqs``; else the row keeps the link of the replaced row
+    whose seq is ``stands_for[i]``, found in ``replaced`` (seq: episode seq).
+    """
+    links: list[int | None] = []
+    for episode, seq in zip(recorded, stands_for, strict=True):
+        if episode is not None:
+            links.append(episode_seqs[episode])
+        else:
+            links.append(None if seq is None else replaced.get(seq))
     return links
 
 

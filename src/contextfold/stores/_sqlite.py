@@ -148,6 +148,8 @@ from ._rows import (
     check_thread,
     check_total,
     decode_episode,
+    edit_links,
+    encode_edit,
     encode_episode,
     encode_messages,
     encode_recording,
@@ -1902,6 +1904,55 @@ class SQLiteStore(AsyncResource):
             rows = encode()
             seq = await self._swap_write(swap(rows), len(body) + sum(len(row) for row, _ in rows))
         return trusted(EpisodeRecord, thread=thread, seq=seq, at=when, episode=checkpoint)
+
+    async def record_and_replace(
+        self,
+        thread: str,
+        episodes: Sequence[Episode],
+        *,
+        through_seq: int,
+        expected_version: int,
+        replacement: Sequence[Message],
+        tokens: Sequence[int],
+        message_episodes: Sequence[int | None] | None = None,
+        stands_for: Sequence[int | None] | None = None,
+    ) -> ThreadStats:
+        check_thread(thread)
+        check_replace(through_seq, expected_version)
+        when = datetime.now(UTC)
+
+        def swap(
+            encoded: tuple[Recording, list[int | None]],
+        ) -> Callable[[sqlite3.Connection, int | None], ThreadStats]:
+            recording, kept = encoded
+            rows = [(body, count) for body, count, _ in recording.rows]
+
+            def run(conn: sqlite3.Connection, most: int | None = None) -> ThreadStats:
+                def record(count: int, first: _Replaced, last: _Replaced) -> list[int | None]:
+                    seqs = _record_rows(conn, thread, recording.episodes, recording.bodies, when)
+                    replaced = (
+                        conn.execute(
+                            "SELECT seq, episode_seq FROM messages WHERE thread = ? AND seq <= ?",
+                            (thread, through_seq),
+                        ).fetchall()
+                        if any(seq is not None for seq in kept)
+                        else []
+                    )
+                    return edit_links(recording.links, seqs, kept, dict(replaced))
+
+                with _transaction(conn, "IMMEDIATE"):
+                    return _swap(conn, thread, through_seq, expected_version, rows, record, most)
+
+            return run
+
+        encode = partial(encode_edit, episodes, replacement, tokens, message_episodes, stands_for)
+        if heavy_batch(replacement):
+            _, stats = await self._encoded_in_thread(encode, lambda conn, encoded: swap(encoded)(conn, None))
+            return stats
+        encoded = encode()
+        recording = encoded[0]
+        size = sum(map(len, recording.bodies)) + sum(len(body) for body, _, _ in recording.rows)
+        return await self._swap_write(swap(encoded), size)
 
     async def forget(self, thread: str) -> Tombstone:
         check_thread(thread)
