@@ -1272,3 +1272,80 @@ async def test_abandon_after_seconds_counts_from_when_the_call_was_made(store: A
     closed = [m for m in conversation([r async for r in store.replay(THREAD)]) if m.tool_call_id == "c1"]
     assert len(closed) == 1 and closed[0].metadata[ABANDONED_METADATA_KEY] is True
     assert "within 0.25 s" in closed[0].text
+
+
+def _calls_answered_in_place(context: Sequence[Message]) -> bool:
+    """Whether every call's result follows its message at once, as provider APIs require."""
+    for index, message in enumerate(context):
+        if message.tool_calls:
+            ids = {call.id for call in message.tool_calls}
+            after = context[index + 1 : index + 1 + len(ids)]
+            if {m.tool_call_id for m in after if m.role is Role.TOOL} != ids:
+                return False
+    return True
+
+
+async def test_an_abandoned_calls_error_result_goes_right_after_the_call(store: Any) -> None:
+    """The closing result sits after its call, not after the eight turns that came since.
+
+    Appended at the end, it left the call's message followed by user turns (a
+    request OpenAI's and Anthropic's APIs refuse) and made one unit of
+    everything between them. The log records it, and the other rows keep
+    their links.
+    """
+    from contextfold._compactor import ABANDONED_METADATA_KEY
+
+    settings = SummarizeOptions(
+        trigger_token_budget=1_000, target_tokens=500, min_recent_messages=0, min_recent_turns=1
+    )
+    compactor = Compactor(store, options=settings, counter=ApproximateCounter(), log_events=False)
+    for n in range(10):
+        await compactor.append(THREAD, [Message.user(f"{_words(80)} {n}")])
+    lost = ToolCall(id="lost", name="flaky", arguments="{}")
+    await compactor.append(THREAD, [Message.assistant(None, tool_calls=[lost])])
+    for n in range(8):  # abandon_after_turns defaults to 8
+        await compactor.append(THREAD, [Message.user(f"still here {n}")])
+    before = {row.seq: row.episode_seq for row in (await store.load(THREAD)).messages}
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.compacted
+    context = await compactor.context(THREAD)
+    call_at = next(i for i, m in enumerate(context) if m.tool_calls)
+    assert context[call_at + 1].tool_call_id == "lost"
+    assert context[call_at + 1].metadata[ABANDONED_METADATA_KEY] is True
+    assert [m.text for m in context[call_at + 2 :]] == [f"still here {n}" for n in range(8)]
+    assert _calls_answered_in_place(context)
+    log = [record async for record in store.replay(THREAD)]
+    closing = [r for r in log if getattr(r.episode, "message", None) == context[call_at + 1]]
+    assert len(closing) == 1
+    rows = (await store.load(THREAD)).messages
+    assert rows[call_at + 1].episode_seq == closing[0].seq
+    kept = [row for row in rows[call_at + 2 :]]
+    assert all(row.episode_seq is not None for row in kept)
+    assert {row.episode_seq for row in kept} <= set(before.values())
+
+
+async def test_the_context_keeps_rows_an_edit_numbered_below_1(store: Any) -> None:
+    """An edit that lengthens a never-folded context numbers down past seq 1; ``context()`` keeps those rows.
+
+    The cached context was rebuilt from ``tail(after_seq=0)``, which read
+    only seqs above 0, and its first build skipped rows at or below its
+    starting ``last_seq`` of 0: the edit's first message vanished from what
+    the model is sent, while the store held it.
+    """
+    compactor = Compactor(store, options=options(), counter=ApproximateCounter())
+    await compactor.append(THREAD, [Message.user("a"), Message.user("b")])
+    assert [m.text for m in await compactor.context(THREAD)] == ["a", "b"]
+    window = await store.load(THREAD)
+    edited = [Message.system("be brief"), Message.user("a"), Message.user("b")]
+    await store.replace_prefix(
+        THREAD,
+        through_seq=window.messages[-1].seq,
+        expected_version=window.version,
+        replacement=edited,
+        tokens=[3, 1, 1],
+    )
+    assert await compactor.context(THREAD) == (await store.load(THREAD)).plain == edited
+    fresh = Compactor(store, options=options(), counter=ApproximateCounter())
+    assert await fresh.context(THREAD) == edited
+    await compactor.append(THREAD, [Message.user("c")])
+    assert [m.text for m in await compactor.context(THREAD)] == ["be brief", "a", "b", "c"]

@@ -66,6 +66,7 @@ from ._tokens import TiktokenCounter, TokenCounter, check_counter
 from ._trusted import trusted
 from .stores._base import ContextWindow, EpisodicStore, ShortTermStore, Store, StoredMessage, ThreadStats
 from .stores._rows import (
+    FIRST_SEQ,
     Recording,
     fold_links,
     heavy_batch,
@@ -227,7 +228,7 @@ class _Cache:
 
     @classmethod
     def of(cls, window: ContextWindow) -> _Cache:
-        cache = cls(window.version)
+        cache = cls(window.version, last_seq=FIRST_SEQ - 1)  # a longer edit's rows go below seq 1
         cache.extend(window.messages)
         cache.last_seq = max(cache.last_seq, window.last_seq)
         return cache
@@ -947,8 +948,12 @@ class Compactor:
         window = await self.short_term.load(thread)
         return _Rows.of(window.messages), window.version, window.total_tokens
 
-    async def _close_abandoned(self, thread: str, rows: _Rows, settings: Settings) -> bool:
-        """Give every abandoned tool call an error result; return whether any was closed."""
+    async def _close_abandoned(self, thread: str, rows: _Rows, version: int, settings: Settings) -> bool:
+        """Give every abandoned tool call an error result; return whether the context changed.
+
+        Each result goes right after its call (and the results already there),
+        as providers require a call's results to follow it; see ``_answer_in_place``.
+        """
         turns_after = settings.abandon_after_turns
         seconds = settings.abandon_after_seconds
         if turns_after is None and seconds is None:
@@ -958,7 +963,7 @@ class Compactor:
         if not unanswered:
             return False
         now = time.monotonic()
-        closing: list[Message] = []
+        closing: list[tuple[int, Message]] = []
         tool = Role.TOOL
         for index, call in unanswered:
             since = self._pending_since.get((thread, call.id))
@@ -974,22 +979,92 @@ class Compactor:
             if not (by_turns or by_time):
                 continue
             why = f"{later_turns} turns" if by_turns else f"{seconds:g} s"
-            closing.append(
-                Message.tool(
-                    call.id,
-                    f"error: no result arrived for tool call {call.id!r} ({call.name}) within {why}; "
-                    "contextfold closed it so the conversation can go on",
-                    is_error=True,
-                    metadata={ABANDONED_METADATA_KEY: True},
-                )
+            result = Message.tool(
+                call.id,
+                f"error: no result arrived for tool call {call.id!r} ({call.name}) within {why}; "
+                "contextfold closed it so the conversation can go on",
+                is_error=True,
+                metadata={ABANDONED_METADATA_KEY: True},
             )
+            closing.append((index, result))
             self._pending_since.pop((thread, call.id), None)
         if not closing:
             return False
         logger.warning(
             "thread %r: closed %d abandoned tool call(s) with an error result", thread, len(closing)
         )
-        await self.append(thread, closing)
+        if not await self._answer_in_place(thread, rows, version, closing):
+            await self.append(thread, [result for _, result in closing])
+        return True
+
+    async def _answer_in_place(
+        self, thread: str, rows: _Rows, version: int, closing: list[tuple[int, Message]]
+    ) -> bool:
+        """Record each ``(call's row, result)`` and put the result right after its call; ``False`` to append.
+
+        An abandoned call has turns after it (that is how it was found): its
+        result appended at the end would leave the call's message followed by
+        other messages, which OpenAI's and Anthropic's APIs refuse, and would
+        make one unit of everything between them. On one ``Store`` the results
+        are recorded and the context rewritten with them in place in one
+        transaction (``record_and_replace``; every other row keeps its link).
+        With two stores the log records them first, then the context is
+        rewritten, as ``append`` orders its two writes. When only tool results
+        follow the calls, they are appended.
+        """
+        store = self._store
+        messages, tool = rows.messages, Role.TOOL
+        at: dict[int, list[int]] = {}  # row after which results go -> their indexes in closing
+        for n, (index, _) in enumerate(closing):
+            end = index + 1
+            while end < len(messages) and messages[end].role is tool:
+                end += 1
+            at.setdefault(end, []).append(n)
+        if list(at) == [len(messages)]:
+            return False
+        replacement: list[Message] = []
+        tokens: list[int] = []
+        stands_for: list[int | None] = []
+        recorded: list[int | None] = []
+        for position in range(len(messages) + 1):
+            for n in at.get(position, ()):
+                result = closing[n][1]
+                replacement.append(result)
+                tokens.append(self.counter.count(result))
+                stands_for.append(None)
+                recorded.append(n)
+            if position < len(messages):
+                replacement.append(messages[position])
+                tokens.append(rows.tokens[position])
+                stands_for.append(rows.seqs[position])
+                recorded.append(None)
+        episodes = [episode_for(result) for _, result in closing]
+        try:
+            if store is not None:
+                await store.record_and_replace(
+                    thread,
+                    episodes,
+                    through_seq=rows.seqs[-1],
+                    expected_version=version,
+                    replacement=replacement,
+                    tokens=tokens,
+                    message_episodes=recorded,
+                    stands_for=stands_for,
+                )
+            else:
+                for episode in episodes:
+                    await self.episodic.record(thread, episode)
+                await self.short_term.replace_prefix(
+                    thread,
+                    through_seq=rows.seqs[-1],
+                    expected_version=version,
+                    replacement=replacement,
+                    tokens=tokens,
+                )
+        except ConflictError:  # another worker folded meanwhile: the next fold closes what is left
+            pass
+        self._forget_cache(thread)
+        self._forget_seen(thread)
         return True
 
     async def _made_at(self, thread: str, seq: int | None) -> datetime | None:
@@ -1026,7 +1101,7 @@ class Compactor:
         if self._store is not None:
             self._seen[thread] = await self.short_term.stats(thread)
         rows, version, total = await self._window(thread, settings)
-        if not recovery and await self._close_abandoned(thread, rows, settings):
+        if not recovery and await self._close_abandoned(thread, rows, version, settings):
             rows, version, total = await self._window(thread, settings)
         messages, tokens, seqs = rows.messages, rows.tokens, rows.seqs
         overhead = self._overhead.get(thread, 0)

@@ -255,6 +255,8 @@ async def test_bad_replacement_is_rejected_before_writing(store: Any) -> None:
             "t", through_seq=2, expected_version=0, replacement=["summary"], tokens=[1]
         )
     with pytest.raises(ConfigError, match="through_seq"):
+        await store.replace_prefix("t", through_seq="2", expected_version=0, replacement=[], tokens=[])
+    with pytest.raises(ConflictError, match="no message with seq 0"):  # a seq, but not one the thread holds
         await store.replace_prefix("t", through_seq=0, expected_version=0, replacement=[], tokens=[])
     assert await snapshot(store, "t") == before
 
@@ -284,6 +286,30 @@ async def test_a_replacement_longer_than_the_prefix_numbers_down_from_the_cut(st
     assert [m.seq for m in window.messages] == [-1, 0, 1, 2, 3]
     assert window.plain[:3] == [summary("a"), summary("b"), summary("c")]
     assert [m.seq for m in (await store.load("t", max_tokens=4)).messages] == [1, 2, 3]
+
+
+async def test_the_complete_tail_and_a_later_cut_reach_rows_numbered_below_1(store: Any) -> None:
+    """``tail(after_seq=0)`` is the whole context, seqs 0 and below included, and a cut may end there.
+
+    A replacement longer than the rows it replaces (an edit that adds a
+    message to a thread never folded) numbers down past 1. ``tail`` from 0
+    read only seqs above 0, so a compactor rebuilding its cached context lost
+    those messages, and a ``replace_prefix`` through seq 0 was refused as a
+    bad argument.
+    """
+    await store.append("t", users(2), [1, 1])
+    await store.replace_prefix(
+        "t", through_seq=2, expected_version=0, replacement=[summary("a"), *users(2)], tokens=[2, 1, 1]
+    )
+    window = await store.tail("t", after_seq=0)
+    assert window.complete and [m.seq for m in window.messages] == [0, 1, 2]
+    assert window.plain == (await store.load("t")).plain
+    assert [m.seq for m in (await store.tail("t", after_seq=1)).messages] == [2]
+    await store.replace_prefix("t", through_seq=0, expected_version=1, replacement=[summary("b")], tokens=[2])
+    assert [(m.seq, m.message) for m in (await store.load("t")).messages] == [
+        (0, summary("b")),
+        *[(seq, message) for seq, message in zip([1, 2], users(2), strict=True)],
+    ]
 
 
 async def test_threads_are_isolated(store: Any) -> None:

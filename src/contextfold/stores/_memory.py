@@ -65,6 +65,7 @@ from ._rows import (
     missing_seq_conflict,
     off_loop_if_heavy,
     summary_index,
+    tail_from,
     trusted,
     utc,
     version_conflict,
@@ -259,7 +260,7 @@ class MemoryStore(AsyncResource):
         after = check_after_seq(after_seq)
         with self._lock:
             context = self._contexts.get(thread, _NO_CONTEXT)
-            start = bisect.bisect_right(context.messages, after, key=lambda stored: stored.seq)
+            start = bisect.bisect_right(context.messages, tail_from(after), key=lambda stored: stored.seq)
             return self._window(thread, context, start, complete=after == 0)
 
     async def stats(self, thread: str) -> ThreadStats:

@@ -90,6 +90,7 @@ from ._rows import (
     off_loop_if_heavy,
     stored_message,
     summary_index,
+    tail_from,
     trusted,
     utc,
     version_conflict,
@@ -1083,7 +1084,7 @@ class PostgresStore(AsyncResource):
                     " FROM {s}.threads t LEFT JOIN {s}.messages m ON m.thread = t.thread AND m.seq > %s"
                     " WHERE t.thread = %s ORDER BY m.seq"
                 ),
-                (after, thread),
+                (tail_from(after), thread),
             )
             rows = await cur.fetchall()
         stats = ThreadStats() if not rows else _thread_stats(rows[0][:4])

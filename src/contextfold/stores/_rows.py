@@ -410,6 +410,20 @@ def check_after_seq(after_seq: Any) -> int:
     return _whole_number("after_seq", after_seq, minimum=0)
 
 
+FIRST_SEQ = -INT64_MAX
+"""Below every seq a context can hold: a ``tail`` from ``after_seq=0`` reads from here.
+
+A replacement longer than the rows it replaces takes seqs down from
+``through_seq``, below the first one appended (an edit that adds a message to a
+thread never folded goes to 0 and below), so 0 is not the least seq.
+"""
+
+
+def tail_from(after_seq: int) -> int:
+    """The lowest seq a ``tail`` excludes: ``after_seq``, or below every seq for the complete read (0)."""
+    return after_seq if after_seq else FIRST_SEQ - 1
+
+
 def check_total(thread: str, total: int) -> int:
     """``total`` (a thread's token total after a write), once known to fit every backend."""
     if total > INT64_MAX:
@@ -465,7 +479,8 @@ def check_text(key: str, value: Any, *, example: str) -> str:
 
 
 def check_replace(through_seq: Any, expected_version: Any) -> None:
-    _whole_number("through_seq", through_seq, minimum=1)
+    # Any seq the thread holds, 0 and below included (see FIRST_SEQ): a missing one is a ConflictError.
+    _whole_number("through_seq", through_seq, minimum=FIRST_SEQ)
     _whole_number("expected_version", expected_version, minimum=0)
 
 

@@ -159,6 +159,7 @@ from ._rows import (
     missing_seq_conflict,
     stored_message,
     summary_index,
+    tail_from,
     trusted,
     utc,
     version_conflict,
@@ -1684,7 +1685,7 @@ class SQLiteStore(AsyncResource):
                 rows = conn.execute(
                     f"SELECT m.seq, m.tokens, {_BODY}, m.episode_seq {_WITH_EPISODES} "
                     "WHERE m.thread = ? AND m.seq > ? ORDER BY m.seq",
-                    (thread, after),
+                    (thread, tail_from(after)),
                 ).fetchall()
             return ContextWindow(
                 thread=thread,
