@@ -319,3 +319,28 @@ def test_bad_strategy_settings_are_config_errors(build: object, key: str) -> Non
     with pytest.raises(ConfigError) as info:
         build()  # type: ignore[operator]
     assert info.value.key == key
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (
+            lambda: TokenBudget(-1),
+            "TokenBudget.max_tokens=-1: must be a whole number >= 0, for example TokenBudget(4000)",
+        ),
+        (
+            lambda: SlidingWindow(-2),
+            "SlidingWindow.keep_recent_turns=-2: must be a whole number >= 0, for example SlidingWindow(8)",
+        ),
+        (
+            lambda: CompactionConfig(TurnCount(1), SlidingWindow(1), keep_first=-1),
+            "keep_first=-1: must be a whole number >= 0, for example 0 (the default), or 1 to pin the task",
+        ),
+    ],
+    ids=["token-budget", "sliding-window", "keep-first"],
+)
+def test_a_negative_count_names_a_value_that_works(build: object, message: str) -> None:
+    """A strategy's or planner's negative count says a value that would be accepted."""
+    with pytest.raises(ConfigError) as info:
+        build()  # type: ignore[operator]
+    assert str(info.value) == message

@@ -8,6 +8,7 @@ bad value and a value that would work.
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
@@ -66,6 +67,8 @@ class _Options(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
     _key_prefix: ClassVar[str] = ""
+    _examples: ClassVar[dict[str, str]] = {}
+    """A value that works, for the options whose default does not show one."""
 
     @model_validator(mode="wrap")
     @classmethod
@@ -167,7 +170,31 @@ def _config_error(exc: ValidationError, cls: type[_Options]) -> ConfigError:
         return ConfigError(path, f"{reason}; pass a JSON object of options", value=given)
     if kind in _TYPE_ERRORS:
         reason = f"must be {_TYPE_ERRORS[kind]}, not {type(given).__name__}"
+    elif kind in _RANGE_ERRORS and len(loc) == 1 and str(loc[0]) in cls.model_fields:
+        reason = _range_reason(cls, str(loc[0]), given)
     return ConfigError(path, reason, value=given)
+
+
+_RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal"})
+
+
+def _range_reason(cls: type[_Options], name: str, given: Any) -> str:
+    """What values ``name`` takes and one that works, for a value outside its range."""
+    field = cls.model_fields[name]
+    bounds: list[str] = []
+    for rule in field.metadata:
+        for attribute, words in (("gt", "above"), ("ge", "at least"), ("lt", "below"), ("le", "at most")):
+            bound = getattr(rule, attribute, None)
+            if bound is not None:
+                bounds.append(f"{words} {bound:g}")
+    whole = isinstance(field.default, int) or field.annotation in (int, int | None)
+    allowed = f"{'a whole number' if whole else 'a number'} {' and '.join(bounds)}"
+    example = cls._examples.get(name)
+    if example is None:
+        example = f"{field.default!r} (the default)" if field.default is not None else "None (the default)"
+    if isinstance(given, float) and math.isnan(given):
+        return f"is not a number; it must be {allowed}, for example {example}"
+    return f"must be {allowed}, for example {example}"
 
 
 def _default_summary_tokens(budget: Any, target: Any) -> int | None:
@@ -195,6 +222,18 @@ class SummarizeOptions(_Options):
     """
 
     _key_prefix: ClassVar[str] = "compaction"
+    _examples: ClassVar[dict[str, str]] = {
+        "target_tokens": "half of trigger_token_budget, or None (the default: half of it)",
+        "max_summary_tokens": (
+            "a quarter of trigger_token_budget, or leave it unset for 1024 or half the target, "
+            "whichever is smaller"
+        ),
+        "keep_first": "0 (the default), or 1 to pin the first user message",
+        "max_tool_output_tokens": "2000, or None (the default) for no cap",
+        "abandon_after_turns": "8 (the default), or None to abandon by time only",
+        "abandon_after_seconds": "600, or None (the default) to abandon by turns only",
+        "background_at": "0.8, or None (the default) to summarize within the step",
+    }
 
     trigger_token_budget: int = Field(strict=True, examples=[8000])
     min_recent_messages: int = Field(default=8, ge=0, strict=True)

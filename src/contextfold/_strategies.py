@@ -208,9 +208,9 @@ def unanswered_calls(messages: Sequence[Message]) -> list[tuple[int, ToolCall]]:
     return sorted((entry for entries in open_calls.values() for entry in entries), key=lambda e: e[0])
 
 
-def _check_count(key: str, value: int) -> None:
+def _check_count(key: str, value: int, example: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(key, "must be a whole number >= 0", value=value)
+        raise ConfigError(key, f"must be a whole number >= 0, for example {example}", value=value)
 
 
 class Strategy(ABC):
@@ -243,7 +243,7 @@ class SlidingWindow(Strategy):
     keep_recent_turns: int
 
     def __post_init__(self) -> None:
-        _check_count("SlidingWindow.keep_recent_turns", self.keep_recent_turns)
+        _check_count("SlidingWindow.keep_recent_turns", self.keep_recent_turns, "SlidingWindow(8)")
 
     def keep(
         self, unit_tokens: Sequence[int], floor: int, *, reserved: int = 0, by_tokens: bool = True
@@ -264,8 +264,8 @@ class TokenBudget(Strategy):
     keep_recent_turns: int = 0
 
     def __post_init__(self) -> None:
-        _check_count("TokenBudget.max_tokens", self.max_tokens)
-        _check_count("TokenBudget.keep_recent_turns", self.keep_recent_turns)
+        _check_count("TokenBudget.max_tokens", self.max_tokens, "TokenBudget(4000)")
+        _check_count("TokenBudget.keep_recent_turns", self.keep_recent_turns, "2")
 
     def keep(
         self, unit_tokens: Sequence[int], floor: int, *, reserved: int = 0, by_tokens: bool = True
@@ -357,7 +357,7 @@ class ObservationMasking(Strategy):
     masks: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        _check_count("ObservationMasking.keep_recent_turns", self.keep_recent_turns)
+        _check_count("ObservationMasking.keep_recent_turns", self.keep_recent_turns, "ObservationMasking(2)")
         _check_placeholder(self.placeholder)
         object.__setattr__(self, "tools", _tool_names("ObservationMasking.tools", self.tools))
         excluded = _tool_names("ObservationMasking.exclude_tools", self.exclude_tools)
@@ -478,10 +478,10 @@ class CompactionConfig:
         if not isinstance(self.trigger, Trigger):
             raise ConfigError("trigger", "must be a Trigger such as TokenCount(8000)", value=self.trigger)
         object.__setattr__(self, "strategies", _strategies(self.strategy))
-        _check_count("min_recent_turns", self.min_recent_turns)
-        _check_count("min_recent_messages", self.min_recent_messages)
-        _check_count("keep_first", self.keep_first)
-        _check_count("summary_tokens", self.summary_tokens)
+        _check_count("min_recent_turns", self.min_recent_turns, "2 (the default)")
+        _check_count("min_recent_messages", self.min_recent_messages, "0 (the default)")
+        _check_count("keep_first", self.keep_first, "0 (the default), or 1 to pin the task")
+        _check_count("summary_tokens", self.summary_tokens, "0 (the default)")
 
     @property
     def target(self) -> int | None:
