@@ -156,10 +156,10 @@ def test_mask_mode_plans_observation_masking() -> None:
 def test_episodic_options_add_the_episodic_policy_to_the_budget_trigger() -> None:
     """With an episodic policy, context pressure fires at its threshold before the budget does."""
     options = SummarizeOptions(
-        trigger_token_budget=10_000, episodic=EpisodicCompactionConfig(trigger_context_tokens=5_000)
+        trigger_token_budget=10_000, episodic=EpisodicCompactionConfig(trigger_context_tokens=6_000)
     )
-    assert options.trigger.reason(Pressure(1, 5_000)) == "context_pressure"
-    assert options.trigger.reason(Pressure(1, 4_999)) is None
+    assert options.trigger.reason(Pressure(1, 6_000)) == "context_pressure"
+    assert options.trigger.reason(Pressure(1, 5_999)) is None
 
 
 def test_options_are_frozen() -> None:
@@ -439,6 +439,34 @@ def test_a_trigger_budget_above_the_history_limit_is_refused() -> None:
     text = str(caught.value)
     assert "3000" in text and "max_history_tokens = 1000" in text and "1000 or less" in text
     RunOptions(max_history_tokens=3_000, compaction=SummarizeOptions(trigger_token_budget=3_000))
+
+
+def test_an_episodic_context_trigger_at_or_below_the_target_is_refused() -> None:
+    """Context pressure at 2,000 tokens under a 50,000-token target stalled on every firing; it is refused."""
+    episodic = EpisodicCompactionConfig(trigger_context_tokens=2_000, trigger_unfinished_turns=10_000)
+    with pytest.raises(ConfigError) as caught:
+        SummarizeOptions(trigger_token_budget=100_000, episodic=episodic)
+    assert (caught.value.key, caught.value.value) == ("compaction.episodic.trigger_context_tokens", 2_000)
+    assert str(caught.value) == (
+        "compaction.episodic.trigger_context_tokens=2000: fires a fold at 2000 tokens, at or below the "
+        "50000-token target (half of trigger_token_budget=100000) the fold aims for, so no fold can bring "
+        "the context below it and it would fire again on every check; use a trigger_context_tokens above "
+        "50000, for example 100000 (the trigger_token_budget), or a target_tokens below 2000, for example "
+        "1000"
+    )
+    with pytest.raises(ConfigError, match=r"at or below the 5000-token target \(target_tokens\)"):
+        RunOptions(
+            compaction={
+                "trigger_token_budget": 40_000,
+                "target_tokens": 5_000,
+                "episodic": {"trigger_context_tokens": 5_000},
+            }
+        )
+    # Both values it names work.
+    SummarizeOptions(trigger_token_budget=100_000, target_tokens=1_000, episodic=episodic)
+    SummarizeOptions(
+        trigger_token_budget=100_000, episodic=EpisodicCompactionConfig(trigger_context_tokens=100_000)
+    )
 
 
 @pytest.mark.parametrize(

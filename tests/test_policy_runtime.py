@@ -392,6 +392,37 @@ async def test_a_mask_then_summarize_pipeline_summarizes_only_when_masking_is_no
     assert tokens <= 1_200
 
 
+async def test_the_values_a_refused_target_names_fold(store: Any) -> None:
+    """The fixes the target-over-trigger errors name fold, and each fold lands under its trigger."""
+    compactor = Compactor(
+        store, trigger=TokenCount(1_000), strategy=TokenBudget(500), counter=ApproximateCounter()
+    )
+    folds = []
+    for n in range(40):
+        await compactor.append(THREAD, [Message.user("word " * 80 + str(n))])
+        result = await compactor.maybe_compact(THREAD)
+        if result is not None:
+            assert result.compacted and result.tokens_after <= 1_000
+            folds.append(result)
+    assert 1 <= len(folds) <= 8  # ~4,000 tokens of growth, one fold per 500
+    options = SummarizeOptions(
+        trigger_token_budget=100_000,
+        target_tokens=1_000,
+        episodic=EpisodicCompactionConfig(trigger_context_tokens=2_000, trigger_unfinished_turns=10_000),
+    )
+    pressured = Compactor(store, options=options, counter=ApproximateCounter())
+    reasons = []
+    for n in range(60):
+        await pressured.append("pressured", [Message.user("word " * 60 + str(n))])
+        result = await pressured.maybe_compact("pressured")
+        if result is not None:
+            assert result.compacted
+            reasons.append(result.reason)
+    assert reasons and set(reasons) == {Reason.CONTEXT_PRESSURE}
+    _, tokens = await pressured.context_tokens("pressured")
+    assert tokens < 2_000
+
+
 async def test_provider_usage_raises_the_pressure_the_trigger_sees(store: Any) -> None:
     """Input tokens reported with a reply count what the counter cannot see, and can make the trigger fire."""
     compactor = Compactor(

@@ -7,6 +7,7 @@ with the stable name of the reason it fires, or ``None``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -323,6 +324,21 @@ class EpisodicPolicy(Trigger):
     """
 
     config: EpisodicCompactionConfig = field(default_factory=EpisodicCompactionConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, EpisodicCompactionConfig):
+            given = self.config
+            options = (
+                ", ".join(f"{key}={value!r}" for key, value in given.items())
+                if isinstance(given, Mapping)
+                else "trigger_unfinished_turns=8"
+            )
+            example = f"EpisodicPolicy(EpisodicCompactionConfig({options}))"
+            raise ConfigError(
+                "EpisodicPolicy.config",
+                f"must be an EpisodicCompactionConfig, not {type(given).__name__}; pass {example}",
+                value=given,
+            )
 
     def reason(self, pressure: Pressure) -> str | None:
         base = pressure.episodic or EpisodicCompactionPressure()
