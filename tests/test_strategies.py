@@ -344,3 +344,30 @@ def test_a_negative_count_names_a_value_that_works(build: object, message: str) 
     with pytest.raises(ConfigError) as info:
         build()  # type: ignore[operator]
     assert str(info.value) == message
+
+
+def test_mask_then_summarize_drops_the_original_outputs_and_counts_only_masks_that_stay() -> None:
+    """When masking is not enough, the dropped part holds the tool outputs as they were, for the summary."""
+    body = [
+        m
+        for n in range(6)
+        for m in (
+            Message.user(f"question {n} " + "word " * 20),
+            Message.assistant(None, tool_calls=[ToolCall(id=f"c{n}", name="search", arguments="{}")]),
+            Message.tool(f"c{n}", f"FACT-{n} " + "res " * 40),
+        )
+    ]
+    config = CompactionConfig(
+        TokenCount(100), [ObservationMasking(2, "[masked]"), TokenBudget(120)], min_recent_turns=0
+    )
+    plan = config.plan(body, 10_000)
+    assert plan.dropped and plan.kept
+    assert list(plan.dropped) == body[: len(plan.dropped)]
+    assert [m.text for m in plan.dropped if m.tool_call_id] == [
+        body[i].text for i in range(len(plan.dropped)) if body[i].tool_call_id
+    ]
+    assert all(m.text.startswith("FACT-") for m in plan.dropped if m.tool_call_id)
+    masked = [m for m in plan.kept if m.metadata.get(MASKED_METADATA_KEY)]
+    assert masked and all(m.text == "[masked]" for m in masked)
+    assert plan.masked == len(masked)
+    assert len(plan.dropped) + len(plan.kept) == len(body)

@@ -406,8 +406,10 @@ class CompactionPlan:
     """Which messages of a working context stay and which go.
 
     ``pinned + previous_summary + dropped + kept`` is the input, in order;
-    with masking, ``kept`` holds the masked copies. ``kept_tokens`` counts
-    ``kept`` as planned (masked copies by the plan's counter).
+    with masking, ``kept`` holds the masked copies, while ``dropped`` holds
+    the messages as they were, for the summarizer. ``masked`` counts the
+    masked tool outputs in ``kept``. ``kept_tokens`` counts ``kept`` as
+    planned (masked copies by the plan's counter).
     """
 
     pinned: tuple[Message, ...]
@@ -571,9 +573,9 @@ class CompactionConfig:
         floor = max(floor, units - first_pending)
 
         target = self.target
-        kept_body = list(body)
+        kept_body = list(body)  # masked copies replace originals here, as the strategies go
         kept_counts = list(body_counts)
-        masked = 0
+        masked: set[int] = set()
         previous_tokens = counts[pinned_len] if previous is not None else 0
         for strategy in self.strategies:
             current = pinned_tokens + overhead + previous_tokens + sum(kept_counts)
@@ -584,7 +586,7 @@ class CompactionConfig:
             if isinstance(strategy, ObservationMasking):
                 keep = min(max(strategy.keep(unit_tokens, floor), floor), units)
                 cut = starts[units - keep] if keep else len(body)
-                masked += _mask(strategy, kept_body, kept_counts, cut, counter)
+                masked |= _mask(strategy, kept_body, kept_counts, cut, counter)
                 continue
             reserve = self.summary_tokens if self.summary_tokens else previous_tokens
             keep = strategy.keep(
@@ -595,15 +597,17 @@ class CompactionConfig:
             if cut_unit == 0:
                 continue
             cut = starts[cut_unit] if cut_unit < units else len(body)
+            # The summarizer reads what is dropped as it was, not the placeholders of a mask
+            # applied before the cut; only the masked outputs that stay count as masked.
             return CompactionPlan(
                 pinned,
                 previous,
-                tuple(kept_body[:cut]),
+                tuple(body[:cut]),
                 tuple(kept_body[cut:]),
                 reason,
                 cut_unit,
                 keep,
-                masked,
+                sum(position >= cut for position in masked),
                 tuple(orphans),
                 pinned_tokens,
                 sum(kept_counts[cut:]),
@@ -618,7 +622,7 @@ class CompactionConfig:
             reason,
             0,
             units,
-            masked,
+            len(masked),
             tuple(orphans),
             pinned_tokens,
             sum(kept_counts),
@@ -627,10 +631,11 @@ class CompactionConfig:
 
 def _mask(
     strategy: ObservationMasking, body: list[Message], counts: list[int], cut: int, counter: Counter
-) -> int:
-    """Mask tool outputs of ``body[:cut]`` in place; return how many were masked."""
+) -> set[int]:
+    """Mask tool outputs of ``body[:cut]`` in place; return the positions of those masked."""
     names = {call.id: call.name for message in body[:cut] for call in message.tool_calls}
     masked_ids: set[str] = set()
+    masked: set[int] = set()
     for position in range(cut):
         message = body[position]
         if message.role is not Role.TOOL or message.metadata.get(MASKED_METADATA_KEY):
@@ -643,10 +648,11 @@ def _mask(
             body[position] = replacement
             counts[position] = counter(replacement)
             masked_ids.add(message.tool_call_id or "")
+            masked.add(position)
     if masked_ids:
         for position in range(cut):
             cleared = strategy.clear(body[position], masked_ids) if body[position].tool_calls else None
             if cleared is not None:
                 body[position] = cleared
                 counts[position] = counter(cleared)
-    return len(masked_ids)
+    return masked
