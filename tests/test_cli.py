@@ -22,7 +22,7 @@ from psycopg import sql
 from pytest_httpserver import HTTPServer
 from werkzeug import Request, Response
 
-from contextfold._compactor import Compactor
+from contextfold._compactor import CompactionResult, Compactor
 from contextfold._episodes import EpisodeRecord, SummaryCheckpoint, UserMessageEpisode
 from contextfold._messages import Message, ToolCall
 from contextfold.cli import CLI_EXTRA_HINT, redact_url
@@ -611,3 +611,51 @@ async def test_demo_and_threads_on_postgres_mask_the_password(pg_url: str) -> No
     assert ":***@" in masked
     assert masked in outputs[0].stdout.split("inspect it:")[0] and masked in outputs[1].stdout
     assert f"contextfold inspect {redact_url(url)} pw" in outputs[0].stdout
+
+
+@pytest.mark.parametrize(
+    ("rules", "questions"), [(2_800, 12), (1_400, 0)], ids=["over-the-budget", "within-the-budget"]
+)
+async def test_compact_names_a_pinned_head_over_the_target_not_the_newest_turns(
+    tmp_path: Path, rules: int, questions: int
+) -> None:
+    """A system prompt alone over the target is what compact names, with its tokens, whatever the budget."""
+    db = tmp_path / "t.db"
+    async with SQLiteStore(db) as store:
+        compactor = Compactor(store)
+        await compactor.append("t", [Message.system(" ".join(f"rule{i} must hold" for i in range(rules)))])
+        for n in range(questions):
+            await compactor.append(
+                "t", [Message.user(f"question {n}: " + " ".join(f"w{j}" for j in range(200)))]
+            )
+        window = await store.load("t")
+    head = window.messages[0].tokens
+    assert head > 6_000 and (window.total_tokens > 12_000) is (questions > 0)
+    before = [r.episode.kind for r in await records(db, "t")]
+    result = cli("compact", str(db), "t")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"Error: nothing folded in 't': the pinned head alone holds {head} tokens, at or over the "
+        "6000-token target, so no fold can get under it; shorten the system prompt, lower keep_first, or "
+        "raise --budget (the target is half of it)"
+    ]
+    assert [r.episode.kind for r in await records(db, "t")] == before
+
+
+def test_a_stall_after_a_failed_summarizer_says_the_summarizer_failed() -> None:
+    """A stall whose summarizer failed says so with its cause, not that the newest turns are too big."""
+    from contextfold._cli import _options, _stall_line
+
+    result = CompactionResult(
+        thread="t",
+        reason="manual",
+        dropped_messages=0,
+        dropped_turns=0,
+        tokens_before=20_000,
+        tokens_after=20_000,
+        stalled=True,
+        detail="the summarizer failed (SummarizerError: HTTP 503); nothing folded",
+    )
+    assert _stall_line(result, _options(12_000)) == (
+        "nothing folded in 't': the summarizer failed (SummarizerError: HTTP 503)"
+    )

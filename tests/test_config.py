@@ -156,10 +156,10 @@ def test_mask_mode_plans_observation_masking() -> None:
 def test_episodic_options_add_the_episodic_policy_to_the_budget_trigger() -> None:
     """With an episodic policy, context pressure fires at its threshold before the budget does."""
     options = SummarizeOptions(
-        trigger_token_budget=10_000, episodic=EpisodicCompactionConfig(trigger_context_tokens=5_000)
+        trigger_token_budget=10_000, episodic=EpisodicCompactionConfig(trigger_context_tokens=6_000)
     )
-    assert options.trigger.reason(Pressure(1, 5_000)) == "context_pressure"
-    assert options.trigger.reason(Pressure(1, 4_999)) is None
+    assert options.trigger.reason(Pressure(1, 6_000)) == "context_pressure"
+    assert options.trigger.reason(Pressure(1, 5_999)) is None
 
 
 def test_options_are_frozen() -> None:
@@ -439,3 +439,107 @@ def test_a_trigger_budget_above_the_history_limit_is_refused() -> None:
     text = str(caught.value)
     assert "3000" in text and "max_history_tokens = 1000" in text and "1000 or less" in text
     RunOptions(max_history_tokens=3_000, compaction=SummarizeOptions(trigger_token_budget=3_000))
+
+
+def test_an_episodic_context_trigger_at_or_below_the_target_is_refused() -> None:
+    """Context pressure at 2,000 tokens under a 50,000-token target stalled on every firing; it is refused."""
+    episodic = EpisodicCompactionConfig(trigger_context_tokens=2_000, trigger_unfinished_turns=10_000)
+    with pytest.raises(ConfigError) as caught:
+        SummarizeOptions(trigger_token_budget=100_000, episodic=episodic)
+    assert (caught.value.key, caught.value.value) == ("compaction.episodic.trigger_context_tokens", 2_000)
+    assert str(caught.value) == (
+        "compaction.episodic.trigger_context_tokens=2000: fires a fold at 2000 tokens, at or below the "
+        "50000-token target (half of trigger_token_budget=100000) the fold aims for, so no fold can bring "
+        "the context below it and it would fire again on every check; use a trigger_context_tokens above "
+        "50000, for example 100000 (the trigger_token_budget), or a target_tokens below 2000, for example "
+        "1000"
+    )
+    with pytest.raises(ConfigError, match=r"at or below the 5000-token target \(target_tokens\)"):
+        RunOptions(
+            compaction={
+                "trigger_token_budget": 40_000,
+                "target_tokens": 5_000,
+                "episodic": {"trigger_context_tokens": 5_000},
+            }
+        )
+    # Both values it names work.
+    SummarizeOptions(trigger_token_budget=100_000, target_tokens=1_000, episodic=episodic)
+    SummarizeOptions(
+        trigger_token_budget=100_000, episodic=EpisodicCompactionConfig(trigger_context_tokens=100_000)
+    )
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        (
+            {"background_at": 1.0},
+            "compaction.background_at=1.0: must be a number above 0 and below 1, for example 0.8, or None "
+            "(the default) to summarize within the step",
+        ),
+        (
+            {"background_at": NAN},
+            "compaction.background_at=nan: is not a number; it must be a number above 0 and below 1, for "
+            "example 0.8, or None (the default) to summarize within the step",
+        ),
+        (
+            {"abandon_after_turns": 0},
+            "compaction.abandon_after_turns=0: must be a whole number above 0, for example 8 (the default), "
+            "or None to abandon by time only",
+        ),
+        (
+            {"abandon_after_seconds": 0},
+            "compaction.abandon_after_seconds=0: must be a number above 0, for example 600, or None (the "
+            "default) to abandon by turns only",
+        ),
+        (
+            {"keep_first": -1},
+            "compaction.keep_first=-1: must be a whole number at least 0, for example 0 (the default), or 1 "
+            "to pin the first user message",
+        ),
+        (
+            {"min_recent_turns": -1},
+            "compaction.min_recent_turns=-1: must be a whole number at least 0, for example 2 (the default)",
+        ),
+        (
+            {"max_summary_tokens": 0},
+            "compaction.max_summary_tokens=0: must be a whole number above 0, for example a quarter of "
+            "trigger_token_budget, or leave it unset for 1024 or half the target, whichever is smaller",
+        ),
+        (
+            {"target_tokens": 0},
+            "compaction.target_tokens=0: must be a whole number above 0, for example half of "
+            "trigger_token_budget, or None (the default: half of it)",
+        ),
+        (
+            {"max_tool_output_tokens": 0},
+            "compaction.max_tool_output_tokens=0: must be a whole number above 0, for example 2000, or None "
+            "(the default) for no cap",
+        ),
+    ],
+    ids=[
+        "background_at",
+        "background_at-nan",
+        "abandon_after_turns",
+        "abandon_after_seconds",
+        "keep_first",
+        "min_recent_turns",
+        "max_summary_tokens",
+        "target_tokens",
+        "max_tool_output_tokens",
+    ],
+)
+def test_an_option_out_of_range_names_a_value_that_works(given: dict[str, Any], message: str) -> None:
+    """Range errors say what the option takes and a value that works; NaN is called not a number."""
+    with pytest.raises(ConfigError) as caught:
+        SummarizeOptions(trigger_token_budget=8_000, **given)
+    assert str(caught.value) == message
+
+
+def test_a_run_option_out_of_range_names_a_value_that_works() -> None:
+    """RunOptions' own range error names the default as a value that works."""
+    with pytest.raises(ConfigError) as caught:
+        RunOptions(max_history_tokens=0)
+    assert str(caught.value) == (
+        "max_history_tokens=0: must be a whole number above 0, for example 128000 (the default)"
+    )

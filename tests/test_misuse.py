@@ -18,13 +18,19 @@ import pytest
 from contextfold import (
     Compactor,
     ConfigError,
+    EpisodicCompactionConfig,
     InvalidMessageError,
     Message,
+    ObservationMasking,
     RunOptions,
     StepLoop,
     SummarizeOptions,
+    TokenBudget,
+    TokenCount,
+    TurnCount,
     Usage,
 )
+from contextfold.planning import AllOf, EpisodicPolicy
 from contextfold.stores import MemoryStore
 from contextfold.summarizers import ExtractiveSummarizer
 from contextfold.tokens import ApproximateCounter
@@ -149,3 +155,114 @@ def test_metadata_with_no_json_form_is_refused_at_construction(metadata: dict[st
     # What pydantic writes as JSON is kept: the stores read it back as that JSON.
     kept = Message.user("x", metadata={"pair": (1, 2), "tags": {"a"}, "at": datetime(2026, 1, 2, tzinfo=UTC)})
     assert kept.metadata["tags"] == {"a"}
+
+
+TARGET_OVER_TRIGGER = (
+    "strategy=TokenBudget(max_tokens=2000, keep_recent_turns=0): aims a fold at 2000 tokens, at or above "
+    "the 1000 tokens at which trigger=TokenCount(1000) fires, so no fold can bring the context below the "
+    "trigger and it would fire again on every step; use a target below 1000, for example "
+    "TokenBudget(max_tokens=500, keep_recent_turns=0), or a trigger above 2000, for example TokenCount(4000)"
+)
+
+
+async def test_a_fold_target_above_the_token_trigger_is_refused_when_built(store: MemoryStore) -> None:
+    """TokenCount(1000) with TokenBudget(2000) folded on 29 of 40 steps; it is refused, naming both values."""
+    with pytest.raises(ConfigError) as caught:
+        Compactor(store, trigger=TokenCount(1_000), strategy=TokenBudget(2_000))
+    assert caught.value.key == "strategy"
+    assert str(caught.value) == TARGET_OVER_TRIGGER
+    Compactor(store, trigger=TokenCount(1_000), strategy=TokenBudget(500))  # the value it names
+    Compactor(store, trigger=TokenCount(4_000), strategy=TokenBudget(2_000))
+
+
+@pytest.mark.parametrize(
+    ("build", "key", "says"),
+    [
+        (
+            lambda s: Compactor(s, trigger=TokenCount(1_000), strategy=TokenBudget(1_000)),
+            "strategy",
+            "aims a fold at 1000 tokens, at or above the 1000 tokens at which trigger=TokenCount(1000) fires",
+        ),
+        (
+            lambda s: Compactor(
+                s,
+                trigger=TokenCount(1_000) | TurnCount(50),
+                strategy=[ObservationMasking(1), TokenBudget(1_500, keep_recent_turns=2)],
+            ),
+            "strategy",
+            "at which trigger=AnyOf(TokenCount(limit=1000), TurnCount(limit=50)) (TokenCount(1000)) fires, "
+            "so no fold can bring the context below the trigger and it would fire again on every step; "
+            "use a target below 1000, for example TokenBudget(max_tokens=500, keep_recent_turns=2)",
+        ),
+        (
+            lambda s: Compactor(
+                s,
+                trigger=EpisodicPolicy(EpisodicCompactionConfig(trigger_context_tokens=2_000)),
+                strategy=TokenBudget(50_000),
+            ),
+            "strategy",
+            "(trigger_context_tokens=2000) fires, so no fold can bring the context below the trigger and it "
+            "would fire again on every step; use a target below 2000, for example "
+            "TokenBudget(max_tokens=1000, keep_recent_turns=0), or a trigger above 50000, for example "
+            "trigger_context_tokens=100000",
+        ),
+        (
+            lambda s: Compactor(
+                s, options=SummarizeOptions(trigger_token_budget=8_000), trigger=TokenCount(3_000)
+            ),
+            "trigger",
+            "trigger=TokenCount(limit=3000): fires a fold at 3000 tokens (TokenCount(3000)), at or below the "
+            "4000-token target of the options (compaction.target_tokens, half of trigger_token_budget by "
+            "default), so no fold can bring the context below the trigger and it would fire again on every "
+            "step; use a trigger above 4000, for example TokenCount(8000), or compaction.target_tokens below "
+            "3000, for example 1500",
+        ),
+        (
+            lambda s: Compactor(
+                s, options=SummarizeOptions(trigger_token_budget=8_000), strategy=TokenBudget(9_000)
+            ),
+            "strategy",
+            "aims a fold at 9000 tokens, at or above the 8000 tokens at which the options' trigger "
+            "(TokenCount(8000)) fires",
+        ),
+    ],
+    ids=[
+        "equal",
+        "any-of-pipeline",
+        "episodic-context-tokens",
+        "preset-with-trigger",
+        "preset-with-strategy",
+    ],
+)
+async def test_every_way_to_aim_a_fold_at_or_above_its_token_trigger_is_refused(
+    store: MemoryStore, build: Any, key: str, says: str
+) -> None:
+    """Triggers and strategies given directly, alone or beside a preset, are checked like the preset's own."""
+    with pytest.raises(ConfigError) as caught:
+        build(store)
+    assert caught.value.key == key
+    assert says in str(caught.value)
+
+
+async def test_an_all_of_trigger_fires_at_its_highest_token_limit(store: MemoryStore) -> None:
+    """AllOf(TokenCount(1000), TokenCount(3000)) fires above 3000, so a 2000-token target is fine."""
+    compactor = Compactor(
+        store, trigger=AllOf(TokenCount(1_000), TokenCount(3_000)), strategy=TokenBudget(2_000)
+    )
+    assert compactor.settings is not None and compactor.settings.budget == 3_000
+
+
+async def test_an_episodic_policy_given_a_dict_is_refused_when_built(store: MemoryStore) -> None:
+    """EpisodicPolicy({...}) was accepted, and the first check raised a bare AttributeError."""
+    with pytest.raises(ConfigError) as caught:
+        EpisodicPolicy({"trigger_unfinished_turns": 3})  # type: ignore[arg-type]
+    assert caught.value.key == "EpisodicPolicy.config"
+    assert str(caught.value) == (
+        "EpisodicPolicy.config={'trigger_unfinished_turns': 3}: must be an EpisodicCompactionConfig, not "
+        "dict; pass EpisodicPolicy(EpisodicCompactionConfig(trigger_unfinished_turns=3))"
+    )
+    Compactor(  # the fix it names
+        store,
+        trigger=EpisodicPolicy(EpisodicCompactionConfig(trigger_unfinished_turns=3)),
+        strategy=TokenBudget(500),
+    )

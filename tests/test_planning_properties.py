@@ -323,3 +323,39 @@ def test_turn_pressure_is_the_number_of_units(
         trigger: Trigger = TurnCount(limit)
         plan = CompactionConfig(trigger, config.strategy).plan(conversation.messages, tokens)
         assert (plan.reason == "turn_count") is (len(units) > limit)
+
+
+pipelines = st.builds(
+    lambda masking, budget: [masking, budget],
+    st.builds(
+        ObservationMasking,
+        st.integers(0, 4),
+        st.sampled_from(["[m]", "<{tool_call_id}>"]),
+        clear_arguments=st.booleans(),
+    ),
+    st.builds(TokenBudget, st.integers(0, 300), st.integers(0, 3)),
+)
+
+
+@PROPERTY_SETTINGS
+@given(conversations(), configs(pipelines), st.integers(0, 2000))
+def test_a_mask_then_budget_pipeline_drops_originals_and_masks_only_what_stays(
+    conversation: Conversation, config: CompactionConfig, tokens: int
+) -> None:
+    """Masking before a cut never reaches the dropped part; only kept outputs are masked and counted."""
+    plan = plan_for(conversation, config, tokens)
+    body = conversation.body
+    assert list(plan.pinned) == conversation.messages[: conversation.pinned]
+    assert len(plan.dropped) + len(plan.kept) == len(body) == plan.total
+    assert list(plan.dropped) == body[: len(plan.dropped)], "the summarizer must get the originals"
+    kept_originals = body[len(plan.dropped) :]
+    masked = 0
+    for before, after in zip(kept_originals, plan.kept, strict=True):
+        assert (after.role, after.tool_call_id) == (before.role, before.tool_call_id)
+        assert [c.id for c in after.tool_calls] == [c.id for c in before.tool_calls]
+        if after.metadata.get(MASKED_METADATA_KEY) and not before.metadata.get(MASKED_METADATA_KEY):
+            assert before.role is Role.TOOL and after.content != before.content
+            masked += 1
+    assert plan.masked == masked
+    assert not call_ids(plan.dropped) & result_ids(plan.kept), "a kept result whose call was dropped"
+    assert not call_ids(plan.kept) & result_ids(plan.dropped), "a kept call whose result was dropped"

@@ -322,6 +322,32 @@ def test_bad_trigger_settings_are_config_errors(build: object, key: str) -> None
     assert info.value.key == key
 
 
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (
+            lambda: TokenCount(-1),
+            "TokenCount.limit=-1: must be a whole number >= 0, for example TokenCount(8000)",
+        ),
+        (lambda: TurnCount(-1), "TurnCount.limit=-1: must be a whole number >= 0, for example TurnCount(50)"),
+        (
+            lambda: EpisodicCompactionConfig(trigger_age_days=-1),
+            "trigger_age_days=-1: must be a whole number >= 0, for example 30 (the default)",
+        ),
+        (
+            lambda: TokenCount.fraction_of(0),
+            "context_window=0: must be a positive token count, for example 128000",
+        ),
+    ],
+    ids=["token-count", "turn-count", "episodic-age", "context-window"],
+)
+def test_a_bad_trigger_count_names_a_value_that_works(build: object, message: str) -> None:
+    """A negative limit or window says a value that would be accepted."""
+    with pytest.raises(ConfigError) as info:
+        build()  # type: ignore[operator]
+    assert str(info.value) == message
+
+
 def test_one_of_the_age_thresholds_may_be_zero() -> None:
     """A zero age or a zero turn count alone still leaves the age rule a real condition."""
     any_age = EpisodicCompactionConfig(trigger_age_days=0)

@@ -392,6 +392,70 @@ async def test_a_mask_then_summarize_pipeline_summarizes_only_when_masking_is_no
     assert tokens <= 1_200
 
 
+async def test_when_masking_is_not_enough_the_summarizer_reads_the_tool_outputs_it_folds(store: Any) -> None:
+    """mask_then_summarize sends the folded tool results as they were, and counts only masks that stay."""
+    seen: list[Message] = []
+
+    async def fn(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        seen.extend(messages)
+        return "what happened"
+
+    options = SummarizeOptions(trigger_token_budget=1_000, mode="mask_then_summarize", min_recent_messages=0)
+    compactor = Compactor(
+        store, options=options, summarizer=FunctionSummarizer(fn), counter=ApproximateCounter()
+    )
+    for n in range(8):
+        call = ToolCall(id=f"c{n}", name="search", arguments=json.dumps({"q": n}))
+        await compactor.append(
+            THREAD,
+            [
+                Message.user(f"question {n} " + "word " * 120),
+                Message.assistant(None, tool_calls=[call]),
+                Message.tool(call.id, f"FACT-{n} " + "res " * 30),
+            ],
+        )
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.compacted and result.dropped_messages > 0
+    results = [m for m in seen if m.tool_call_id is not None]
+    assert [m.text.split()[0] for m in results] == [f"FACT-{n}" for n in range(len(results))]
+    assert not any(m.metadata.get(MASKED_METADATA_KEY) for m in seen)
+    context = await compactor.context(THREAD)
+    masked = [m for m in context if m.metadata.get(MASKED_METADATA_KEY)]
+    assert result.masked_messages == len(masked) == 1
+    no_orphans(context)
+
+
+async def test_the_values_a_refused_target_names_fold(store: Any) -> None:
+    """The fixes the target-over-trigger errors name fold, and each fold lands under its trigger."""
+    compactor = Compactor(
+        store, trigger=TokenCount(1_000), strategy=TokenBudget(500), counter=ApproximateCounter()
+    )
+    folds = []
+    for n in range(40):
+        await compactor.append(THREAD, [Message.user("word " * 80 + str(n))])
+        result = await compactor.maybe_compact(THREAD)
+        if result is not None:
+            assert result.compacted and result.tokens_after <= 1_000
+            folds.append(result)
+    assert 1 <= len(folds) <= 8  # ~4,000 tokens of growth, one fold per 500
+    options = SummarizeOptions(
+        trigger_token_budget=100_000,
+        target_tokens=1_000,
+        episodic=EpisodicCompactionConfig(trigger_context_tokens=2_000, trigger_unfinished_turns=10_000),
+    )
+    pressured = Compactor(store, options=options, counter=ApproximateCounter())
+    reasons = []
+    for n in range(60):
+        await pressured.append("pressured", [Message.user("word " * 60 + str(n))])
+        result = await pressured.maybe_compact("pressured")
+        if result is not None:
+            assert result.compacted
+            reasons.append(result.reason)
+    assert reasons and set(reasons) == {Reason.CONTEXT_PRESSURE}
+    _, tokens = await pressured.context_tokens("pressured")
+    assert tokens < 2_000
+
+
 async def test_provider_usage_raises_the_pressure_the_trigger_sees(store: Any) -> None:
     """Input tokens reported with a reply count what the counter cannot see, and can make the trigger fire."""
     compactor = Compactor(

@@ -319,3 +319,55 @@ def test_bad_strategy_settings_are_config_errors(build: object, key: str) -> Non
     with pytest.raises(ConfigError) as info:
         build()  # type: ignore[operator]
     assert info.value.key == key
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (
+            lambda: TokenBudget(-1),
+            "TokenBudget.max_tokens=-1: must be a whole number >= 0, for example TokenBudget(4000)",
+        ),
+        (
+            lambda: SlidingWindow(-2),
+            "SlidingWindow.keep_recent_turns=-2: must be a whole number >= 0, for example SlidingWindow(8)",
+        ),
+        (
+            lambda: CompactionConfig(TurnCount(1), SlidingWindow(1), keep_first=-1),
+            "keep_first=-1: must be a whole number >= 0, for example 0 (the default), or 1 to pin the task",
+        ),
+    ],
+    ids=["token-budget", "sliding-window", "keep-first"],
+)
+def test_a_negative_count_names_a_value_that_works(build: object, message: str) -> None:
+    """A strategy's or planner's negative count says a value that would be accepted."""
+    with pytest.raises(ConfigError) as info:
+        build()  # type: ignore[operator]
+    assert str(info.value) == message
+
+
+def test_mask_then_summarize_drops_the_original_outputs_and_counts_only_masks_that_stay() -> None:
+    """When masking is not enough, the dropped part holds the tool outputs as they were, for the summary."""
+    body = [
+        m
+        for n in range(6)
+        for m in (
+            Message.user(f"question {n} " + "word " * 20),
+            Message.assistant(None, tool_calls=[ToolCall(id=f"c{n}", name="search", arguments="{}")]),
+            Message.tool(f"c{n}", f"FACT-{n} " + "res " * 40),
+        )
+    ]
+    config = CompactionConfig(
+        TokenCount(100), [ObservationMasking(2, "[masked]"), TokenBudget(120)], min_recent_turns=0
+    )
+    plan = config.plan(body, 10_000)
+    assert plan.dropped and plan.kept
+    assert list(plan.dropped) == body[: len(plan.dropped)]
+    assert [m.text for m in plan.dropped if m.tool_call_id] == [
+        body[i].text for i in range(len(plan.dropped)) if body[i].tool_call_id
+    ]
+    assert all(m.text.startswith("FACT-") for m in plan.dropped if m.tool_call_id)
+    masked = [m for m in plan.kept if m.metadata.get(MASKED_METADATA_KEY)]
+    assert masked and all(m.text == "[masked]" for m in masked)
+    assert plan.masked == len(masked)
+    assert len(plan.dropped) + len(plan.kept) == len(body)

@@ -694,22 +694,37 @@ def _recovered_line(result: CompactionResult, waiting: bool) -> str:
     )
 
 
+_KEPT_STALL = "nothing can be folded: the protected recent turns"
+"""How the compactor's stall detail opens when the turns it always keeps are what is left."""
+_EMPTY_STALL = "nothing left to fold"
+"""How it opens when nothing but the pinned head and the summary is left."""
+
+
 def _stall_line(result: CompactionResult, options: RunOptions) -> str:
-    """Why a manual compaction folded nothing, in the command's terms."""
+    """Why a manual compaction folded nothing, in the command's terms.
+
+    Only the stalls at what a fold always keeps are worded here, in the
+    command's flags; any other (the pinned head alone over the target, a
+    failed summarizer) is the compactor's own detail, which knows its cause.
+    """
     opts = options.compaction
     assert opts is not None
+    detail = result.detail
+    within = result.tokens_before <= opts.trigger_token_budget
+    if not (detail.startswith(_KEPT_STALL) or (within and detail.startswith(_EMPTY_STALL))):
+        detail = detail.removesuffix("; nothing folded")
+        detail = detail.replace("raise the target", "raise --budget (the target is half of it)")
+        return f"nothing folded in {result.thread!r}: {detail}"
     kept = (
         f"the newest turns always kept ({opts.min_recent_turns} turns, {opts.min_recent_messages} messages)"
     )
-    if result.tokens_before <= opts.trigger_token_budget:
+    if within:
         return (
             f"nothing to fold in {result.thread!r}: its {result.tokens_before:,} tokens are within the "
             f"{opts.trigger_token_budget:,}-token --budget, and a fold would keep all of them (they fit "
             f"the {opts.effective_target_tokens:,}-token target a fold aims for, or are {kept}); "
             "--manual-recovery folds every turn into the summary"
         )
-    if result.detail == "the summarizer failed":
-        return f"nothing folded in {result.thread!r}: the summarizer failed (see the warning above)"
     return (
         f"nothing to fold in {result.thread!r}: {kept} alone hold most of its {result.tokens_before:,} "
         f"tokens, over the {opts.trigger_token_budget:,}-token --budget; raise --budget or use "

@@ -8,8 +8,9 @@ bad value and a value that would work.
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 from pydantic import (
@@ -66,6 +67,8 @@ class _Options(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
     _key_prefix: ClassVar[str] = ""
+    _examples: ClassVar[dict[str, str]] = {}
+    """A value that works, for the options whose default does not show one."""
 
     @model_validator(mode="wrap")
     @classmethod
@@ -167,7 +170,31 @@ def _config_error(exc: ValidationError, cls: type[_Options]) -> ConfigError:
         return ConfigError(path, f"{reason}; pass a JSON object of options", value=given)
     if kind in _TYPE_ERRORS:
         reason = f"must be {_TYPE_ERRORS[kind]}, not {type(given).__name__}"
+    elif kind in _RANGE_ERRORS and len(loc) == 1 and str(loc[0]) in cls.model_fields:
+        reason = _range_reason(cls, str(loc[0]), given)
     return ConfigError(path, reason, value=given)
+
+
+_RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal"})
+
+
+def _range_reason(cls: type[_Options], name: str, given: Any) -> str:
+    """What values ``name`` takes and one that works, for a value outside its range."""
+    field = cls.model_fields[name]
+    bounds: list[str] = []
+    for rule in field.metadata:
+        for attribute, words in (("gt", "above"), ("ge", "at least"), ("lt", "below"), ("le", "at most")):
+            bound = getattr(rule, attribute, None)
+            if bound is not None:
+                bounds.append(f"{words} {bound:g}")
+    whole = isinstance(field.default, int) or field.annotation in (int, int | None)
+    allowed = f"{'a whole number' if whole else 'a number'} {' and '.join(bounds)}"
+    example = cls._examples.get(name)
+    if example is None:
+        example = f"{field.default!r} (the default)" if field.default is not None else "None (the default)"
+    if isinstance(given, float) and math.isnan(given):
+        return f"is not a number; it must be {allowed}, for example {example}"
+    return f"must be {allowed}, for example {example}"
 
 
 def _default_summary_tokens(budget: Any, target: Any) -> int | None:
@@ -195,6 +222,18 @@ class SummarizeOptions(_Options):
     """
 
     _key_prefix: ClassVar[str] = "compaction"
+    _examples: ClassVar[dict[str, str]] = {
+        "target_tokens": "half of trigger_token_budget, or None (the default: half of it)",
+        "max_summary_tokens": (
+            "a quarter of trigger_token_budget, or leave it unset for 1024 or half the target, "
+            "whichever is smaller"
+        ),
+        "keep_first": "0 (the default), or 1 to pin the first user message",
+        "max_tool_output_tokens": "2000, or None (the default) for no cap",
+        "abandon_after_turns": "8 (the default), or None to abandon by time only",
+        "abandon_after_seconds": "600, or None (the default) to abandon by turns only",
+        "background_at": "0.8, or None (the default) to summarize within the step",
+    }
 
     trigger_token_budget: int = Field(strict=True, examples=[8000])
     min_recent_messages: int = Field(default=8, ge=0, strict=True)
@@ -304,6 +343,22 @@ class SummarizeOptions(_Options):
                 "of at least 2",
                 value=getattr(self, key),
             )
+        context = self.episodic.trigger_context_tokens if self.episodic is not None else None
+        target = self.effective_target_tokens
+        if context is not None and context <= target:
+            aim = (
+                "target_tokens"
+                if self.target_tokens is not None
+                else f"half of trigger_token_budget={budget}"
+            )
+            raise ConfigError(
+                "compaction.episodic.trigger_context_tokens",
+                f"fires a fold at {context} tokens, at or below the {target}-token target ({aim}) the "
+                "fold aims for, so no fold can bring the context below it and it would fire again on "
+                f"every check; use a trigger_context_tokens above {target}, for example {budget} (the "
+                f"trigger_token_budget), or a target_tokens below {context}, for example {context // 2}",
+                value=context,
+            )
         if self.background_at is not None and self.background_at * budget <= self.effective_target_tokens:
             smallest = self.effective_target_tokens / budget
             raise ConfigError(
@@ -405,15 +460,77 @@ class RunOptions(_Options):
 
 
 def _token_limit(trigger: Trigger) -> int | None:
-    """The smallest token limit a trigger fires above, if it has one."""
+    """The token count from which a trigger fires on tokens alone, if it has one."""
+    found = _limit_source(trigger)
+    return found[0] if found is not None else None
+
+
+def _limit_source(trigger: Trigger) -> tuple[int, str] | None:
+    """``_token_limit`` and the sub-trigger that sets it, as a user would write it."""
     if isinstance(trigger, TokenCount):
-        return trigger.limit
-    if isinstance(trigger, AnyOf | AllOf):
-        limits = [limit for t in trigger.triggers if (limit := _token_limit(t)) is not None]
-        return min(limits) if limits else None
+        return trigger.limit, f"TokenCount({trigger.limit})"
     if isinstance(trigger, EpisodicPolicy):
-        return trigger.config.trigger_context_tokens
+        context = trigger.config.trigger_context_tokens
+        return (context, f"trigger_context_tokens={context}") if context else None
+    if isinstance(trigger, AnyOf | AllOf):
+        found = [limit for t in trigger.triggers if (limit := _limit_source(t)) is not None]
+        if not found:
+            return None
+        # AnyOf fires at its lowest limit; AllOf only once every token limit is passed.
+        return (min if isinstance(trigger, AnyOf) else max)(found, key=lambda pair: pair[0])
     return None
+
+
+def _check_target_below_trigger(
+    config: CompactionConfig,
+    *,
+    trigger: Trigger | None,
+    strategy: Strategy | Sequence[Strategy] | None,
+    preset: SummarizeOptions | None,
+) -> None:
+    """Refuse a fold target at or above the token limit that fires the fold.
+
+    A fold then leaves the context over its trigger, so every step folds again
+    (or, when the target keeps every turn, every check stalls).
+    """
+    found = _limit_source(config.trigger)
+    target = config.target
+    if found is None or target is None or target < found[0]:
+        return
+    limit, source = found
+    if trigger is None:
+        fires = f"the options' trigger ({source})"
+    elif isinstance(trigger, TokenCount):
+        fires = f"trigger={source}"
+    else:
+        fires = f"trigger={trigger!r} ({source})"
+    budgeted = [s for s in config.strategies if s.target() == target][-1]
+    smaller = (
+        repr(replace(budgeted, max_tokens=limit // 2))
+        if isinstance(budgeted, TokenBudget)
+        else f"TokenBudget({limit // 2})"
+    )
+    above = max(target * 2, target + 1)
+    wider = f"TokenCount({above})" if source.startswith("TokenCount") else f"trigger_context_tokens={above}"
+    if strategy is not None:
+        lower = f"a target below {limit}, for example {smaller}, or " if limit >= 1 else ""
+        raise ConfigError(
+            "strategy",
+            f"aims a fold at {target} tokens, at or above the {limit} tokens at which {fires} fires, "
+            f"so no fold can bring the context below the trigger and it would fire again on every "
+            f"step; use {lower}a trigger above {target}, for example {wider}",
+            value=strategy,
+        )
+    assert preset is not None  # a trigger alone is refused before this
+    lower = f", or compaction.target_tokens below {limit}, for example {limit // 2}" if limit >= 4 else ""
+    raise ConfigError(
+        "trigger",
+        f"fires a fold at {limit} tokens ({source}), at or below the {target}-token target of the "
+        "options (compaction.target_tokens, half of trigger_token_budget by default), so no fold can "
+        "bring the context below the trigger and it would fire again on every step; use a trigger "
+        f"above {target}, for example TokenCount({preset.trigger_token_budget}){lower}",
+        value=trigger,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -487,6 +604,8 @@ def resolve_settings(
             keep_first=base.keep_first,
             summary_tokens=base.summary_tokens,
         )
+        if trigger is not None or strategy is not None:  # the preset checked its own pair
+            _check_target_below_trigger(config, trigger=trigger, strategy=strategy, preset=preset)
         hard = run.max_history_tokens if run is not None else None
         return Settings(
             config=config,
@@ -511,6 +630,7 @@ def resolve_settings(
     )
     summarize = not all(s.masks for s in probe.strategies)
     config = CompactionConfig(trigger, strategy, summary_tokens=summary if summarize else 0)
+    _check_target_below_trigger(config, trigger=trigger, strategy=strategy, preset=None)
     budget = _token_limit(trigger)
     return Settings(
         config=config,

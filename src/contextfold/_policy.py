@@ -7,6 +7,7 @@ with the stable name of the reason it fires, or ``None``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -67,11 +68,11 @@ class EpisodicCompactionTrigger(StrEnum):
         return self.value
 
 
-def _non_negative(key: str, value: int | None, *, optional: bool = False) -> None:
+def _non_negative(key: str, value: int | None, example: str, *, optional: bool = False) -> None:
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(key, "must be a whole number >= 0", value=value)
+        raise ConfigError(key, f"must be a whole number >= 0, for example {example}", value=value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +101,15 @@ class EpisodicCompactionConfig:
     trigger_age_turn_count: int = 50
 
     def __post_init__(self) -> None:
-        _non_negative("trigger_context_tokens", self.trigger_context_tokens, optional=True)
-        _non_negative("trigger_unfinished_turns", self.trigger_unfinished_turns)
-        _non_negative("trigger_age_days", self.trigger_age_days)
-        _non_negative("trigger_age_turn_count", self.trigger_age_turn_count)
+        _non_negative(
+            "trigger_context_tokens",
+            self.trigger_context_tokens,
+            "100000, or None (the default)",
+            optional=True,
+        )
+        _non_negative("trigger_unfinished_turns", self.trigger_unfinished_turns, "8 (the default)")
+        _non_negative("trigger_age_days", self.trigger_age_days, "30 (the default)")
+        _non_negative("trigger_age_turn_count", self.trigger_age_turn_count, "50 (the default)")
         if self.trigger_context_tokens == 0:
             raise ConfigError(
                 "trigger_context_tokens",
@@ -146,7 +152,9 @@ class EpisodicCompactionConfig:
 def fraction_of_window(context_window: int, fraction: float) -> int:
     """``fraction`` of ``context_window`` tokens, validated, rounded down (at least 1)."""
     if isinstance(context_window, bool) or not isinstance(context_window, int) or context_window <= 0:
-        raise ConfigError("context_window", "must be a positive token count", value=context_window)
+        raise ConfigError(
+            "context_window", "must be a positive token count, for example 128000", value=context_window
+        )
     if isinstance(fraction, bool) or not (isinstance(fraction, float | int) and 0 < fraction <= 1):
         raise ConfigError(
             "fraction", "must be in (0, 1], for example 0.8 for 80% of the window", value=fraction
@@ -224,7 +232,7 @@ class TurnCount(Trigger):
     limit: int
 
     def __post_init__(self) -> None:
-        _non_negative("TurnCount.limit", self.limit)
+        _non_negative("TurnCount.limit", self.limit, "TurnCount(50)")
 
     def reason(self, pressure: Pressure) -> str | None:
         return Reason.TURN_COUNT if pressure.turns > self.limit else None
@@ -237,7 +245,7 @@ class MessageCount(Trigger):
     limit: int
 
     def __post_init__(self) -> None:
-        _non_negative("MessageCount.limit", self.limit)
+        _non_negative("MessageCount.limit", self.limit, "MessageCount(100)")
 
     def reason(self, pressure: Pressure) -> str | None:
         return Reason.MESSAGE_COUNT if pressure.message_count > self.limit else None
@@ -250,7 +258,7 @@ class TokenCount(Trigger):
     limit: int
 
     def __post_init__(self) -> None:
-        _non_negative("TokenCount.limit", self.limit)
+        _non_negative("TokenCount.limit", self.limit, "TokenCount(8000)")
 
     @classmethod
     def fraction_of(cls, context_window: int, fraction: float = 0.8) -> TokenCount:
@@ -316,6 +324,21 @@ class EpisodicPolicy(Trigger):
     """
 
     config: EpisodicCompactionConfig = field(default_factory=EpisodicCompactionConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, EpisodicCompactionConfig):
+            given = self.config
+            options = (
+                ", ".join(f"{key}={value!r}" for key, value in given.items())
+                if isinstance(given, Mapping)
+                else "trigger_unfinished_turns=8"
+            )
+            example = f"EpisodicPolicy(EpisodicCompactionConfig({options}))"
+            raise ConfigError(
+                "EpisodicPolicy.config",
+                f"must be an EpisodicCompactionConfig, not {type(given).__name__}; pass {example}",
+                value=given,
+            )
 
     def reason(self, pressure: Pressure) -> str | None:
         base = pressure.episodic or EpisodicCompactionPressure()

@@ -208,9 +208,9 @@ def unanswered_calls(messages: Sequence[Message]) -> list[tuple[int, ToolCall]]:
     return sorted((entry for entries in open_calls.values() for entry in entries), key=lambda e: e[0])
 
 
-def _check_count(key: str, value: int) -> None:
+def _check_count(key: str, value: int, example: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(key, "must be a whole number >= 0", value=value)
+        raise ConfigError(key, f"must be a whole number >= 0, for example {example}", value=value)
 
 
 class Strategy(ABC):
@@ -243,7 +243,7 @@ class SlidingWindow(Strategy):
     keep_recent_turns: int
 
     def __post_init__(self) -> None:
-        _check_count("SlidingWindow.keep_recent_turns", self.keep_recent_turns)
+        _check_count("SlidingWindow.keep_recent_turns", self.keep_recent_turns, "SlidingWindow(8)")
 
     def keep(
         self, unit_tokens: Sequence[int], floor: int, *, reserved: int = 0, by_tokens: bool = True
@@ -264,8 +264,8 @@ class TokenBudget(Strategy):
     keep_recent_turns: int = 0
 
     def __post_init__(self) -> None:
-        _check_count("TokenBudget.max_tokens", self.max_tokens)
-        _check_count("TokenBudget.keep_recent_turns", self.keep_recent_turns)
+        _check_count("TokenBudget.max_tokens", self.max_tokens, "TokenBudget(4000)")
+        _check_count("TokenBudget.keep_recent_turns", self.keep_recent_turns, "2")
 
     def keep(
         self, unit_tokens: Sequence[int], floor: int, *, reserved: int = 0, by_tokens: bool = True
@@ -357,7 +357,7 @@ class ObservationMasking(Strategy):
     masks: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        _check_count("ObservationMasking.keep_recent_turns", self.keep_recent_turns)
+        _check_count("ObservationMasking.keep_recent_turns", self.keep_recent_turns, "ObservationMasking(2)")
         _check_placeholder(self.placeholder)
         object.__setattr__(self, "tools", _tool_names("ObservationMasking.tools", self.tools))
         excluded = _tool_names("ObservationMasking.exclude_tools", self.exclude_tools)
@@ -406,8 +406,10 @@ class CompactionPlan:
     """Which messages of a working context stay and which go.
 
     ``pinned + previous_summary + dropped + kept`` is the input, in order;
-    with masking, ``kept`` holds the masked copies. ``kept_tokens`` counts
-    ``kept`` as planned (masked copies by the plan's counter).
+    with masking, ``kept`` holds the masked copies, while ``dropped`` holds
+    the messages as they were, for the summarizer. ``masked`` counts the
+    masked tool outputs in ``kept``. ``kept_tokens`` counts ``kept`` as
+    planned (masked copies by the plan's counter).
     """
 
     pinned: tuple[Message, ...]
@@ -478,10 +480,10 @@ class CompactionConfig:
         if not isinstance(self.trigger, Trigger):
             raise ConfigError("trigger", "must be a Trigger such as TokenCount(8000)", value=self.trigger)
         object.__setattr__(self, "strategies", _strategies(self.strategy))
-        _check_count("min_recent_turns", self.min_recent_turns)
-        _check_count("min_recent_messages", self.min_recent_messages)
-        _check_count("keep_first", self.keep_first)
-        _check_count("summary_tokens", self.summary_tokens)
+        _check_count("min_recent_turns", self.min_recent_turns, "2 (the default)")
+        _check_count("min_recent_messages", self.min_recent_messages, "0 (the default)")
+        _check_count("keep_first", self.keep_first, "0 (the default), or 1 to pin the task")
+        _check_count("summary_tokens", self.summary_tokens, "0 (the default)")
 
     @property
     def target(self) -> int | None:
@@ -571,9 +573,9 @@ class CompactionConfig:
         floor = max(floor, units - first_pending)
 
         target = self.target
-        kept_body = list(body)
+        kept_body = list(body)  # masked copies replace originals here, as the strategies go
         kept_counts = list(body_counts)
-        masked = 0
+        masked: set[int] = set()
         previous_tokens = counts[pinned_len] if previous is not None else 0
         for strategy in self.strategies:
             current = pinned_tokens + overhead + previous_tokens + sum(kept_counts)
@@ -584,7 +586,7 @@ class CompactionConfig:
             if isinstance(strategy, ObservationMasking):
                 keep = min(max(strategy.keep(unit_tokens, floor), floor), units)
                 cut = starts[units - keep] if keep else len(body)
-                masked += _mask(strategy, kept_body, kept_counts, cut, counter)
+                masked |= _mask(strategy, kept_body, kept_counts, cut, counter)
                 continue
             reserve = self.summary_tokens if self.summary_tokens else previous_tokens
             keep = strategy.keep(
@@ -595,15 +597,17 @@ class CompactionConfig:
             if cut_unit == 0:
                 continue
             cut = starts[cut_unit] if cut_unit < units else len(body)
+            # The summarizer reads what is dropped as it was, not the placeholders of a mask
+            # applied before the cut; only the masked outputs that stay count as masked.
             return CompactionPlan(
                 pinned,
                 previous,
-                tuple(kept_body[:cut]),
+                tuple(body[:cut]),
                 tuple(kept_body[cut:]),
                 reason,
                 cut_unit,
                 keep,
-                masked,
+                sum(position >= cut for position in masked),
                 tuple(orphans),
                 pinned_tokens,
                 sum(kept_counts[cut:]),
@@ -618,7 +622,7 @@ class CompactionConfig:
             reason,
             0,
             units,
-            masked,
+            len(masked),
             tuple(orphans),
             pinned_tokens,
             sum(kept_counts),
@@ -627,10 +631,11 @@ class CompactionConfig:
 
 def _mask(
     strategy: ObservationMasking, body: list[Message], counts: list[int], cut: int, counter: Counter
-) -> int:
-    """Mask tool outputs of ``body[:cut]`` in place; return how many were masked."""
+) -> set[int]:
+    """Mask tool outputs of ``body[:cut]`` in place; return the positions of those masked."""
     names = {call.id: call.name for message in body[:cut] for call in message.tool_calls}
     masked_ids: set[str] = set()
+    masked: set[int] = set()
     for position in range(cut):
         message = body[position]
         if message.role is not Role.TOOL or message.metadata.get(MASKED_METADATA_KEY):
@@ -643,10 +648,11 @@ def _mask(
             body[position] = replacement
             counts[position] = counter(replacement)
             masked_ids.add(message.tool_call_id or "")
+            masked.add(position)
     if masked_ids:
         for position in range(cut):
             cleared = strategy.clear(body[position], masked_ids) if body[position].tool_calls else None
             if cleared is not None:
                 body[position] = cleared
                 counts[position] = counter(cleared)
-    return len(masked_ids)
+    return masked
