@@ -1,4 +1,4 @@
-"""CompactingSession's pop_item: one write to both memories, under the thread's lock."""
+"""CompactingSession's pop_item and clear_session: one write to both memories, under the thread's lock."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ from typing import Any
 
 import anyio
 import pytest
+from anyio.abc import TaskGroup
 from anyio.lowlevel import checkpoint
 
 from contextfold import StoreError, conversation
 from contextfold.episodes import MessagesRetractedEpisode, SummaryCheckpoint
-from contextfold.stores import ContextWindow, MemoryStore, SQLiteStore
+from contextfold.stores import ContextWindow, MemoryStore, SQLiteStore, ThreadStats
 
-from .scenario import _execute, agreeing, compactor, question, record_text
+from .scenario import _execute, agreeing, compactor, question, record_text, refusing_withdrawals
 
 pytest.importorskip("agents")
 
@@ -89,10 +90,34 @@ async def test_a_pop_whose_log_write_fails_leaves_both_memories_as_they_were(tmp
         assert await session.get_items() == held == await replayed(store) == given[:-1]
 
 
-class MeddlingStore(MemoryStore):
-    """The memory store, running ``meanwhile`` once after a load of a context, before its reader goes on.
+async def test_a_clear_whose_context_write_fails_leaves_both_memories_as_they_were(tmp_path: Path) -> None:
+    """The working context refusing the clear leaves the log without it too; a clear made again clears both.
 
-    An edit loads the context, then writes what stays of it: the worst moment for another writer.
+    Before, the log recorded the clear first: a replay gave an empty session that still held its items.
+    """
+    path = tmp_path / "s.db"
+    given = turns(2)
+    async with SQLiteStore(path) as store:
+        session = CompactingSession("s", compactor(store))
+        await session.add_items(given)
+        before = await both(store)
+        with refusing(path, "BEFORE DELETE ON messages"), pytest.raises(StoreError, match="injected failure"):
+            await session.clear_session()
+        assert await both(store) == before
+        with refusing_withdrawals(path), pytest.raises(StoreError, match="injected failure"):
+            await session.clear_session()
+        assert await both(store) == before
+        await session.clear_session()
+        assert await session.get_items() == [] == await replayed(store)
+        records = [r async for r in store.replay("s")]
+        assert records[:-1] == before[1] and records[-1].episode.kind == "history_cleared"
+
+
+class MeddlingStore(MemoryStore):
+    """The memory store, running ``meanwhile`` once after a read of a context, before its reader goes on.
+
+    An edit reads the context (``load``; ``stats``, as ``clear_session`` did), then writes what stays
+    of it: the worst moment for another writer.
     """
 
     def __init__(self) -> None:
@@ -101,46 +126,82 @@ class MeddlingStore(MemoryStore):
 
     async def load(self, thread: str, *, max_tokens: int | None = None) -> ContextWindow:
         window = await super().load(thread, max_tokens=max_tokens)
+        await self._meddle()
+        return window
+
+    async def stats(self, thread: str) -> ThreadStats:
+        stats = await super().stats(thread)
+        await self._meddle()
+        return stats
+
+    async def _meddle(self) -> None:
         meanwhile, self.meanwhile = self.meanwhile, None
         if meanwhile is not None:
             await meanwhile()
-        return window
+
+
+def adding(
+    store: MeddlingStore, session: CompactingSession, items: list[Any], group: TaskGroup
+) -> anyio.Event:
+    """Make ``store`` start ``session.add_items(items)`` in ``group`` at its next read of a context.
+
+    The reader waits for the add up to 1,000 turns of the event loop: plenty for it to finish on a
+    memory store, unless the thread's lock holds it back. The event is set once the add is through.
+    """
+    done = anyio.Event()
+
+    async def add() -> None:
+        await session.add_items(items)
+        done.set()
+
+    async def meanwhile() -> None:
+        group.start_soon(add)
+        for _ in range(1_000):
+            if done.is_set():
+                return
+            await checkpoint()
+
+    store.meanwhile = meanwhile
+    return done
+
+
+ONE_TWO: list[Any] = [{"role": "user", "content": "one"}, {"role": "user", "content": "two"}]
+THREE: list[Any] = [{"role": "user", "content": "three"}]
 
 
 async def test_an_item_added_while_pop_item_runs_lands_after_it() -> None:
     """add_items started once pop_item loaded the session lands after the pop, in both memories.
 
-    Before, it landed between the load and the write: the log retracted the added item, and the session
-    lost the popped one and kept the added one.
+    Before, it landed between the load and the write: the log's retraction took the added item, not
+    the popped one, and a replay gave back the popped item the session had lost.
     """
-    given: list[Any] = [{"role": "user", "content": "one"}, {"role": "user", "content": "two"}]
-    added: list[Any] = [{"role": "user", "content": "three"}]
-    store = MeddlingStore()
-    async with store:
+    async with MeddlingStore() as store:
         session = CompactingSession("s", compactor(store))
-        await session.add_items(given)
-        done = anyio.Event()
-
-        async def add() -> None:
-            await session.add_items(added)
-            done.set()
-
+        await session.add_items(ONE_TWO)
         async with anyio.create_task_group() as group:
-
-            async def meanwhile() -> None:
-                group.start_soon(add)
-                for _ in range(1_000):  # plenty for the add to finish, unless the thread's lock holds it
-                    if done.is_set():
-                        return
-                    await checkpoint()
-
-            store.meanwhile = meanwhile
-            assert await session.pop_item() == given[-1]
-        assert done.is_set()
-        popped, held = await sdk_after(given, 1)
-        assert popped == [given[-1]]
-        assert await session.get_items() == [*held, *added] == await replayed(store) == [given[0], *added]
+            added = adding(store, session, THREE, group)
+            assert await session.pop_item() == ONE_TWO[-1]
+        assert added.is_set()
+        popped, held = await sdk_after(ONE_TWO, 1)
+        assert popped == [ONE_TWO[-1]]
+        assert await session.get_items() == [*held, *THREE] == await replayed(store) == [ONE_TWO[0], *THREE]
         assert await agreeing(store, "s") == ["one", "three"]
+
+
+async def test_an_item_added_while_clear_session_runs_lands_after_it() -> None:
+    """add_items started once clear_session read the session lands after the clear, in both memories.
+
+    Before, it landed between the read and the log's clear: the log cleared it, and the session kept it.
+    """
+    async with MeddlingStore() as store:
+        session = CompactingSession("s", compactor(store))
+        await session.add_items(ONE_TWO)
+        async with anyio.create_task_group() as group:
+            added = adding(store, session, THREE, group)
+            await session.clear_session()
+        assert added.is_set()
+        assert await session.get_items() == THREE == await replayed(store)
+        assert await agreeing(store, "s") == ["three"]
 
 
 async def test_a_fold_between_the_load_and_the_write_is_popped_from_again() -> None:
@@ -155,8 +216,7 @@ async def test_a_fold_between_the_load_and_the_write_is_popped_from_again() -> N
         {"role": "assistant", "content": "Let me look."},
         CALL,
     ]
-    store = MeddlingStore()
-    async with store:
+    async with MeddlingStore() as store:
         session = CompactingSession("s", compactor(store))
         await session.add_items(given)
         other = compactor(store)

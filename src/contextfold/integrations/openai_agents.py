@@ -322,18 +322,12 @@ class CompactingSession:
         return popped
 
     async def clear_session(self) -> None:
-        """Empty the session; the log keeps every item and records the clear."""
-        stats = await self.compactor.short_term.stats(self.session_id)
-        await self.compactor.episodic.record(self.session_id, HistoryClearedEpisode())
-        if stats.message_count:
-            await self.compactor.short_term.replace_prefix(
-                self.session_id,
-                through_seq=stats.last_seq,
-                expected_version=stats.version,
-                replacement=[],
-                tokens=[],
-            )
-        self.compactor._forget_seen(self.session_id)
+        """Empty the session; the log keeps every item and records the clear, in the same write."""
+
+        async def plan(window: Sequence[StoredMessage]) -> Edit:
+            return Edit([HistoryClearedEpisode()], [])
+
+        await follow(self.compactor, self.session_id, plan)
 
     async def model_input_filter(self, data: CallModelData[Any]) -> ModelInputData:
         """For ``RunConfig(call_model_input_filter=...)``: record the input, compact, send the context.
