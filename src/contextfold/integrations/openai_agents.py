@@ -47,6 +47,8 @@ from .._episodes import Episode, HistoryClearedEpisode, MessagesRetractedEpisode
 from .._errors import ConfigError
 from .._messages import Message, Role, ToolCall
 from .._sync import _off_loop, append, content_hash, sync
+from ..stores._base import StoredMessage
+from ._edits import Edit, Row, follow, kept
 
 __all__ = ["CompactingSession", "from_items", "to_items"]
 
@@ -289,49 +291,43 @@ class CompactingSession:
 
         A summary as the newest item (all that was before it folded away) is
         removed as well: the log records the session cleared and what stays
-        recorded again, so a replay gives back exactly the session.
+        recorded again, so a replay gives back exactly the session. Both
+        memories take the removal in one write, holding the thread's lock,
+        from the context as it is then (see ``_edits.follow``): an item added
+        meanwhile stays, and a fold that comes between is popped from again.
         """
-        await self.compactor._ready_counter()  # it counts what stays: no tokenizer load on the loop
-        window = await self.compactor.short_term.load(self.session_id)
-        if not window.messages:
-            return None
-        last, kept = window.messages[-1], window.messages[:-1]
-        items = to_items([last.message])
-        retraction: Episode
-        rest: list[Message]
-        if last.message.is_summary:  # all before it folded away: the log starts over with what stays
-            retraction, rest, again = HistoryClearedEpisode(), [], [stored.message for stored in kept]
-        elif items:  # the newest message's items but its last stay, as a message of their own
-            rest, _ = from_items(items[:-1])
-            retraction, again = MessagesRetractedEpisode(count=1), rest
-        else:
-            return None
-        await self.compactor.episodic.record(self.session_id, retraction)
-        for message in again:
-            await self.compactor.episodic.record(self.session_id, episode_for(message))
-        await self.compactor.short_term.replace_prefix(
-            self.session_id,
-            through_seq=last.seq,
-            expected_version=window.version,
-            replacement=[stored.message for stored in kept] + rest,
-            tokens=[stored.tokens for stored in kept] + [self.compactor.counter.count(m) for m in rest],
-        )
-        self.compactor._forget_seen(self.session_id)
-        return items[-1]
+        popped: TResponseInputItem | None = None
+
+        async def plan(window: Sequence[StoredMessage]) -> Edit | None:
+            nonlocal popped
+            popped = None
+            if not window:
+                return None
+            last, stays = window[-1], window[:-1]
+            items = to_items([last.message])
+            rows = [kept(stored) for stored in stays]
+            if last.message.is_summary:  # all before it folded away: the log starts over with what stays
+                start: Episode = HistoryClearedEpisode()
+                again = [stored.message for stored in stays]
+                rows = [row._replace(recorded=1 + n) for n, row in enumerate(rows)]
+            elif items:  # the newest message's items but its last stay, as a message of their own
+                start, (again, _) = MessagesRetractedEpisode(count=1), from_items(items[:-1])
+                rows += [Row(message, None, recorded=1 + n) for n, message in enumerate(again)]
+            else:
+                return None
+            popped = items[-1]
+            return Edit([start, *map(episode_for, again)], rows)
+
+        await follow(self.compactor, self.session_id, plan)
+        return popped
 
     async def clear_session(self) -> None:
-        """Empty the session; the log keeps every item and records the clear."""
-        stats = await self.compactor.short_term.stats(self.session_id)
-        await self.compactor.episodic.record(self.session_id, HistoryClearedEpisode())
-        if stats.message_count:
-            await self.compactor.short_term.replace_prefix(
-                self.session_id,
-                through_seq=stats.last_seq,
-                expected_version=stats.version,
-                replacement=[],
-                tokens=[],
-            )
-        self.compactor._forget_seen(self.session_id)
+        """Empty the session; the log keeps every item and records the clear, in the same write."""
+
+        async def plan(window: Sequence[StoredMessage]) -> Edit:
+            return Edit([HistoryClearedEpisode()], [])
+
+        await follow(self.compactor, self.session_id, plan)
 
     async def model_input_filter(self, data: CallModelData[Any]) -> ModelInputData:
         """For ``RunConfig(call_model_input_filter=...)``: record the input, compact, send the context.
