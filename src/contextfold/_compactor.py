@@ -61,7 +61,7 @@ from ._messages import SUMMARY_METADATA_KEY, Message, Role, ToolCall
 from ._pacing import Pacer
 from ._policy import TOKEN_REASONS, EpisodicCompactionPressure, Pressure, Reason, Trigger
 from ._strategies import CompactionPlan, SlidingWindow, Strategy, unanswered_calls
-from ._telemetry import FoldSpan, Telemetry, error_type
+from ._telemetry import Telemetry, error_type
 from ._tokens import TiktokenCounter, TokenCounter, check_counter
 from ._trusted import trusted
 from .stores._base import ContextWindow, EpisodicStore, ShortTermStore, Store, StoredMessage, ThreadStats
@@ -869,13 +869,14 @@ class Compactor:
             if not acquired:
                 logger.debug("thread %r: another worker is compacting it; skipping", thread)
                 return None
-            with self.telemetry.fold_span(thread, reason) as span:
+            # Every event the fold emits inside the span is recorded on it (Telemetry.record_event).
+            with self.telemetry.fold_span(thread, reason):
                 prepared = await self._prepare(
                     thread, settings, reason, episodic=episodic, forced=forced, recovery=recovery
                 )
                 if not isinstance(prepared, _Prepared):
                     return prepared
-                return await self._apply(prepared, settings, span=span)
+                return await self._apply(prepared, settings)
 
     async def _window(self, thread: str, settings: Settings) -> tuple[_Rows, int, int]:
         """The rows a fold plans over, the thread's version and its total tokens."""
@@ -1076,12 +1077,7 @@ class Compactor:
         )
 
     async def _apply(
-        self,
-        prepared: _Prepared,
-        settings: Settings,
-        *,
-        span: FoldSpan,
-        background: _Background | None = None,
+        self, prepared: _Prepared, settings: Settings, *, background: _Background | None = None
     ) -> CompactionResult | None:
         """Write the fold, then tell the subscribers; ``background`` receives the result once written.
 
@@ -1173,7 +1169,6 @@ class Compactor:
             checkpoint_seq=result.checkpoint_seq,
             through_seq=result.through_seq,
         )
-        span.record(event)
         await self._emit(event)
         return result
 
@@ -1471,7 +1466,7 @@ class Compactor:
                     logger.debug("thread %r: another worker is compacting it; no background fold", thread)
                     finished = True
                     return
-                with self.telemetry.fold_span(thread, Reason.TOKEN_COUNT, background=True) as span:
+                with self.telemetry.fold_span(thread, Reason.TOKEN_COUNT, background=True):
                     try:
                         prepared = await self._prepare(
                             thread, settings, Reason.TOKEN_COUNT, episodic=None, background=True
@@ -1479,7 +1474,7 @@ class Compactor:
                         if isinstance(prepared, _Prepared):
                             # The lease is held until the fold is written, so no other worker
                             # summarizes the same prefix meanwhile; the write itself is shielded.
-                            await self._apply(prepared, settings, span=span, background=job)
+                            await self._apply(prepared, settings, background=job)
                         else:
                             job.result = prepared
                     except Exception as exc:  # raised in the next step, where the caller can see it
