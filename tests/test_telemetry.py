@@ -445,3 +445,36 @@ async def test_a_degraded_fold_has_the_degraded_event_on_its_span(otel: Otel, st
     assert events == ["summary_degraded", "fold"]
     assert attributes["contextfold.degraded"] is True
     assert attributes["contextfold.tokens_after"] == (await store.stats(THREAD)).total_tokens
+
+
+async def test_a_background_fold_span_records_its_start_and_its_application(
+    otel: Otel, store: MemoryStore
+) -> None:
+    """A background fold's span holds background_started then background_applied, and the figures of the fold.
+
+    Before, the start was emitted outside the span, before the background fold held the lease.
+    """
+    options = RunOptions(
+        max_history_tokens=8_000,
+        compaction=SummarizeOptions(
+            trigger_token_budget=2_000, max_summary_tokens=100, min_recent_messages=2, background_at=0.6
+        ),
+    )
+
+    async def summarize(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        return "summary"  # on the event loop: the offline summarizer's worker thread is not a blocked task
+
+    summarizer = FunctionSummarizer(summarize)
+    async with traced_compactor(otel, store, options=options, summarizer=summarizer) as compactor:
+        while (await compactor.context_tokens(THREAD))[1] <= 0.6 * 2_000:
+            await compactor.append(THREAD, [Message.user("word " * 150)])
+        assert await compactor.maybe_compact(THREAD) is None  # starts the background fold
+        await anyio.wait_all_tasks_blocked()  # the background fold is written by now
+        result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.background
+    attributes, events = fold_span(otel)
+    assert events == ["background_started", "background_applied"]
+    assert attributes["contextfold.background"] is True and attributes["contextfold.stalled"] is False
+    assert attributes["contextfold.tokens_after"] == (await store.stats(THREAD)).total_tokens
+    [saved] = otel.points(METRIC_TOKENS_SAVED)
+    assert saved.value == result.tokens_before - result.tokens_after > 0
