@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import uuid
@@ -16,6 +17,7 @@ import pytest
 from contextfold import (
     CompactionResult,
     Compactor,
+    ConfigError,
     Message,
     RunOptions,
     SummarizeOptions,
@@ -23,6 +25,12 @@ from contextfold import (
     conversation,
 )
 from contextfold.episodes import SummaryCheckpoint
+from contextfold.events import (
+    BackgroundSummaryApplied,
+    BackgroundSummaryStarted,
+    CompactionEvent,
+    FoldApplied,
+)
 from contextfold.stores import MemoryStore, SQLiteStore
 from contextfold.summarizers import FunctionSummarizer
 from contextfold.tokens import ApproximateCounter
@@ -499,3 +507,166 @@ async def test_a_step_appending_while_the_background_fold_reads_the_context_is_n
         assert context == (await store.load(THREAD)).plain
         assert context.count(reply) == 1
         assert context[-1] == reply
+
+
+async def checkpoints(store: Any) -> list[SummaryCheckpoint]:
+    return [r.episode async for r in store.replay(THREAD) if isinstance(r.episode, SummaryCheckpoint)]
+
+
+def observed(store: Any, summarizer: SlowSummarizer, seen: list[CompactionEvent]) -> Compactor:
+    """A background-folding compactor whose events land in ``seen``."""
+    return Compactor(
+        store,
+        options=options(),
+        summarizer=summarizer,
+        counter=ApproximateCounter(),
+        subscribers=[seen.append],
+        log_events=False,
+    )
+
+
+async def grow_while_held(compactor: Compactor, n: int, tokens: float) -> int:
+    """Append turns with no check (past the budget it would wait) until the context holds ``tokens``."""
+    while (await compactor.context_tokens(THREAD))[1] <= tokens:
+        await compactor.append(THREAD, turn(n))
+        n += 1
+    return n
+
+
+async def test_a_background_fold_that_leaves_the_context_over_the_trigger_is_followed_by_a_fold(
+    store: Any,
+) -> None:
+    """Appends made while the background summary ran keep the context over the budget: the step folds too.
+
+    Before, the step returned the background fold and sent 1.5x the budget.
+    """
+    summarizer = SlowSummarizer(0)
+    summarizer.gate = anyio.Event()
+    seen: list[CompactionEvent] = []
+    async with observed(store, summarizer, seen) as compactor:
+        n = await grow_until_started(compactor, summarizer.started)
+        await grow_while_held(compactor, n, 2.5 * 2_000)
+        summarizer.gate.set()
+        with anyio.fail_after(10):  # ready by now, or waited for at the hard trigger: the same outcome
+            result = await compactor.maybe_compact(THREAD)
+        _, sent = await compactor.context_tokens(THREAD)
+    assert result is not None and result.compacted and not result.background
+    assert sent <= 1_000  # the target: what a step's fold leaves
+    begun, applied, folded = seen
+    assert isinstance(begun, BackgroundSummaryStarted)
+    assert isinstance(applied, BackgroundSummaryApplied) and applied.tokens_after > 2_000
+    assert type(folded) is FoldApplied and folded.tokens_before == applied.tokens_after
+    assert folded.tokens_after == result.tokens_after == sent
+    assert len(await checkpoints(store)) == 2
+    assert len(summarizer.calls) == 2
+    assert len(summarizer.sent) == len(set(summarizer.sent)), "a message was summarized twice"
+
+
+async def test_a_background_fold_that_found_the_lease_taken_leaves_the_fold_to_the_step(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A background fold that finds another worker's lease begins nothing; past the budget, the step folds.
+
+    Before, it emitted BackgroundSummaryStarted and nothing after, and the first check over the
+    budget returned its empty result: nothing was folded.
+    """
+    lock = store.compaction_lock
+    refused = anyio.Event()
+
+    @asynccontextmanager
+    async def spied_lock(thread: str) -> AsyncIterator[bool]:
+        async with lock(thread) as held:
+            if not held:
+                refused.set()
+            yield held
+
+    monkeypatch.setattr(store, "compaction_lock", spied_lock)
+    summarizer = SlowSummarizer(0)
+    seen: list[CompactionEvent] = []
+    async with observed(store, summarizer, seen) as compactor:
+        async with lock(THREAD) as held:  # another worker is compacting the thread
+            assert held
+            n = 0
+            while (await compactor.context_tokens(THREAD))[1] <= BACKGROUND_TOKENS:
+                await compactor.append(THREAD, turn(n))
+                n += 1
+            assert await compactor.maybe_compact(THREAD) is None  # the background fold starts
+            with anyio.fail_after(10):
+                await refused.wait()
+        await grow_while_held(compactor, n, 2_000)
+        with anyio.fail_after(10):
+            result = await compactor.maybe_compact(THREAD)
+        _, sent = await compactor.context_tokens(THREAD)
+    assert result is not None and result.compacted and not result.background
+    assert sent <= 1_000
+    assert [type(e) for e in seen] == [FoldApplied]
+    assert len(await checkpoints(store)) == 1 and len(summarizer.calls) == 1
+
+
+async def test_background_folding_keeps_the_hold_back_between_folds() -> None:
+    """With large protected turns, a background fold waits out budget - target new tokens, as a step's does.
+
+    Before, a background summary started at every check past background_at while the fold before it
+    still held the next one back: 10 folds and 11 summarizer calls where the step makes 4.
+    """
+    budget, target = 1_000, 500
+
+    async def summarize(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        return "summary of stuff"
+
+    for background_at in (None, 0.8):
+        seen: list[CompactionEvent] = []
+        summarizer = FunctionSummarizer(summarize)
+
+        compaction = SummarizeOptions(
+            trigger_token_budget=budget,
+            min_recent_messages=0,
+            min_recent_turns=8,  # about 800 tokens: every fold leaves the context over the target
+            background_at=background_at,
+        )
+        async with (
+            MemoryStore() as store,
+            Compactor(
+                store,
+                options=compaction,
+                summarizer=summarizer,
+                counter=ApproximateCounter(),
+                subscribers=[seen.append],
+                log_events=False,
+            ) as compactor,
+        ):
+            for n in range(30):
+                await compactor.maybe_compact(THREAD)
+                await compactor.append(THREAD, [Message.user("word " * 75 + str(n))])
+                await anyio.wait_all_tasks_blocked()  # a background fold under way is written by now
+        folds = [e for e in seen if isinstance(e, FoldApplied)]
+        assert 3 <= len(folds) <= 5 and len(summarizer.calls) == len(folds), background_at
+        for earlier, later in itertools.pairwise(folds):
+            assert later.tokens_before - earlier.tokens_after > budget - target, background_at
+
+
+async def test_a_compactor_entered_again_folds_in_the_background(caplog: pytest.LogCaptureFixture) -> None:
+    """A compactor whose 'async with' ended can be entered again, and folds in the background there.
+
+    Before, the second entry was accepted but every later check warned "the Compactor is not entered"
+    and folded in the step.
+    """
+    async with MemoryStore() as store:
+        compactor = Compactor(
+            store, options=options(), summarizer=SlowSummarizer(0), counter=ApproximateCounter()
+        )
+        async with compactor:
+            pass
+        async with compactor:
+            with pytest.raises(ConfigError, match="already entered"):
+                await compactor.__aenter__()
+            result = None
+            n = 0
+            while result is None:
+                await compactor.append(THREAD, turn(n))
+                n += 1
+                result = await compactor.maybe_compact(THREAD)
+                await anyio.wait_all_tasks_blocked()  # a background fold under way is written by now
+        assert result.compacted and result.background
+        assert len(await checkpoints(store)) == 1
+    assert "not entered" not in caplog.text

@@ -8,6 +8,7 @@ import logging
 import re
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,10 +16,10 @@ from typing import Any
 import anyio
 import pytest
 
-from contextfold._compactor import Compactor
+from contextfold._compactor import CompactionResult, Compactor
 from contextfold._config import RunOptions, SummarizeOptions
 from contextfold._episodes import SummaryCheckpoint, Usage
-from contextfold._errors import ConfigError
+from contextfold._errors import ConfigError, SummarizerError
 from contextfold._events import (
     LOG_KEYS,
     BackgroundSummaryApplied,
@@ -506,10 +507,9 @@ def test_the_cli_says_a_stall_once(tmp_path: Path) -> None:
     assert "nothing can be folded" not in output and "WARNING" not in output
 
 
-def background_options() -> RunOptions:
-    compaction = SummarizeOptions(
-        trigger_token_budget=2_000, max_summary_tokens=100, min_recent_messages=2, background_at=0.6
-    )
+def background_options(**overrides: Any) -> RunOptions:
+    chosen: dict[str, Any] = {"max_summary_tokens": 100, "min_recent_messages": 2, "background_at": 0.6}
+    compaction = SummarizeOptions(trigger_token_budget=2_000, **{**chosen, **overrides})
     return RunOptions(max_history_tokens=8_000, compaction=compaction)
 
 
@@ -532,10 +532,17 @@ async def start_background_summary(
     few more steps could reach the hard trigger, and that step would wait for
     a summary held at a gate the test opens only afterwards.
     """
-    while not seen:  # BackgroundSummaryStarted comes first, from the step that started it
+    await cross_background_at(compactor, 0.6)
+    with anyio.fail_after(10):
+        await started.wait()
+    assert [type(e) for e in seen] == [BackgroundSummaryStarted]  # emitted as the summary began
+
+
+async def cross_background_at(compactor: Compactor, background_at: float) -> None:
+    """Append and check until the context is past ``background_at``: the check that crosses it starts it."""
+    while (await compactor.context_tokens(THREAD))[1] <= background_at * 2_000:
         await compactor.append(THREAD, [Message.user("word " * 150)])
         assert await compactor.maybe_compact(THREAD) is None
-    await started.wait()
 
 
 async def test_a_background_summary_is_started_then_applied_as_a_fold(store: MemoryStore) -> None:
@@ -552,9 +559,12 @@ async def test_a_background_summary_is_started_then_applied_as_a_fold(store: Mem
         while result is None:  # applied as soon as it is ready, or waited for at the hard trigger
             await compactor.append(THREAD, [Message.user("word " * 150)])
             result = await compactor.maybe_compact(THREAD)
-    applied = seen[1:]
-    assert [type(e) for e in applied] == [BackgroundSummaryApplied]
-    event = applied[0]
+    event, *later = seen[1:]
+    assert type(event) is BackgroundSummaryApplied
+    if later:  # the appends kept the context past background_at: the step that took it began the next
+        begun_next, *ended = later
+        assert type(begun_next) is BackgroundSummaryStarted and len(ended) <= 1
+        assert all(type(e) in (BackgroundSummaryApplied, BackgroundSummaryDiscarded) for e in ended)
     assert isinstance(event, FoldApplied) and result.background
     assert event.tokens_after == result.tokens_after and event.checkpoint_seq == result.checkpoint_seq
     assert (await compactor.context(THREAD))[0].text.endswith(f"{event.messages_folded} messages")
@@ -571,3 +581,84 @@ async def test_a_background_summary_unapplied_at_close_is_discarded(store: Memor
     assert isinstance(begun, BackgroundSummaryStarted)
     assert isinstance(discarded, BackgroundSummaryDiscarded) and discarded.cause == "closed"
     assert [r async for r in store.replay(THREAD) if isinstance(r.episode, SummaryCheckpoint)] == []
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+async def test_a_failed_background_summary_is_discarded_naming_the_error(
+    store: MemoryStore, on_error: str
+) -> None:
+    """A failed background summary is one BackgroundSummaryDiscarded, summarizer_failed, with its error.
+
+    Before, the events stopped at BackgroundSummaryStarted.
+    """
+
+    async def broken(messages: Sequence[Message], previous: str | None, limit: int) -> Summary:
+        raise SummarizerError("provider down")
+
+    seen: list[CompactionEvent] = []
+    settings = {
+        "options": background_options(on_summarizer_error=on_error),
+        "summarizer": FunctionSummarizer(broken, model="flaky"),
+    }
+    async with wired_compactor(store, seen, **settings) as compactor:
+        await cross_background_at(compactor, 0.6)
+        await anyio.wait_all_tasks_blocked()  # the background summary failed by now
+        if on_error == "raise":
+            with pytest.raises(SummarizerError, match="provider down"):
+                await compactor.maybe_compact(THREAD)
+        else:
+            result = await compactor.maybe_compact(THREAD)
+            assert result is not None and result.stalled and "provider down" in result.detail
+    stalled = [FoldStalled] if on_error == "skip" else []
+    assert [type(e) for e in seen] == [BackgroundSummaryStarted, BackgroundSummaryDiscarded, *stalled]
+    begun, discarded, *_ = seen
+    assert isinstance(begun, BackgroundSummaryStarted) and begun.summarizer_model == "flaky"
+    assert isinstance(discarded, BackgroundSummaryDiscarded)
+    assert (discarded.cause, discarded.error) == ("summarizer_failed", "provider down")
+    assert discarded.through_seq == begun.through_seq is not None
+    assert discarded.messages_folded == begun.messages_folded > 0
+    assert discarded.tokens_saved == 0
+    assert [r async for r in store.replay(THREAD) if isinstance(r.episode, SummaryCheckpoint)] == []
+
+
+async def test_a_background_fold_reports_its_prefix_the_wait_and_what_it_removed(store: MemoryStore) -> None:
+    """Started names the prefix the fold replaces; Applied, the step's wait and the context around the fold.
+
+    Before, Started.through_seq was None, waited_s was 0.0 after a step had waited, and tokens_before was
+    the context when the summary began while tokens_after counted the appends made since.
+    """
+    gate, started = anyio.Event(), anyio.Event()
+    seen: list[CompactionEvent] = []
+    # Past 0.9 of the budget, one fold brings the context back under it, appends included.
+    options = background_options(background_at=0.9)
+    settings = {"options": options, "summarizer": gated_summarizer(gate, started)}
+    results: list[CompactionResult | None] = []
+    async with wired_compactor(store, seen, **settings) as compactor:
+        await cross_background_at(compactor, 0.9)
+        with anyio.fail_after(10):
+            await started.wait()
+        while (await compactor.context_tokens(THREAD))[1] <= 2_000:  # the agent goes on meanwhile
+            await compactor.append(THREAD, [Message.user("word " * 150)])
+        before = (await store.stats(THREAD)).total_tokens
+
+        async def step() -> None:
+            results.append(await compactor.maybe_compact(THREAD))
+
+        began = time.perf_counter()
+        async with anyio.create_task_group() as group:
+            group.start_soon(step)
+            await anyio.wait_all_tasks_blocked()  # the step waits for the summary held at the gate
+            gate.set()
+        waited = time.perf_counter() - began
+        after = (await store.stats(THREAD)).total_tokens
+    [checkpoint] = [r.episode async for r in store.replay(THREAD) if isinstance(r.episode, SummaryCheckpoint)]
+    begun, applied = seen
+    assert isinstance(begun, BackgroundSummaryStarted) and isinstance(applied, BackgroundSummaryApplied)
+    assert begun.through_seq == applied.through_seq == checkpoint.through_seq
+    assert begun.messages_folded == applied.messages_folded == checkpoint.dropped_messages
+    assert 0 < applied.waited_s <= waited
+    assert (applied.tokens_before, applied.tokens_after) == (before, after)
+    assert applied.tokens_saved == checkpoint.tokens_before - checkpoint.tokens_after
+    [result] = results
+    assert result is not None and result.background
+    assert (result.tokens_before, result.tokens_after) == (before, after)

@@ -28,10 +28,17 @@ from contextfold import (
     conversation,
     to_anthropic,
 )
-from contextfold.episodes import LlmCallEpisode, RunCompletedEpisode, ToolCallEpisode
+from contextfold.episodes import LlmCallEpisode, RunCompletedEpisode, SummaryCheckpoint, ToolCallEpisode
+from contextfold.events import (
+    BackgroundSummaryApplied,
+    BackgroundSummaryDiscarded,
+    BackgroundSummaryStarted,
+    CompactionEvent,
+)
 from contextfold.loop import Compacted, RunFinished, TextDelta, ToolFinished
 from contextfold.messages import TOOL_ERROR_METADATA_KEY
 from contextfold.stores import MemoryStore, SQLiteStore
+from contextfold.summarizers import FunctionSummarizer
 from contextfold.testing import ScriptedModel, tool_step
 from contextfold.tokens import ApproximateCounter
 
@@ -733,3 +740,69 @@ async def test_tools_that_cannot_be_run_by_name_are_refused_naming_the_entry(
         recorded = (await store.stats("t")).message_count
     assert info.value.key == key and info.value.value is entry(tools) and why in info.value.reason
     assert recorded == 0
+
+
+BACKGROUND = RunOptions(
+    max_history_tokens=8_000,
+    compaction=SummarizeOptions(
+        trigger_token_budget=2_000, max_summary_tokens=100, min_recent_messages=2, background_at=0.6
+    ),
+)
+
+
+def background_compactor(store: MemoryStore, seen: list[CompactionEvent], gate: anyio.Event) -> Compactor:
+    """A compactor that folds in the background, its summarizer held at ``gate``."""
+
+    async def summarize(messages: list[Message], previous: str | None, limit: int) -> str:
+        await gate.wait()
+        return f"{len(messages)} messages"
+
+    return Compactor(
+        store,
+        options=BACKGROUND,
+        summarizer=FunctionSummarizer(summarize),
+        counter=ApproximateCounter(),
+        subscribers=[seen.append],
+        log_events=False,
+    )
+
+
+async def step_past_background_at(loop: StepLoop, seen: list[CompactionEvent]) -> None:
+    """Take steps until one starts a background summary (at its check, before the request), and it began."""
+    with anyio.fail_after(10):
+        while not seen:
+            async with loop.step("t") as step:
+                await step.record(Message.user("word " * 150))
+            await anyio.wait_all_tasks_blocked()  # a summary started by this step's check began by now
+    assert [type(e) for e in seen] == [BackgroundSummaryStarted]
+
+
+async def test_a_step_loops_block_owns_its_compactors_background_folds() -> None:
+    """'async with StepLoop(compactor)' enters the compactor; leaving it cancels the summary under way.
+
+    Before, 'async with StepLoop(...)' raised TypeError, so a loop could not own the background folds.
+    """
+    seen: list[CompactionEvent] = []
+    async with MemoryStore() as store:
+        async with StepLoop(background_compactor(store, seen, anyio.Event())) as loop:
+            await step_past_background_at(loop, seen)
+        assert [type(e) for e in seen] == [BackgroundSummaryStarted, BackgroundSummaryDiscarded]
+        assert isinstance(seen[1], BackgroundSummaryDiscarded) and seen[1].cause == "closed"
+        assert [r async for r in store.replay("t") if isinstance(r.episode, SummaryCheckpoint)] == []
+
+
+async def test_a_compactor_entered_by_its_owner_outlives_the_step_loops_block() -> None:
+    """A compactor entered around the loop is left open by the loop's block: its background fold goes on."""
+    seen: list[CompactionEvent] = []
+    gate = anyio.Event()
+    async with MemoryStore() as store:
+        compactor = background_compactor(store, seen, gate)
+        async with compactor:
+            async with StepLoop(compactor) as loop, loop:  # nested blocks of one loop enter nothing either
+                await step_past_background_at(loop, seen)
+            gate.set()
+            with anyio.fail_after(10):
+                while (result := await compactor.maybe_compact("t")) is None:
+                    await anyio.wait_all_tasks_blocked()
+        assert result.background and result.compacted
+        assert [type(e) for e in seen] == [BackgroundSummaryStarted, BackgroundSummaryApplied]

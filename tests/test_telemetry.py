@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from contextfold._compactor import CompactionResult, Compactor
+from contextfold._compactor import Compactor
 from contextfold._config import RunOptions, SummarizeOptions
 from contextfold._episodes import Usage
 from contextfold._errors import SummarizerError
@@ -123,21 +123,6 @@ def test_fold_span_carries_the_folds_figures(otel: Otel) -> None:
     [event] = fold.events
     assert event.name == "fold"
     assert dict(event.attributes or {})["gen_ai.request.model"] == "recorder"
-
-
-def test_fold_span_records_a_conflict_and_a_stall(otel: Otel) -> None:
-    """Conflicts become span events and the final stall marks the span stalled with nothing folded."""
-    with otel.telemetry.fold_span(THREAD) as span:
-        span.record(FoldConflict(**{**COMMON, "tokens_after": 900}))
-        span.record(FoldStalled(**{**COMMON, "tokens_after": 900}, detail="kept tail too big"))
-    fold = otel.spans()["contextfold.fold"]
-    attributes = dict(fold.attributes or {})
-    assert attributes["contextfold.stalled"] is True
-    assert attributes["contextfold.reason"] == "token_count"
-    assert attributes["contextfold.tokens_after"] == attributes["contextfold.tokens_before"] == 900
-    assert attributes["contextfold.messages_folded"] == 0
-    assert [e.name for e in fold.events] == ["fold_conflict", "fold_stalled"]
-    assert dict(fold.events[0].attributes or {})[ATTR_CAUSE] == "conflict"
 
 
 async def test_summarizer_span_follows_the_genai_conventions(otel: Otel) -> None:
@@ -310,99 +295,10 @@ def test_without_opentelemetry_create_gives_disabled_telemetry() -> None:
     assert outcome == {"enabled": False}
 
 
-class TracedSummarizer:
-    """Wraps a summarizer in a summarizer span, the way the compactor's own call is traced."""
-
-    def __init__(self, inner: FunctionSummarizer, telemetry: Telemetry) -> None:
-        self.inner = inner
-        self.telemetry = telemetry
-
-    async def summarize(
-        self, messages: Sequence[Message], *, previous_summary: str | None, max_summary_tokens: int
-    ) -> Summary:
-        with self.telemetry.summarizer_span(self.inner.model, max_tokens=max_summary_tokens) as call:
-            summary = await self.inner.summarize(
-                messages, previous_summary=previous_summary, max_summary_tokens=max_summary_tokens
-            )
-            call.record(summary.usage, response_model=summary.model)
-        return summary
-
-
-def fold_event(result: CompactionResult) -> FoldApplied | FoldStalled:
-    """The event a ``CompactionResult`` stands for."""
-    common = {
-        "thread": result.thread,
-        "reason": result.reason,
-        "tokens_before": result.tokens_before,
-        "tokens_after": result.tokens_after,
-        "messages_folded": result.dropped_messages,
-        "summarizer_model": result.summarizer_model,
-        "usage": result.usage,
-        "duration_s": result.duration_s,
-    }
-    if result.stalled:
-        return FoldStalled(**common, detail=result.detail)
-    return FoldApplied(
-        **common,
-        degraded=result.degraded,
-        masked_messages=result.masked_messages,
-        truncated_messages=result.truncated_messages,
-        checkpoint_seq=result.checkpoint_seq,
-        through_seq=result.through_seq,
-    )
-
-
 @pytest.fixture
 async def store() -> AsyncIterator[MemoryStore]:
     async with MemoryStore() as backend:
         yield backend
-
-
-async def test_a_real_fold_traced_end_to_end(otel: Otel, store: MemoryStore) -> None:
-    """A real Compactor fold inside a fold span: the span and metrics match the context the fold left."""
-
-    async def summarize(messages: Sequence[Message], previous: str | None, limit: int) -> Summary:
-        return Summary(text=f"{len(messages)} messages", model="recorder-1", usage=Usage(input_tokens=321))
-
-    summarizer = FunctionSummarizer(summarize, model="recorder")
-    options = RunOptions(
-        max_history_tokens=800,
-        compaction=SummarizeOptions(trigger_token_budget=400, max_summary_tokens=60, min_recent_messages=2),
-    )
-    compactor = Compactor(
-        store,
-        options=options,
-        summarizer=TracedSummarizer(summarizer, otel.telemetry),
-        counter=ApproximateCounter(),
-    )
-    for n in range(8):
-        await compactor.append(THREAD, [Message.user(f"task {n}: " + "word " * 40)])
-    messages_before = (await store.stats(THREAD)).message_count
-    dispatcher = EventDispatcher([otel.telemetry.record_event])
-
-    with otel.telemetry.fold_span(THREAD) as span:
-        result = await compactor.maybe_compact(THREAD)
-        assert result is not None and result.compacted
-        event = fold_event(result)
-        span.record(event)
-        await dispatcher.emit(event)
-
-    stats = await store.stats(THREAD)
-    context = await compactor.context(THREAD)
-    assert context[0].text.endswith(f"{result.dropped_messages} messages")
-    assert stats.message_count == messages_before - result.dropped_messages + 1
-    spans = otel.spans()
-    fold = dict(spans["contextfold.fold"].attributes or {})
-    assert fold["contextfold.tokens_after"] == stats.total_tokens
-    assert fold["contextfold.messages_folded"] == result.dropped_messages == len(summarizer.calls[0][0])
-    assert fold["contextfold.reason"] == result.reason
-    summarize_span = spans["summarize recorder"]
-    assert summarize_span.parent is not None
-    assert summarize_span.parent.span_id == spans["contextfold.fold"].context.span_id
-    assert dict(summarize_span.attributes or {})["gen_ai.response.model"] == "recorder-1"
-    assert dict(summarize_span.attributes or {})["gen_ai.usage.input_tokens"] == 321
-    [saved] = otel.points(METRIC_TOKENS_SAVED)
-    assert saved.value == result.tokens_before - stats.total_tokens
 
 
 async def test_create_without_providers_uses_the_global_ones() -> None:
@@ -447,5 +343,138 @@ async def test_a_compactor_traces_its_folds_and_summarizer_calls(otel: Otel, sto
     assert attributes["contextfold.tokens_after"] == stats.total_tokens
     assert attributes["contextfold.stalled"] is False
     assert dict(summarize_span.attributes or {})["gen_ai.usage.output_tokens"] == 7
+    assert dict(summarize_span.attributes or {})["gen_ai.response.model"] == "recorder-1"
+    assert attributes["contextfold.messages_folded"] == result.dropped_messages
+    assert [e.name for e in fold.events] == ["fold"]
     [folds] = otel.points(METRIC_FOLDS)
     assert folds.value == 1
+    [saved] = otel.points(METRIC_TOKENS_SAVED)
+    assert saved.value == result.tokens_before - stats.total_tokens
+
+
+def traced_compactor(otel: Otel, store: MemoryStore, **overrides: Any) -> Compactor:
+    settings: dict[str, Any] = {
+        "options": RunOptions(
+            max_history_tokens=800,
+            compaction=SummarizeOptions(
+                trigger_token_budget=400, max_summary_tokens=60, min_recent_messages=2
+            ),
+        ),
+        "counter": ApproximateCounter(),
+        "telemetry": otel.telemetry,
+        "log_events": False,
+        **overrides,
+    }
+    return Compactor(store, **settings)
+
+
+def fold_span(otel: Otel) -> tuple[dict[str, Any], list[str]]:
+    """The one ``contextfold.fold`` span's attributes and the names of its events."""
+    [span] = [s for s in otel.spans_exporter.get_finished_spans() if s.name == "contextfold.fold"]
+    return dict(span.attributes or {}), [e.name for e in span.events]
+
+
+async def test_a_real_stall_marks_its_fold_span_stalled_with_its_tokens(
+    otel: Otel, store: MemoryStore
+) -> None:
+    """A trigger that fires with nothing to fold leaves a fold span marked stalled, with the context's tokens.
+
+    Before, the stall's span had neither the stall event nor contextfold.stalled nor any tokens.
+    """
+    compactor = traced_compactor(otel, store)
+    await compactor.append(THREAD, [Message.user("word " * 600)])  # one protected turn, alone over budget
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.stalled
+    total = (await store.stats(THREAD)).total_tokens
+    attributes, events = fold_span(otel)
+    assert events == ["fold_stalled"]
+    assert attributes["contextfold.stalled"] is True
+    assert attributes["contextfold.tokens_before"] == attributes["contextfold.tokens_after"] == total
+    assert attributes["contextfold.messages_folded"] == 0
+    [stalls] = otel.points(METRIC_STALLS)
+    assert stalls.value == 1
+
+
+async def test_a_real_conflict_is_on_its_fold_span_with_its_cause(otel: Otel, store: MemoryStore) -> None:
+    """A fold whose prefix another writer replaced leaves its conflict, figures and cause on its span.
+
+    Before, the conflicting fold's span carried no event and no figures.
+    """
+
+    async def meddling(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        stats = await store.stats(THREAD)
+        first = (await store.load(THREAD)).messages[0]
+        await store.replace_prefix(
+            THREAD,
+            through_seq=first.seq,
+            expected_version=stats.version,
+            replacement=[Message.user("edited by an operator")],
+            tokens=[5],
+        )
+        return "summary"
+
+    compactor = traced_compactor(otel, store, summarizer=FunctionSummarizer(meddling))
+    for n in range(8):
+        await compactor.append(THREAD, [Message.user(f"task {n}: " + "word " * 40)])
+    read = (await store.stats(THREAD)).total_tokens
+    assert await compactor.maybe_compact(THREAD) is None  # discarded: nothing written
+    attributes, events = fold_span(otel)
+    assert events == ["fold_conflict"]
+    assert attributes[ATTR_CAUSE] == "conflict" and attributes["contextfold.stalled"] is False
+    assert attributes["contextfold.tokens_before"] == attributes["contextfold.tokens_after"] == read
+    assert attributes["contextfold.messages_folded"] > 0
+    [discarded] = otel.points(METRIC_DISCARDED)
+    assert discarded.value == 1
+
+
+async def test_a_degraded_fold_has_the_degraded_event_on_its_span(otel: Otel, store: MemoryStore) -> None:
+    """A fold made with the fallback's summary records the summary_degraded event before the fold on its span.
+
+    Before, only the applied fold reached the span.
+    """
+
+    async def broken(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        raise SummarizerError("provider down")
+
+    compactor = traced_compactor(otel, store, summarizer=FunctionSummarizer(broken, model="flaky"))
+    for n in range(8):
+        await compactor.append(THREAD, [Message.user(f"task {n}: " + "word " * 40)])
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.degraded
+    attributes, events = fold_span(otel)
+    assert events == ["summary_degraded", "fold"]
+    assert attributes["contextfold.degraded"] is True
+    assert attributes["contextfold.tokens_after"] == (await store.stats(THREAD)).total_tokens
+
+
+async def test_a_background_fold_span_records_its_start_and_its_application(
+    otel: Otel, store: MemoryStore
+) -> None:
+    """A background fold's span holds background_started then background_applied, and the figures of the fold.
+
+    Before, the start was emitted outside the span, before the background fold held the lease.
+    """
+    options = RunOptions(
+        max_history_tokens=8_000,
+        compaction=SummarizeOptions(
+            trigger_token_budget=2_000, max_summary_tokens=100, min_recent_messages=2, background_at=0.6
+        ),
+    )
+
+    async def summarize(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        return "summary"  # on the event loop: the offline summarizer's worker thread is not a blocked task
+
+    summarizer = FunctionSummarizer(summarize)
+    async with traced_compactor(otel, store, options=options, summarizer=summarizer) as compactor:
+        while (await compactor.context_tokens(THREAD))[1] <= 0.6 * 2_000:
+            await compactor.append(THREAD, [Message.user("word " * 150)])
+        assert await compactor.maybe_compact(THREAD) is None  # starts the background fold
+        await anyio.wait_all_tasks_blocked()  # the background fold is written by now
+        result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.background
+    attributes, events = fold_span(otel)
+    assert events == ["background_started", "background_applied"]
+    assert attributes["contextfold.background"] is True and attributes["contextfold.stalled"] is False
+    assert attributes["contextfold.tokens_after"] == (await store.stats(THREAD)).total_tokens
+    [saved] = otel.points(METRIC_TOKENS_SAVED)
+    assert saved.value == result.tokens_before - result.tokens_after > 0

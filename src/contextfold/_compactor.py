@@ -27,6 +27,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, NamedTuple, Self
@@ -50,6 +51,7 @@ from ._events import (
     BackgroundSummaryDiscarded,
     BackgroundSummaryStarted,
     CompactionEvent,
+    DiscardCause,
     EventDispatcher,
     FoldApplied,
     FoldConflict,
@@ -61,7 +63,7 @@ from ._messages import SUMMARY_METADATA_KEY, Message, Role, ToolCall
 from ._pacing import Pacer
 from ._policy import TOKEN_REASONS, EpisodicCompactionPressure, Pressure, Reason, Trigger
 from ._strategies import CompactionPlan, SlidingWindow, Strategy, _bounds, split_head, unanswered_calls
-from ._telemetry import FoldSpan, Telemetry, error_type
+from ._telemetry import Telemetry, error_type
 from ._tokens import TiktokenCounter, TokenCounter, check_counter
 from ._trusted import trusted
 from .stores._base import ContextWindow, EpisodicStore, ShortTermStore, Store, StoredMessage, ThreadStats
@@ -358,6 +360,17 @@ class _Background:
     """Set with ``done``, for a step on another thread's event loop (see ``_background_done``)."""
     result: CompactionResult | None = None
     error: Exception | None = None
+    begun: BackgroundSummaryStarted | None = None
+    """The event that said its summary began: what a discard reports, if it comes to that."""
+    begun_at: float = 0.0
+    settled: bool = False
+    """An applied or discarded event was emitted for it."""
+    waiting_since: float | None = None
+    """When a step at the hard trigger began to wait for it."""
+
+
+_running_job: ContextVar[_Background | None] = ContextVar("contextfold_background_job", default=None)
+"""The background fold the current task computes (``None`` in a step): its summary is reported as one."""
 
 
 def _summary_body(message: Message) -> str:
@@ -469,7 +482,6 @@ class Compactor:
         """Whether that write needs the step's JSON (a ``MemoryStore`` keeps the checked copies)."""
         self._turn = _crowded_turn(short)
         """The bundled store's ``Pacer.turn``, taken before a step is counted; ``None`` for other stores."""
-        self._closed = False
         self._warned_background = False
         self._group_thread = 0
         """The OS thread whose event loop entered this compactor: its background folds run there."""
@@ -484,20 +496,33 @@ class Compactor:
     # Lifecycle -----------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
+        """Open the task group that runs background folds until the block ends.
+
+        A compactor can be entered again once its block has ended (its caches
+        and hold-backs are worth keeping between runs), but not while it is
+        entered: one task group owns its background folds at a time.
+        """
         if self._task_group is not None:
-            raise ConfigError("Compactor", "is already entered; use one 'async with' per compactor")
+            raise ConfigError(
+                "Compactor",
+                "is already entered; use one 'async with' per compactor at a time (enter it once "
+                "around every StepLoop that shares it)",
+            )
         group = anyio.create_task_group()
         await group.__aenter__()
         self._task_group = group
         self._group_thread = threading.get_ident()
+        self._warned_background = False
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Cancel background summaries and wait for them; the stores stay open (they are yours)."""
-        self._closed = True
+        """Cancel background summaries and wait for them; the stores stay open (they are yours).
+
+        Until it is entered again, the compactor folds in the step.
+        """
         group, self._task_group = self._task_group, None
         if group is None:
             return
@@ -650,13 +675,21 @@ class Compactor:
     # The per-step check ----------------------------------------------------------
 
     async def maybe_compact(self, thread: str, *, now: datetime | None = None) -> CompactionResult | None:
-        """Compact ``thread`` if a trigger fires; ``None`` when it does not (the cheap path)."""
+        """Compact ``thread`` if a trigger fires; ``None`` when it does not (the cheap path).
+
+        A background fold that finished is returned by the next check, unless the
+        context is still over the trigger once it is applied (the agent appended
+        while it was summarized, or it folded nothing): then the check folds in
+        the step too, and returns that fold.
+        """
         settings = self.settings
         if settings is None:
             return None
+        taken: CompactionResult | None = None
         running = self._background.get(thread)
         if running is not None and running.done.is_set():
-            return self._take_background(thread, running)
+            taken = self._take_background(thread, running)
+            running = None
         stats, episodic = await self._observe(thread, now, settings)
         tokens = stats.total_tokens + self._overhead.get(thread, 0)
         cache = self._cache.get(thread)
@@ -680,31 +713,28 @@ class Compactor:
         if reason is None:
             if (
                 settings.background_at is not None
-                and settings.budget is not None
                 and running is None
-                and tokens > settings.background_at * settings.budget
+                and self._background_due(thread, settings, tokens, stats.version)
             ):
                 self._start_background(thread, settings)
                 # The summary starts now, not at the stores' next paced yield: a loop that only
                 # records and checks would otherwise reach the hard trigger before it began.
                 await anyio.lowlevel.checkpoint()
-            return None
-        if reason in TOKEN_REASONS:
-            held = self._next_fold_at.get(thread)
-            if held is not None:
-                if held[0] != stats.version:
-                    del self._next_fold_at[thread]
-                elif tokens <= held[1]:
-                    return None
+            return taken
+        if reason in TOKEN_REASONS and self._held_back(thread, stats.version, tokens):
+            return taken
         backoff = self._backoff.get(thread)
         if backoff is not None and backoff.skips_left > 0:
             backoff.skips_left -= 1
-            return None
+            return taken
         if running is not None:
-            # The hard trigger fired while the summary is on its way: wait for that one.
-            await self._background_done(running)
-            return self._take_background(thread, running)
-        return await self._compact(thread, settings, reason, episodic=episodic)
+            # The hard trigger fired while the summary is on its way: wait for that one, then check
+            # again, since what was appended meanwhile may keep the context over the trigger.
+            waited = await self._wait_background(thread, running)
+            again = await self.maybe_compact(thread, now=now)
+            return again if again is not None else waited
+        folded = await self._compact(thread, settings, reason, episodic=episodic)
+        return folded if folded is not None else taken
 
     async def _turns_confirmed(
         self,
@@ -926,13 +956,14 @@ class Compactor:
             if not acquired:
                 logger.debug("thread %r: another worker is compacting it; skipping", thread)
                 return None
-            with self.telemetry.fold_span(thread, reason) as span:
+            # Every event the fold emits inside the span is recorded on it (Telemetry.record_event).
+            with self.telemetry.fold_span(thread, reason):
                 prepared = await self._prepare(
                     thread, settings, reason, episodic=episodic, forced=forced, recovery=recovery
                 )
                 if not isinstance(prepared, _Prepared):
                     return prepared
-                return await self._apply(prepared, settings, span=span)
+                return await self._apply(prepared, settings)
 
     async def _window(self, thread: str, settings: Settings) -> tuple[_Rows, int, int]:
         """The rows a fold plans over, the thread's version and its total tokens."""
@@ -1187,7 +1218,13 @@ class Compactor:
                     )
             try:
                 summary = await self._summarize(
-                    plan, settings, room, thread=thread, reason=reason, tokens=total
+                    plan,
+                    settings,
+                    room,
+                    thread=thread,
+                    reason=reason,
+                    tokens=total,
+                    through_seq=seqs[kept_start + max(changed, default=-1)],
                 )
             except _Skipped as skipped:  # on_summarizer_error="skip"
                 return await self._stall(
@@ -1245,12 +1282,7 @@ class Compactor:
         )
 
     async def _apply(
-        self,
-        prepared: _Prepared,
-        settings: Settings,
-        *,
-        span: FoldSpan,
-        background: _Background | None = None,
+        self, prepared: _Prepared, settings: Settings, *, background: _Background | None = None
     ) -> CompactionResult | None:
         """Write the fold, then tell the subscribers; ``background`` receives the result once written.
 
@@ -1259,8 +1291,13 @@ class Compactor:
         same messages again), and the cancellation is raised at the next
         checkpoint. The subscribers are not shielded: a slow one cannot make
         the fold impossible to cancel.
+
+        The result's tokens are the context just before and just after the
+        write, as this compactor knows it: what was appended while the summary
+        ran is in both, so their difference is what the fold removed.
         """
         thread = prepared.thread
+        appended = self._appended_since(prepared)
         try:
             with anyio.CancelScope(shield=True):
                 checkpoint_seq = await self._write_fold(prepared)
@@ -1274,11 +1311,12 @@ class Compactor:
             elapsed = time.perf_counter() - prepared.started
             lost: CompactionEvent
             if background is not None:
+                background.settled = True
                 lost = BackgroundSummaryDiscarded(
                     thread=thread,
                     reason=prepared.reason,
-                    tokens_before=prepared.tokens_before,
-                    tokens_after=prepared.tokens_before,
+                    tokens_before=prepared.tokens_before + appended,
+                    tokens_after=prepared.tokens_before + appended,
                     messages_folded=len(prepared.plan.dropped),
                     summarizer_model=model,
                     usage=usage,
@@ -1290,8 +1328,8 @@ class Compactor:
                 lost = FoldConflict(
                     thread=thread,
                     reason=prepared.reason,
-                    tokens_before=prepared.tokens_before,
-                    tokens_after=prepared.tokens_before,
+                    tokens_before=prepared.tokens_before + appended,
+                    tokens_after=prepared.tokens_before + appended,
                     messages_folded=len(prepared.plan.dropped),
                     summarizer_model=model,
                     usage=usage,
@@ -1300,20 +1338,16 @@ class Compactor:
             await self._emit(lost)
             return None
         self._backoff.pop(thread, None)
-        current = self._seen.get(thread)
         linked = checkpoint_seq if self._store is not None else None  # replace_prefix links nothing
         self._after_fold(thread, prepared, settings, background=background is not None, checkpoint_seq=linked)
-        tokens_after = prepared.checkpoint.tokens_after
-        if current is not None and current.total_tokens > prepared.tokens_before:
-            tokens_after += current.total_tokens - prepared.tokens_before
         summary = prepared.summary
         result = CompactionResult(
             thread=thread,
             reason=prepared.reason,
             dropped_messages=len(prepared.plan.dropped),
             dropped_turns=prepared.plan.dropped_turns,
-            tokens_before=prepared.tokens_before,
-            tokens_after=tokens_after,
+            tokens_before=prepared.tokens_before + appended,
+            tokens_after=prepared.checkpoint.tokens_after + appended,
             usage=summary.usage if summary is not None else Usage(),
             duration_s=time.perf_counter() - prepared.started,
             masked_messages=prepared.plan.masked,
@@ -1324,27 +1358,47 @@ class Compactor:
             through_seq=prepared.through_seq,
             background=background is not None,
         )
+        figures: dict[str, Any] = {  # one event's fields: a BackgroundSummaryApplied adds waited_s
+            "thread": thread,
+            "reason": result.reason,
+            "tokens_before": result.tokens_before,
+            "tokens_after": result.tokens_after,
+            "messages_folded": result.dropped_messages,
+            "summarizer_model": result.summarizer_model,
+            "usage": result.usage,
+            "duration_s": result.duration_s,
+            "degraded": result.degraded,
+            "masked_messages": result.masked_messages,
+            "truncated_messages": result.truncated_messages,
+            "checkpoint_seq": result.checkpoint_seq,
+            "through_seq": result.through_seq,
+        }
+        event: FoldApplied
         if background is not None:
             background.result = result
-        kind = BackgroundSummaryApplied if background is not None else FoldApplied
-        event = kind(
-            thread=thread,
-            reason=result.reason,
-            tokens_before=result.tokens_before,
-            tokens_after=result.tokens_after,
-            messages_folded=result.dropped_messages,
-            summarizer_model=result.summarizer_model,
-            usage=result.usage,
-            duration_s=result.duration_s,
-            degraded=result.degraded,
-            masked_messages=result.masked_messages,
-            truncated_messages=result.truncated_messages,
-            checkpoint_seq=result.checkpoint_seq,
-            through_seq=result.through_seq,
-        )
-        span.record(event)
+            background.settled = True
+            waiting = background.waiting_since
+            waited = time.perf_counter() - waiting if waiting is not None else 0.0
+            event = BackgroundSummaryApplied(**figures, waited_s=waited)
+        else:
+            event = FoldApplied(**figures)
         await self._emit(event)
         return result
+
+    def _appended_since(self, prepared: _Prepared) -> int:
+        """Tokens appended to the thread since ``prepared`` read it, as far as this compactor saw them.
+
+        A background summary runs while the agent appends, and those rows are
+        in the cached context (a step's ``append`` extends it) or in the stats
+        its last check read; another process's rows reach neither until read.
+        """
+        cache = self._cache.get(prepared.thread)
+        if cache is not None and cache.version == prepared.version:
+            known = cache.total_tokens
+        else:
+            seen = self._seen.get(prepared.thread)
+            known = seen.total_tokens if seen is not None and seen.version == prepared.version else 0
+        return max(0, known - prepared.tokens_before)
 
     async def _write_fold(self, prepared: _Prepared) -> int:
         """Write the prepared fold; the checkpoint's seq. Raises ``ConflictError`` if the prefix changed."""
@@ -1513,6 +1567,41 @@ class Compactor:
         return summary
 
     async def _summarize(
+        self,
+        plan: CompactionPlan,
+        settings: Settings,
+        room: int,
+        *,
+        thread: str,
+        reason: str,
+        tokens: int,
+        through_seq: int | None = None,
+    ) -> Summary:
+        """The summary of ``plan.dropped``; in a background fold, also reported as begun or discarded.
+
+        ``through_seq`` is the last seq the fold will replace.
+        """
+        job = _running_job.get()
+        if job is None or self._background.get(thread) is not job:  # a step's fold, or a subscriber's
+            return await self._summary(plan, settings, room, thread=thread, reason=reason, tokens=tokens)
+        await self._begin_background(
+            job,
+            thread=thread,
+            reason=reason,
+            tokens=tokens,
+            messages_folded=len(plan.dropped),
+            model=getattr(self.summarizer, "model", None),
+            through_seq=through_seq,
+        )
+        try:
+            return await self._summary(plan, settings, room, thread=thread, reason=reason, tokens=tokens)
+        except Exception as exc:
+            # With on_summarizer_error="skip" the step sees a stall; the summary is discarded either way.
+            failure = exc.__cause__ if isinstance(exc, _Skipped) and exc.__cause__ is not None else exc
+            await self._discard_background(job, "summarizer_failed", error=str(failure))
+            raise
+
+    async def _summary(
         self, plan: CompactionPlan, settings: Settings, room: int, *, thread: str, reason: str, tokens: int
     ) -> Summary:
         previous = _summary_body(plan.previous_summary) if plan.previous_summary is not None else None
@@ -1584,13 +1673,48 @@ class Compactor:
 
     # Background folding -------------------------------------------------------------
 
+    def _held_back(self, thread: str, version: int, tokens: int) -> bool:
+        """Whether a fold that left ``thread`` over its target holds a token fold at ``tokens`` back.
+
+        Only on the version that fold left: once another worker folded the
+        thread, or it was forgotten, the wait was for a context gone.
+        """
+        held = self._next_fold_at.get(thread)
+        if held is None:
+            return False
+        if held[0] != version:
+            del self._next_fold_at[thread]
+            return False
+        return tokens <= held[1]
+
+    def _background_due(self, thread: str, settings: Settings, tokens: int, version: int) -> bool:
+        """Whether a check under the trigger starts a background fold of ``thread`` now.
+
+        It starts past ``background_at`` of the budget, but not while the fold
+        before it holds the next one back (a fold that left the context over
+        its target waits for ``budget - target`` new tokens: see ``_after_fold``)
+        nor while a stall's back-off skips checks: a background fold is a fold,
+        and folds stay amortized whichever path makes them.
+        """
+        budget, at = settings.budget, settings.background_at
+        if budget is None or at is None or tokens <= at * budget:
+            return False
+        if self._held_back(thread, version, tokens):
+            return False
+        backoff = self._backoff.get(thread)
+        if backoff is not None and backoff.skips_left > 0:
+            backoff.skips_left -= 1
+            return False
+        return True
+
     def _start_background(self, thread: str, settings: Settings) -> None:
         group = self._task_group
-        if group is None or self._closed:
+        if group is None:
             self._warn_in_the_step(
                 thread,
-                "the Compactor is not entered",
-                "Use 'async with Compactor(...) as compactor:' to fold in the background",
+                "the Compactor is not entered (or its 'async with' has ended)",
+                "Use 'async with Compactor(...) as compactor:' or 'async with StepLoop(...) as loop:' "
+                "to fold in the background",
             )
             return
         if threading.get_ident() != self._group_thread:
@@ -1607,6 +1731,13 @@ class Compactor:
         self._background[thread] = job
         group.start_soon(self._run_background, thread, settings, job, name=f"contextfold fold {thread}")
 
+    async def _wait_background(self, thread: str, job: _Background) -> CompactionResult | None:
+        """Wait for a background fold at the hard trigger, then take its result (its event says how long)."""
+        if job.waiting_since is None:
+            job.waiting_since = time.perf_counter()
+        await self._background_done(job)
+        return self._take_background(thread, job)
+
     async def _background_done(self, running: _Background) -> None:
         """Wait for a background summary to end; in a worker thread from another thread's event loop.
 
@@ -1620,7 +1751,7 @@ class Compactor:
             await anyio.to_thread.run_sync(running.ended.wait)
 
     def _warn_in_the_step(self, thread: str, why: str, fix: str) -> None:
-        """Warn, once per compactor, that background folds run in the step: why, and what to do."""
+        """Warn, once per entry of the compactor, that background folds run in the step: why, what to do."""
         if not self._warned_background:
             self._warned_background = True
             logger.warning(
@@ -1635,52 +1766,98 @@ class Compactor:
         so the appends made meanwhile are never in its way. Once the summary is
         in, the write is shielded from cancellation, so closing the owner
         leaves either no fold or the whole fold, never half of one.
+
+        Its events: ``BackgroundSummaryStarted`` once the prefix is planned and
+        its summary begins, then one ``BackgroundSummaryApplied`` or
+        ``BackgroundSummaryDiscarded``. A fold that finds another worker holding
+        the thread's lease, or nothing to fold, begins nothing and emits neither
+        (as a step's fold emits nothing then): the step's next check sees the
+        thread as it is and folds it there if it is over the trigger.
         """
-        started = time.perf_counter()
-        stats = self._seen.get(thread)
-        tokens = stats.total_tokens if stats is not None else 0
-        await self._emit(
-            BackgroundSummaryStarted(
-                thread=thread, reason=Reason.TOKEN_COUNT, tokens_before=tokens, tokens_after=tokens
-            )
-        )
-        finished = False
+        _running_job.set(job)  # this task's own context: its summary is reported as a background one
         try:
             async with self.short_term.compaction_lock(thread) as acquired:
                 if not acquired:
                     logger.debug("thread %r: another worker is compacting it; no background fold", thread)
-                    finished = True
                     return
-                with self.telemetry.fold_span(thread, Reason.TOKEN_COUNT, background=True) as span:
+                # Every event the fold emits inside the span is recorded on it (Telemetry.record_event).
+                with self.telemetry.fold_span(thread, Reason.TOKEN_COUNT, background=True):
                     try:
                         prepared = await self._prepare(
                             thread, settings, Reason.TOKEN_COUNT, episodic=None, background=True
                         )
                         if isinstance(prepared, _Prepared):
+                            if job.begun is None:  # nothing was summarized (drop or mask): begun now
+                                await self._begin_background(
+                                    job,
+                                    thread=thread,
+                                    reason=prepared.reason,
+                                    tokens=prepared.tokens_before,
+                                    messages_folded=len(prepared.plan.dropped),
+                                    model=None,
+                                    through_seq=prepared.through_seq,
+                                )
                             # The lease is held until the fold is written, so no other worker
                             # summarizes the same prefix meanwhile; the write itself is shielded.
-                            await self._apply(prepared, settings, span=span, background=job)
+                            await self._apply(prepared, settings, background=job)
                         else:
                             job.result = prepared
                     except Exception as exc:  # raised in the next step, where the caller can see it
                         job.error = exc
-                    finished = True
+                        await self._discard_background(job, "error", error=str(exc))
+                    except BaseException:
+                        # Cancelled before its fold was written: the owner closed.
+                        with anyio.CancelScope(shield=True):
+                            await self._discard_background(job, "closed")
+                        raise
         finally:
             job.ended.set()
             job.done.set()
-            if not finished and job.result is None:
-                # Cancelled before its fold was written: the owner closed.
-                with anyio.CancelScope(shield=True):
-                    await self._emit(
-                        BackgroundSummaryDiscarded(
-                            thread=thread,
-                            reason=Reason.TOKEN_COUNT,
-                            tokens_before=tokens,
-                            tokens_after=tokens,
-                            duration_s=time.perf_counter() - started,
-                            cause="closed",
-                        )
-                    )
+
+    async def _begin_background(
+        self,
+        job: _Background,
+        *,
+        thread: str,
+        reason: str,
+        tokens: int,
+        messages_folded: int,
+        model: str | None,
+        through_seq: int | None,
+    ) -> None:
+        """Say that the background fold's summary began, over the prefix through ``through_seq``."""
+        job.begun_at = time.perf_counter()
+        job.begun = BackgroundSummaryStarted(
+            thread=thread,
+            reason=reason,
+            tokens_before=tokens,
+            tokens_after=tokens,
+            messages_folded=messages_folded,
+            summarizer_model=model,
+            through_seq=through_seq,
+        )
+        await self._emit(job.begun)
+
+    async def _discard_background(self, job: _Background, cause: DiscardCause, *, error: str = "") -> None:
+        """Say that the background summary that began is thrown away; once, and only if it began."""
+        begun = job.begun
+        if begun is None or job.settled:
+            return
+        job.settled = True
+        await self._emit(
+            BackgroundSummaryDiscarded(
+                thread=begun.thread,
+                reason=begun.reason,
+                tokens_before=begun.tokens_before,
+                tokens_after=begun.tokens_before,
+                messages_folded=begun.messages_folded,
+                summarizer_model=begun.summarizer_model,
+                duration_s=time.perf_counter() - job.begun_at,
+                cause=cause,
+                through_seq=begun.through_seq,
+                error=error,
+            )
+        )
 
     def _take_background(self, thread: str, job: _Background) -> CompactionResult | None:
         """The finished background fold's result, handed to the step (its error raised there)."""

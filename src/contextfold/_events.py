@@ -11,7 +11,9 @@ The compactor emits one event per thing that happened to a thread's context::
     BackgroundSummaryDiscarded  a background summary was thrown away unapplied
 
 ``isinstance(event, FoldApplied)`` is true for every applied fold, foreground or
-background, so a subscriber that counts folds sees each exactly once.
+background, so a subscriber that counts folds sees each exactly once. Every
+``BackgroundSummaryStarted`` is followed by exactly one
+``BackgroundSummaryApplied`` or ``BackgroundSummaryDiscarded`` for that thread.
 
 Subscribers are plain callables, sync or async, run by an
 :class:`EventDispatcher` in registration order. Events are observations, not
@@ -60,13 +62,17 @@ __all__ = [
 events_logger = logging.getLogger("contextfold.compactor")
 _dispatch_logger = logging.getLogger("contextfold.events")
 
-DiscardCause: TypeAlias = Literal["conflict", "prefix_changed", "summarizer_failed", "closed"]
+DiscardCause: TypeAlias = Literal["conflict", "prefix_changed", "summarizer_failed", "closed", "error"]
 """Why a computed summary was thrown away.
 
 ``conflict``: another worker folded the thread, or its guarded part changed,
 between the read and the write. ``prefix_changed``: the prefix a background
 summary covers is no longer the context's prefix. ``summarizer_failed``: the
-background summarizer raised. ``closed``: the summary's owner closed first.
+background summarizer raised, or returned an empty summary, and
+``on_summarizer_error`` did not fall back (``"raise"`` raises the error in the
+next step, ``"skip"`` reports a ``FoldStalled`` there). ``closed``: the summary's
+owner closed first. ``error``: another error ended the background fold after its
+summary began (a store error in its write, say); it is raised in the next step.
 """
 
 
@@ -81,9 +87,12 @@ class _EventFields:
     reason: str
     """The trigger that fired (``token_count``, ``context_pressure``, ``manual``, ...)."""
     tokens_before: int
-    """Tokens of the working context when the fold read it."""
+    """Tokens of the working context when the fold read it, plus what the compactor saw appended
+    while its summary ran (a background summary runs while the agent works): the context the fold
+    was applied to."""
     tokens_after: int
-    """Tokens of the working context after the fold (equal to ``tokens_before`` when nothing was applied)."""
+    """Tokens of the working context after the fold, those appends included; equal to
+    ``tokens_before`` when nothing was applied, so ``tokens_saved`` is what the fold removed."""
     messages_folded: int = 0
     """Original messages replaced by the summary (or dropped, in drop mode)."""
     summarizer_model: str | None = None
@@ -124,13 +133,16 @@ class BackgroundSummaryApplied(FoldApplied):
     """A fold was applied with a summary computed in the background; it is also a ``FoldApplied``.
 
     ``duration_s`` is the background summary's own wall time, from its start
-    to its application.
+    to its application. When what was appended meanwhile keeps the context
+    over the trigger, the step that takes it folds again, with its own
+    ``FoldApplied``.
     """
 
     name: ClassVar[str] = "background_applied"
 
     waited_s: float = 0.0
-    """How long the step waited for the summary to finish (0 when it was ready)."""
+    """How long the step had waited for the summary when the fold was applied (0 when no step waited:
+    the step reached the hard trigger after it was ready, or not at all)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -181,7 +193,13 @@ class FoldConflict(_EventFields):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BackgroundSummaryStarted(_EventFields):
-    """A summary of the prefix that would be folded began in the background."""
+    """A summary of the prefix that would be folded began in the background.
+
+    Emitted once the background fold holds the thread's lease and has planned
+    its prefix, as its summarizer is called; ``messages_folded`` is how many
+    messages that summary covers. A background fold that finds another
+    worker's lease, or nothing to fold, begins nothing and emits nothing.
+    """
 
     name: ClassVar[str] = "background_started"
     _level: ClassVar[int] = logging.DEBUG
@@ -199,12 +217,13 @@ class BackgroundSummaryDiscarded(_EventFields):
 
     cause: DiscardCause
     through_seq: int | None = None
+    """Last short-term seq of the prefix the summary covered."""
     error: str = ""
-    """The summarizer's error message, when ``cause`` is ``summarizer_failed``."""
+    """The error's message, when ``cause`` is ``summarizer_failed`` or ``error``."""
 
     @property
     def level(self) -> int:
-        return logging.WARNING if self.cause == "summarizer_failed" else logging.INFO
+        return logging.WARNING if self.cause in ("summarizer_failed", "error") else logging.INFO
 
 
 CompactionEvent: TypeAlias = (

@@ -14,6 +14,9 @@ There are three ways in:
 * ``await loop.run(...)`` and ``loop.stream(...)`` drive an async LLM callable
   and tools for you, blocking or streaming, through the very same steps.
 * ``await maybe_compact(...)`` from any code, without a loop at all.
+
+``async with StepLoop(compactor) as loop:`` owns the compactor's background
+folds for the block (see :class:`StepLoop`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from collections.abc import (
 )
 from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias, TypeVar, cast
+from typing import Any, Self, TypeAlias, TypeVar, cast
 
 import anyio
 
@@ -232,7 +235,15 @@ class RunResult:
 
 
 class StepLoop:
-    """Runs the hook chain around each step of an agent; see the module docstring."""
+    """Runs the hook chain around each step of an agent; see the module docstring.
+
+    ``async with StepLoop(compactor) as loop:`` enters the compactor, so its
+    background folds (``background_at``) run in a task group the block owns,
+    and closes it on the way out: a summary still under way is cancelled and
+    nothing is written for it. A compactor you entered yourself (``async with
+    compactor:``, around several loops that share it) is left to you: the loop
+    neither enters nor closes it. The stores are never closed by either.
+    """
 
     def __init__(self, compactor: Compactor, *, hooks: Sequence[Hook] = ()) -> None:
         if not isinstance(compactor, Compactor):
@@ -248,9 +259,23 @@ class StepLoop:
         self.compactor = compactor
         self.hooks: tuple[Hook, ...] = (CompactionHook(compactor), *hooks)
         self._steps: dict[str, int] = {}
+        self._entries: list[bool] = []
+        """For each ``async with`` of this loop, innermost last: whether it entered the compactor."""
         for hook in hooks:
             if type(hook).on_compaction_event is not Hook.on_compaction_event:
                 compactor.subscribe(hook.on_compaction_event)
+
+    async def __aenter__(self) -> Self:
+        compactor = self.compactor
+        entering = compactor._task_group is None  # not entered by its owner, nor by an outer block
+        if entering:
+            await compactor.__aenter__()
+        self._entries.append(entering)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._entries.pop():
+            await self.compactor.aclose()
 
     async def append(self, thread: str, *messages: Message) -> None:
         """Add messages that are not a step's output (the user's input, a system prompt)."""

@@ -7,6 +7,11 @@ semantic conventions (``gen_ai.operation.name``, ``gen_ai.request.model``,
 ``error.type``). The fold span carries contextfold's own attributes, see
 ``ATTR_*``.
 
+Every event the compactor emits while a fold span is open (a stall, a
+degraded summary, a conflict, a background start or discard, the applied
+fold) is recorded on that span by :meth:`Telemetry.record_event`, the same
+subscriber that counts the metrics.
+
 Metrics (see ``METRIC_*``): folds, stalls, degraded and discarded summaries,
 tokens saved and fold duration come from the events (:meth:`Telemetry.record_event`
 is a subscriber); summarizer latency and token usage use the GenAI metrics
@@ -22,12 +27,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Final
 
 from ._episodes import Usage
 from ._events import (
     BackgroundSummaryApplied,
     BackgroundSummaryDiscarded,
+    BackgroundSummaryStarted,
     CompactionEvent,
     FoldApplied,
     FoldConflict,
@@ -98,6 +105,9 @@ METRIC_TOKENS_SAVED: Final = "contextfold.tokens_saved"
 METRIC_FOLD_DURATION: Final = "contextfold.fold.duration"
 METRIC_SUMMARIZER_DURATION: Final = "gen_ai.client.operation.duration"
 METRIC_SUMMARIZER_TOKENS: Final = "gen_ai.client.token.usage"
+
+_open_fold: ContextVar[tuple[Telemetry, FoldSpan] | None] = ContextVar("contextfold_fold_span", default=None)
+"""The fold span open in this task, and the telemetry that opened it: where its events are recorded."""
 
 # The bucket boundaries the GenAI semantic conventions recommend for these two histograms.
 _DURATION_BUCKETS: Final = tuple(round(0.01 * 2**n, 2) for n in range(14))
@@ -182,28 +192,36 @@ class FoldSpan:
         self._span = span
 
     def record(self, event: CompactionEvent) -> None:
-        """Note ``event`` on the span: a span event always; the fold's figures for a fold or a stall.
+        """Note ``event`` on the span: a span event always, and the figures of how the fold ended.
 
-        Call it with each event the fold emits; the last ``FoldApplied`` or
-        ``FoldStalled`` sets the span's attributes.
+        Each event the fold emits comes here (see :meth:`Telemetry.record_event`).
+        The last event that ends a fold (``FoldApplied``, ``FoldStalled``,
+        ``FoldConflict`` or ``BackgroundSummaryDiscarded``) sets the span's
+        reason, tokens and messages folded; a conflict or a discard also its
+        cause, and a ``SummaryDegraded`` marks the span degraded.
         """
         span = self._span
         if span is None or not span.is_recording():
             return
         span.add_event(event.name, _event_attributes(event))
+        if isinstance(event, SummaryDegraded):
+            span.set_attribute(ATTR_DEGRADED, True)
+        if isinstance(event, SummaryDegraded | BackgroundSummaryStarted):
+            return  # the fold goes on: its end sets the figures
+        attributes: dict[str, str | int | bool] = {
+            ATTR_REASON: event.reason,
+            ATTR_TOKENS_BEFORE: event.tokens_before,
+            ATTR_TOKENS_AFTER: event.tokens_after,
+            ATTR_MESSAGES_FOLDED: event.messages_folded,
+            ATTR_STALLED: isinstance(event, FoldStalled),
+        }
         if isinstance(event, FoldApplied | FoldStalled):
-            span.set_attributes(
-                {
-                    ATTR_REASON: event.reason,
-                    ATTR_TOKENS_BEFORE: event.tokens_before,
-                    ATTR_TOKENS_AFTER: event.tokens_after,
-                    ATTR_MESSAGES_FOLDED: event.messages_folded,
-                    ATTR_DEGRADED: isinstance(event, FoldApplied) and event.degraded,
-                    ATTR_STALLED: isinstance(event, FoldStalled),
-                }
-            )
-            if isinstance(event, BackgroundSummaryApplied):
-                span.set_attribute(ATTR_BACKGROUND, True)
+            attributes[ATTR_DEGRADED] = isinstance(event, FoldApplied) and event.degraded
+        else:
+            attributes[ATTR_CAUSE] = event.cause
+        span.set_attributes(attributes)
+        if isinstance(event, BackgroundSummaryApplied):
+            span.set_attribute(ATTR_BACKGROUND, True)
 
 
 class SummarizerCall:
@@ -342,7 +360,12 @@ class Telemetry:
             ) as span,
             _marked(span),
         ):
-            yield FoldSpan(span)
+            fold = FoldSpan(span)
+            opened = _open_fold.set((self, fold))
+            try:
+                yield fold
+            finally:
+                _open_fold.reset(opened)
 
     @contextmanager
     def summarizer_span(
@@ -395,7 +418,14 @@ class Telemetry:
             yield span
 
     def record_event(self, event: CompactionEvent) -> None:
-        """A subscriber: count the event in the fold metrics."""
+        """A subscriber: note the event on the fold span open in this task, and count it in the metrics.
+
+        Events are emitted by the task that runs the fold, inside its span, so
+        every event of a fold reaches that span, whichever step of it emits it.
+        """
+        open_fold = _open_fold.get()
+        if open_fold is not None and open_fold[0] is self:
+            open_fold[1].record(event)
         metrics = self._metrics
         if metrics is None:
             return
