@@ -1349,3 +1349,60 @@ async def test_the_context_keeps_rows_an_edit_numbered_below_1(store: Any) -> No
     assert await fresh.context(THREAD) == edited
     await compactor.append(THREAD, [Message.user("c")])
     assert [m.text for m in await compactor.context(THREAD)] == ["be brief", "a", "b", "c"]
+
+
+async def test_the_raise_policy_raises_a_summarizer_timeout_as_a_summarizer_error(store: Any) -> None:
+    """A summarizer timing out under ``on_summarizer_error="raise"``: ``SummarizerError``, nothing written.
+
+    The README promises ``"raise"`` raises ``SummarizerError``; a timeout came out
+    as the bare ``TimeoutError``, which a caller catching ``SummarizerError``
+    for an outage did not see.
+    """
+
+    async def slow(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        with anyio.fail_after(0.01):
+            await anyio.sleep(1)
+        return "never"
+
+    compactor = Compactor(
+        store,
+        options=options(on_summarizer_error="raise"),
+        summarizer=FunctionSummarizer(slow),
+        counter=ApproximateCounter(),
+    )
+    await grow(compactor, range(6), compact=False)
+    before = await store.load(THREAD)
+    with pytest.raises(SummarizerError, match="timed out") as caught:
+        await compactor.maybe_compact(THREAD)
+    assert isinstance(caught.value.__cause__, TimeoutError)
+    assert await store.load(THREAD) == before
+
+
+async def test_a_huge_summary_is_counted_and_cut_off_the_event_loop(store: Any) -> None:
+    """A summarizer that writes 1.9 MB where 60 tokens were asked: its summary is counted in a worker thread.
+
+    The count (and the cut to fit) ran on the event loop: 170-280 ms of loop
+    stall with tiktoken for this summary.
+    """
+    loop_thread = threading.get_ident()
+    counted_on: list[tuple[int, bool]] = []
+
+    class Watching(ApproximateCounter):
+        def count(self, message: Message) -> int:
+            if message.is_summary or message.text.startswith(SUMMARY_PREFIX):
+                counted_on.append((len(message.text), threading.get_ident() == loop_thread))
+            return super().count(message)
+
+    async def verbose(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        return "fact " * 400_000
+
+    compactor = Compactor(
+        store, options=options(), summarizer=FunctionSummarizer(verbose), counter=Watching()
+    )
+    await grow(compactor, range(6), compact=False)
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.compacted
+    summary = (await compactor.context(THREAD))[0]
+    assert summary.is_summary and len(summary.text) < 1_000
+    big = [on_loop for chars, on_loop in counted_on if chars > 64 * 1024]
+    assert big and not any(big)

@@ -526,6 +526,100 @@ async def test_stopping_a_stream_early_closes_the_models_stream_before_returning
     assert left == []
 
 
+async def test_stopping_a_stream_early_closes_a_stream_object_that_is_not_a_generator() -> None:
+    """A model's stream object with ``aclose()`` (an SDK's stream wrapper) is closed on an early exit.
+
+    Only async generators were closed; such an object was left open, its
+    connection to the garbage collector.
+    """
+    log: list[str] = []
+
+    class Stream:
+        def __init__(self) -> None:
+            self.words = iter(("one ", "two ", "three"))
+
+        def __aiter__(self) -> Stream:
+            return self
+
+        async def __anext__(self) -> str:
+            try:
+                return next(self.words)
+            except StopIteration:
+                raise StopAsyncIteration from None
+
+        async def aclose(self) -> None:
+            log.append("stream closed")
+
+    def model(messages: list[Message]) -> Stream:
+        return Stream()
+
+    async with MemoryStore() as store:
+        loop = make_loop(store)
+        async with aclosing(loop.stream("t", "go", llm=model)) as events:
+            async for event in events:
+                if isinstance(event, TextDelta):
+                    break
+        closed_when_the_block_returned = list(log)
+    assert closed_when_the_block_returned == ["stream closed"]
+
+
+async def test_a_model_that_returns_none_is_a_config_error_not_an_empty_reply() -> None:
+    """``llm`` with a forgotten ``return``: a ``ConfigError`` naming ``llm``, and no reply recorded.
+
+    ``None`` was recorded as an empty assistant reply and the run finished
+    ``clean=True``; a streaming model yielding ``42`` raised a bare
+    ``AttributeError``.
+    """
+
+    async def forgetful(messages: list[Message]) -> Message:
+        Message.assistant("the answer")  # the return went missing
+        return None  # type: ignore[return-value]
+
+    async def numbers(messages: list[Message]) -> AsyncIterator[Any]:
+        yield 42
+
+    async with MemoryStore() as store:
+        loop = make_loop(store)
+        with pytest.raises(ConfigError) as caught:
+            await loop.run("t", "go", llm=forgetful)
+        assert caught.value.key == "llm" and "did a return go missing?" in str(caught.value)
+        with pytest.raises(ConfigError) as streamed:
+            async with aclosing(loop.stream("u", "go", llm=numbers)) as events:
+                async for _ in events:
+                    pass
+        assert streamed.value.key == "llm" and "42" in str(streamed.value)
+        assert [m.text for m in await loop.compactor.context("t")] == ["go"]
+        log = [record async for record in store.replay("t")]
+    assert not any(isinstance(record.episode, LlmCallEpisode | RunCompletedEpisode) for record in log)
+
+
+async def test_a_tool_returning_another_message_gives_its_call_an_error_result(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A tool that returns ``Message.user(...)``: its call gets an error result, so the next request is valid.
+
+    The user message was recorded in place of the result, and every later
+    request carried call ``c1`` with no answer.
+    """
+
+    async def chatty(**_: Any) -> Message:
+        return Message.user("I am not a tool result")
+
+    model = ScriptedModel([tool_step("chatty", "{}", call_id="c1"), Message.assistant("done")])
+    async with MemoryStore() as store:
+        loop = make_loop(store)
+        with caplog.at_level(logging.WARNING, logger="contextfold"):
+            result = await loop.run("t", "go", llm=model, tools={"chatty": chatty})
+        context = await loop.compactor.context("t")
+    assert result.reply.text == "done"
+    answers = [m for m in context if m.role.value == "tool"]
+    assert [m.tool_call_id for m in answers] == ["c1"]
+    assert answers[0].metadata.get(TOOL_ERROR_METADATA_KEY) is True
+    assert "returned a user message" in answers[0].text
+    assert "I am not a tool result" not in [m.text for m in context]
+    assert "chatty" in caplog.text
+
+
 async def test_a_tool_failure_is_logged_with_its_traceback(caplog: pytest.LogCaptureFixture) -> None:
     """A raising tool's exception is logged with its traceback and still becomes an error result."""
 

@@ -69,6 +69,7 @@ from ._trusted import trusted
 from .stores._base import ContextWindow, EpisodicStore, ShortTermStore, Store, StoredMessage, ThreadStats
 from .stores._rows import (
     FIRST_SEQ,
+    PREPARE_ON_LOOP_CHARS,
     Recording,
     fold_links,
     heavy_batch,
@@ -1234,7 +1235,13 @@ class Compactor:
                     settings,
                     f"the summarizer failed ({skipped.cause}); nothing folded",
                 )
-            message, summary_tokens = self._summary_message(summary, settings, room + framing)
+            # A summarizer may write far more than asked: counting (and cutting) that is not for the loop.
+            if len(summary.text) > PREPARE_ON_LOOP_CHARS:
+                message, summary_tokens = await anyio.to_thread.run_sync(
+                    self._summary_message, summary, settings, room + framing
+                )
+            else:
+                message, summary_tokens = self._summary_message(summary, settings, room + framing)
             new_head.append(message)
         elif plan.previous_summary is not None:
             new_head.append(plan.previous_summary)
@@ -1612,7 +1619,11 @@ class Compactor:
             return summary
         except (SummarizerError, TimeoutError) as exc:
             if settings.on_summarizer_error == "raise":
-                raise
+                if isinstance(exc, SummarizerError):
+                    raise
+                raise SummarizerError(
+                    f"summarizer {self.summarizer!r} timed out: {exc or 'TimeoutError'}"
+                ) from exc
             if settings.on_summarizer_error == "skip" or self.summarizer is self.fallback:
                 raise _Skipped(f"{type(exc).__name__}: {exc}") from exc
             failure = exc

@@ -393,8 +393,16 @@ class StepLoop:
                             calls.append(chunk)
                         elif isinstance(chunk, Reply):
                             whole, model, usage = chunk.message, chunk.model, chunk.usage
-                        else:
+                        elif isinstance(chunk, Message):
                             whole = chunk
+                        else:
+                            raise ConfigError(
+                                "llm",
+                                "gave neither a reply nor a part of one: a model returns one Message or "
+                                "Reply (run), or yields str text deltas and ToolCall objects (stream); "
+                                "did a return go missing?",
+                                value=chunk,
+                            )
                 if whole is None:
                     whole = Message.assistant("".join(text) or None, tool_calls=calls)
                 reply = whole
@@ -551,9 +559,14 @@ def _tool_mapping(tools: object) -> Mapping[str, Tool]:
 
 
 def _closing(stream: AsyncIterator[_T]) -> AbstractAsyncContextManager[AsyncIterator[_T]]:
-    """Close a model's stream on the way out when it can be closed (async generators can)."""
-    if isinstance(stream, AsyncGenerator):
-        return aclosing(stream)
+    """Close a model's stream on the way out when it can be closed.
+
+    An async generator can, and so can any stream with an ``aclose()`` (an SDK's
+    stream wrapper, say): an early exit must not leave its connection to the
+    garbage collector.
+    """
+    if callable(getattr(stream, "aclose", None)):
+        return aclosing(cast("AsyncGenerator[_T, None]", stream))
     return nullcontext(stream)
 
 
@@ -574,7 +587,16 @@ async def _run_tool(tools: Mapping[str, Tool], call: ToolCall) -> Message:
     except Exception as exc:
         return _tool_failed(call, exc)
     if isinstance(output, Message):
-        return output
+        if output.role is Role.TOOL and output.tool_call_id == call.id:
+            return output
+        # Recorded as the result, it would leave the call unanswered in every later request.
+        wrong = ConfigError(
+            f"tools[{call.name!r}]",
+            f"returned a {output.role.value} message, not the result of call {call.id!r}: return the "
+            f"output (a str, or a value JSON can carry), or Message.tool({call.id!r}, ...)",
+            value=output,
+        )
+        return _tool_failed(call, wrong)
     text = output if isinstance(output, str) else json.dumps(output, ensure_ascii=False, default=str)
     return Message.tool(call.id, text)
 
