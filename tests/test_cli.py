@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -521,6 +523,75 @@ async def schema_exists(postgres_url: str, schema: str) -> tuple[bool, int]:
         found = await cur.fetchone()
     assert found is not None
     return bool(found[0]), int(found[1])
+
+
+def foreign_db(path: Path, kind: str) -> None:
+    """Write a file that holds no contextfold store: an application's database, an empty file, or text."""
+    if kind == "app":
+        with sqlite3.connect(path) as conn:
+            conn.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
+            conn.execute("INSERT INTO users (name) VALUES ('ada')")
+            conn.execute("PRAGMA user_version = 7")  # its own schema version: not contextfold's
+        conn.close()
+    elif kind == "empty":
+        path.touch()
+    else:
+        path.write_text("name,email\nada,ada@example.com\n" * 50)
+
+
+_NOT_A_STORE = {
+    "app": "it is a SQLite database without contextfold's tables",
+    "empty": "it is an empty file",
+    "text": "it is not a SQLite database",
+}
+
+
+@pytest.mark.parametrize("kind", list(_NOT_A_STORE))
+@pytest.mark.parametrize(
+    "command", [["threads"], ["inspect", "t"], ["compact", "t"]], ids=["threads", "inspect", "compact"]
+)
+def test_read_only_commands_refuse_a_sqlite_file_without_a_store(
+    tmp_path: Path, command: list[str], kind: str
+) -> None:
+    """threads, inspect and compact on a file that holds no store exit 1 naming it, and leave it unchanged."""
+    db = tmp_path / "app.db"
+    foreign_db(db, kind)
+    before = hashlib.sha256(db.read_bytes()).hexdigest()
+    result = cli(command[0], str(db), *command[1:])
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.splitlines() == [
+        f"Error: {db} holds no contextfold store: {_NOT_A_STORE[kind]}; pass the SQLite file a contextfold "
+        "run wrote (only `contextfold demo` creates one)"
+    ]
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["app.db"]
+
+
+def test_a_sqlite_url_without_a_store_is_refused_too(tmp_path: Path) -> None:
+    """threads on sqlite:///PATH of an application's database exits 1 and writes nothing into it."""
+    db = tmp_path / "app.db"
+    foreign_db(db, "app")
+    before = hashlib.sha256(db.read_bytes()).hexdigest()
+    result = cli("threads", f"sqlite:///{db}")
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"Error: url='sqlite:///{db}': holds no contextfold store: {_NOT_A_STORE['app']}; pass the SQLite "
+        "file a contextfold run wrote (only `contextfold demo` creates one)"
+    ]
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == before
+
+
+def test_a_store_of_a_newer_schema_gives_the_stores_own_error(thread_db: Path) -> None:
+    """threads on a store a newer contextfold wrote names the schema version, not a missing store."""
+    with sqlite3.connect(thread_db) as conn:
+        conn.execute("PRAGMA user_version = 99")
+    conn.close()
+    result = cli("threads", str(thread_db))
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"Error: SQLite database '{thread_db}' has schema version 99, newer than version 4 this contextfold "
+        "understands; upgrade contextfold to the release that wrote it, or open a different file"
+    ]
 
 
 @pytest.mark.postgres

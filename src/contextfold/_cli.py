@@ -153,7 +153,11 @@ def _store(url: str, *, create: bool = False) -> Store:
         return open_store(url, create=create)
     except ConfigError as exc:
         if exc.key == "url" and not create and "://" not in url:
-            raise click.ClickException(f"no database at {url}: pass the SQLite file a run wrote") from None
+            if not Path(url).is_file():
+                raise click.ClickException(
+                    f"no database at {url}: pass the SQLite file a run wrote"
+                ) from None
+            raise click.ClickException(f"{url} {exc.reason}") from None
         raise click.ClickException(_hidden(str(exc), url)) from None
     except ImportError as exc:
         raise click.ClickException(str(exc)) from None
