@@ -413,6 +413,53 @@ def test_demo_plot_uses_a_log_axis_and_marks_each_fold(tmp_path: Path) -> None:
     assert folds and sorted(line.get_xdata()[0] for line in vertical) == folds
 
 
+_LONG = "a" * 300
+
+
+@pytest.mark.parametrize(
+    ("plot", "line"),
+    [
+        ("missing/x.png",
+         "--plot {tmp}/missing/x.png: {tmp}/missing does not exist; pass a file in a folder that exists"),
+        ("x.txt", "--plot {tmp}/x.txt: cannot draw a .txt file; name a .png file (or .svg, .pdf)"),
+        (f"{_LONG}.png",
+         f"--plot {{tmp}}/{_LONG}.png cannot be written (File name too long); pass a file you can write to"),
+    ],
+    ids=["missing-folder", "unknown-format", "name-too-long"],
+)  # fmt: skip
+def test_demo_refuses_a_plot_it_could_not_save_before_it_runs(tmp_path: Path, plot: str, line: str) -> None:
+    """demo --plot to a path it cannot write exits 1 with one line before simulating a step."""
+    db = tmp_path / "d.db"
+    result = cli("demo", "--db", str(db), "--steps", "5", "--plot", str(tmp_path / plot))
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == ["Error: " + line.replace("{tmp}", str(tmp_path))]
+    assert not db.exists()
+
+
+def test_demo_whose_plot_fails_to_save_says_so_in_one_line(tmp_path: Path, httpserver: HTTPServer) -> None:
+    """A plot whose folder is gone by the time it is saved is one error line and exit 1, never a traceback."""
+    folder = tmp_path / "plots"
+    folder.mkdir()
+
+    def remove_folder(request: Request) -> Response:
+        shutil.rmtree(folder, ignore_errors=True)
+        return chat_reply("SUMMARY-OK")
+
+    serve(httpserver, remove_folder)
+    plot, db = folder / "tokens.png", tmp_path / "d.db"
+    result = cli(
+        "demo", "--db", str(db), "--steps", "40", "--budget", "3000", "--plot", str(plot),
+        "--summarizer", "openai", "--model", "local-model", "--base-url", httpserver.url_for("/v1"),
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert not folder.exists() and "inspect it: contextfold inspect" in result.stdout
+    *warnings, error = [line for line in result.stderr.splitlines() if line]  # the session's own, once each
+    assert error == (
+        f"Error: --plot {plot} could not be written (No such file or directory); the session is saved in {db}"
+    )
+    assert all(line.startswith("warning: ") for line in warnings), result.stderr
+
+
 def test_threads_lists_each_thread_with_its_figures(tmp_path: Path) -> None:
     """threads prints every thread with its messages, tokens, episodes and last activity, newest first."""
     db = tmp_path / "d.db"

@@ -306,7 +306,7 @@ def demo(
     from the offline fallback); the demo stops at the first fold that shows it.
     """
     if plot is not None:
-        _require_matplotlib()
+        _require_plot(plot)
     chosen = _summarizer(summarizer, model, base_url, api_key)
     if db is None:
         handle, db = tempfile.mkstemp(prefix="contextfold-demo-", suffix=".db")
@@ -358,7 +358,13 @@ def demo(
     Console().print(_summary_table(stats, thread, redact_url(db)))
     click.echo(f"inspect it: contextfold inspect {redact_url(db)} {thread}")
     if plot is not None:
-        _plot(stats, plot, budget)
+        try:
+            _plot(stats, plot, budget)
+        except OSError as exc:
+            raise click.ClickException(
+                f"--plot {plot} could not be written ({exc.strerror or exc}); the session is saved in "
+                f"{redact_url(db)}"
+            ) from None
         click.echo(f"plot written to {plot}")
     made = _summaries(stats)
     if made and all(c.degraded for c in made):
@@ -402,11 +408,33 @@ def _summary_table(stats: DemoStats, thread: str, db: str) -> Table:
     return table
 
 
-def _require_matplotlib() -> None:
+def _require_plot(path: Path) -> None:
+    """Fail before the demo runs when the plot could not be drawn or saved to ``path``."""
     try:
-        import matplotlib  # noqa: F401
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
     except ImportError:
         raise click.ClickException("--plot needs matplotlib: pip install 'contextfold[plot]'") from None
+    suffix = path.suffix.lower().removeprefix(".")
+    if suffix and suffix not in FigureCanvasAgg.get_supported_filetypes():
+        raise click.ClickException(
+            f"--plot {path}: cannot draw a .{suffix} file; name a .png file (or .svg, .pdf)"
+        )
+    folder = path.parent
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise click.ClickException(f"--plot {path}: {folder} {what}; pass a file in a folder that exists")
+    try:
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            with path.open("r+b"):  # the plot will replace it; opened without truncating
+                pass
+        else:
+            path.unlink()
+    except OSError as exc:
+        raise click.ClickException(
+            f"--plot {path} cannot be written ({exc.strerror or exc}); pass a file you can write to"
+        ) from None
 
 
 def _plot(stats: DemoStats, path: Path, budget: int) -> Any:
@@ -431,8 +459,10 @@ def _plot(stats: DemoStats, path: Path, budget: int) -> Any:
     axes.set_title(f"Request tokens per step: {len(folds)} folds")
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    try:
+        figure.savefig(path, dpi=120)
+    finally:
+        plt.close(figure)
     return axes
 
 
