@@ -352,10 +352,47 @@ def test_errors_are_one_line_that_names_the_flag(
     """Bad input exits non-zero with one error line naming the flag to fix, never a traceback."""
     result = cli(*(a.replace("{tmp}", str(tmp_path)) for a in args))
     assert result.returncode == code, result.stderr
-    error = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
-    assert len(error) == 1 and wanted in error[0], result.stderr
+    error = result.stderr.splitlines()
+    assert len(error) == 1 and error[0].startswith("Error:") and wanted in error[0], result.stderr
     assert not unwanted or unwanted not in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (
+            ["compact", "x.db", "t", "--summarizer", "anthropic", "--model", "claude-haiku-4-5"],
+            "Error: --summarizer anthropic at https://api.anthropic.com needs an API key: pass --api-key or "
+            "set ANTHROPIC_API_KEY (a local server given with --base-url may need none)",
+        ),
+        (
+            ["demo", "--summarizer", "openai", "--model", "m", "--base-url", "notaurl"],
+            "Error: --base-url 'notaurl' is not an http(s) URL; use one such as http://127.0.0.1:11434/v1 "
+            "(a local server) or https://api.openai.com/v1",
+        ),
+        (
+            ["demo", "--summarizer", "anthropic"],
+            "Error: --summarizer anthropic needs --model, for example --model claude-haiku-4-5",
+        ),
+    ],
+    ids=["missing-key", "bad-base-url", "missing-model"],
+)
+def test_a_flag_the_command_cannot_use_is_one_line_without_the_usage_block(
+    args: list[str], line: str
+) -> None:
+    """A missing key, bad --base-url or missing --model is one line naming the flag, exit 2, no usage."""
+    result = cli(*args)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [line]
+
+
+def test_a_command_line_click_cannot_parse_keeps_the_usage_block() -> None:
+    """An unknown option still gets click's usage block and exit 2."""
+    result = cli("demo", "--no-such-flag")
+    assert result.returncode == 2
+    assert result.stderr.startswith("Usage: contextfold demo [OPTIONS]")
+    assert result.stderr.splitlines()[-1].startswith("Error: No such option")
 
 
 def test_unknown_thread_is_an_error(demo_db: Path) -> None:

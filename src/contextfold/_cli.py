@@ -163,6 +163,17 @@ def _store(url: str, *, create: bool = False) -> Store:
         raise click.ClickException(str(exc)) from None
 
 
+class _FlagError(click.ClickException):
+    """A flag's value, or a mix of flags, that the command cannot use: one line, exit status 2.
+
+    Unlike click's ``UsageError`` it prints no usage block: the line names the
+    flag and the fix. Click keeps its usage block for a command line it cannot
+    parse (an unknown option, a missing argument).
+    """
+
+    exit_code = 2
+
+
 def _summarizer(kind: str, model: str | None, base_url: str | None, api_key: str | None) -> Summarizer:
     """The summarizer the options name; every problem is named by its flag."""
     if kind == _OFFLINE:
@@ -170,7 +181,7 @@ def _summarizer(kind: str, model: str | None, base_url: str | None, api_key: str
         given = [flag for flag, value in flags if value is not None]
         if given:
             verb = "applies" if len(given) == 1 else "apply"
-            raise click.UsageError(
+            raise _FlagError(
                 f"{', '.join(given)} {verb} only to --summarizer openai or anthropic; the offline "
                 f"summarizer ({_OFFLINE}, the default) calls no model. Add --summarizer openai or "
                 f"--summarizer anthropic, or drop {', '.join(given)}"
@@ -178,7 +189,7 @@ def _summarizer(kind: str, model: str | None, base_url: str | None, api_key: str
         return ExtractiveSummarizer()
     provider = _PROVIDERS[kind]
     if model is None:
-        raise click.UsageError(
+        raise _FlagError(
             f"--summarizer {kind} needs --model, for example --model {provider.example_model}"
             + (" (or the model your server at --base-url serves)" if base_url else "")
         )
@@ -189,16 +200,16 @@ def _summarizer(kind: str, model: str | None, base_url: str | None, api_key: str
         return AnthropicSummarizer(model, base_url=url, api_key=api_key)
     except ConfigError as exc:
         if exc.key == "api_key" and "needs an API key" in exc.reason:
-            raise click.UsageError(
+            raise _FlagError(
                 f"--summarizer {kind} at {url} needs an API key: pass --api-key or set "
                 f"{provider.env_var} (a local server given with --base-url may need none)"
             ) from None
         if exc.key == "base_url":
-            raise click.UsageError(
+            raise _FlagError(
                 f"--base-url {base_url!r} is not an http(s) URL; use one such as "
                 f"http://127.0.0.1:11434/v1 (a local server) or {provider.official_url}"
             ) from None
-        raise click.UsageError(_cli_words(str(exc))) from None
+        raise _FlagError(_cli_words(str(exc))) from None
 
 
 def _summarizer_options(command: Callable[..., Any]) -> Callable[..., Any]:
