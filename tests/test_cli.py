@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -350,10 +352,47 @@ def test_errors_are_one_line_that_names_the_flag(
     """Bad input exits non-zero with one error line naming the flag to fix, never a traceback."""
     result = cli(*(a.replace("{tmp}", str(tmp_path)) for a in args))
     assert result.returncode == code, result.stderr
-    error = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
-    assert len(error) == 1 and wanted in error[0], result.stderr
+    error = result.stderr.splitlines()
+    assert len(error) == 1 and error[0].startswith("Error:") and wanted in error[0], result.stderr
     assert not unwanted or unwanted not in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (
+            ["compact", "x.db", "t", "--summarizer", "anthropic", "--model", "claude-haiku-4-5"],
+            "Error: --summarizer anthropic at https://api.anthropic.com needs an API key: pass --api-key or "
+            "set ANTHROPIC_API_KEY (a local server given with --base-url may need none)",
+        ),
+        (
+            ["demo", "--summarizer", "openai", "--model", "m", "--base-url", "notaurl"],
+            "Error: --base-url 'notaurl' is not an http(s) URL; use one such as http://127.0.0.1:11434/v1 "
+            "(a local server) or https://api.openai.com/v1",
+        ),
+        (
+            ["demo", "--summarizer", "anthropic"],
+            "Error: --summarizer anthropic needs --model, for example --model claude-haiku-4-5",
+        ),
+    ],
+    ids=["missing-key", "bad-base-url", "missing-model"],
+)
+def test_a_flag_the_command_cannot_use_is_one_line_without_the_usage_block(
+    args: list[str], line: str
+) -> None:
+    """A missing key, bad --base-url or missing --model is one line naming the flag, exit 2, no usage."""
+    result = cli(*args)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [line]
+
+
+def test_a_command_line_click_cannot_parse_keeps_the_usage_block() -> None:
+    """An unknown option still gets click's usage block and exit 2."""
+    result = cli("demo", "--no-such-flag")
+    assert result.returncode == 2
+    assert result.stderr.startswith("Usage: contextfold demo [OPTIONS]")
+    assert result.stderr.splitlines()[-1].startswith("Error: No such option")
 
 
 def test_unknown_thread_is_an_error(demo_db: Path) -> None:
@@ -409,6 +448,53 @@ def test_demo_plot_uses_a_log_axis_and_marks_each_fold(tmp_path: Path) -> None:
     vertical = [line for line in axes.get_lines() if list(line.get_xdata()) == [line.get_xdata()[0]] * 2]
     assert axes.get_yscale() == "log"
     assert folds and sorted(line.get_xdata()[0] for line in vertical) == folds
+
+
+_LONG = "a" * 300
+
+
+@pytest.mark.parametrize(
+    ("plot", "line"),
+    [
+        ("missing/x.png",
+         "--plot {tmp}/missing/x.png: {tmp}/missing does not exist; pass a file in a folder that exists"),
+        ("x.txt", "--plot {tmp}/x.txt: cannot draw a .txt file; name a .png file (or .svg, .pdf)"),
+        (f"{_LONG}.png",
+         f"--plot {{tmp}}/{_LONG}.png cannot be written (File name too long); pass a file you can write to"),
+    ],
+    ids=["missing-folder", "unknown-format", "name-too-long"],
+)  # fmt: skip
+def test_demo_refuses_a_plot_it_could_not_save_before_it_runs(tmp_path: Path, plot: str, line: str) -> None:
+    """demo --plot to a path it cannot write exits 1 with one line before simulating a step."""
+    db = tmp_path / "d.db"
+    result = cli("demo", "--db", str(db), "--steps", "5", "--plot", str(tmp_path / plot))
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == ["Error: " + line.replace("{tmp}", str(tmp_path))]
+    assert not db.exists()
+
+
+def test_demo_whose_plot_fails_to_save_says_so_in_one_line(tmp_path: Path, httpserver: HTTPServer) -> None:
+    """A plot whose folder is gone by the time it is saved is one error line and exit 1, never a traceback."""
+    folder = tmp_path / "plots"
+    folder.mkdir()
+
+    def remove_folder(request: Request) -> Response:
+        shutil.rmtree(folder, ignore_errors=True)
+        return chat_reply("SUMMARY-OK")
+
+    serve(httpserver, remove_folder)
+    plot, db = folder / "tokens.png", tmp_path / "d.db"
+    result = cli(
+        "demo", "--db", str(db), "--steps", "40", "--budget", "3000", "--plot", str(plot),
+        "--summarizer", "openai", "--model", "local-model", "--base-url", httpserver.url_for("/v1"),
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert not folder.exists() and "inspect it: contextfold inspect" in result.stdout
+    *warnings, error = [line for line in result.stderr.splitlines() if line]  # the session's own, once each
+    assert error == (
+        f"Error: --plot {plot} could not be written (No such file or directory); the session is saved in {db}"
+    )
+    assert all(line.startswith("warning: ") for line in warnings), result.stderr
 
 
 def test_threads_lists_each_thread_with_its_figures(tmp_path: Path) -> None:
@@ -521,6 +607,75 @@ async def schema_exists(postgres_url: str, schema: str) -> tuple[bool, int]:
         found = await cur.fetchone()
     assert found is not None
     return bool(found[0]), int(found[1])
+
+
+def foreign_db(path: Path, kind: str) -> None:
+    """Write a file that holds no contextfold store: an application's database, an empty file, or text."""
+    if kind == "app":
+        with sqlite3.connect(path) as conn:
+            conn.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
+            conn.execute("INSERT INTO users (name) VALUES ('ada')")
+            conn.execute("PRAGMA user_version = 7")  # its own schema version: not contextfold's
+        conn.close()
+    elif kind == "empty":
+        path.touch()
+    else:
+        path.write_text("name,email\nada,ada@example.com\n" * 50)
+
+
+_NOT_A_STORE = {
+    "app": "it is a SQLite database without contextfold's tables",
+    "empty": "it is an empty file",
+    "text": "it is not a SQLite database",
+}
+
+
+@pytest.mark.parametrize("kind", list(_NOT_A_STORE))
+@pytest.mark.parametrize(
+    "command", [["threads"], ["inspect", "t"], ["compact", "t"]], ids=["threads", "inspect", "compact"]
+)
+def test_read_only_commands_refuse_a_sqlite_file_without_a_store(
+    tmp_path: Path, command: list[str], kind: str
+) -> None:
+    """threads, inspect and compact on a file that holds no store exit 1 naming it, and leave it unchanged."""
+    db = tmp_path / "app.db"
+    foreign_db(db, kind)
+    before = hashlib.sha256(db.read_bytes()).hexdigest()
+    result = cli(command[0], str(db), *command[1:])
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.splitlines() == [
+        f"Error: {db} holds no contextfold store: {_NOT_A_STORE[kind]}; pass the SQLite file a contextfold "
+        "run wrote (only `contextfold demo` creates one)"
+    ]
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["app.db"]
+
+
+def test_a_sqlite_url_without_a_store_is_refused_too(tmp_path: Path) -> None:
+    """threads on sqlite:///PATH of an application's database exits 1 and writes nothing into it."""
+    db = tmp_path / "app.db"
+    foreign_db(db, "app")
+    before = hashlib.sha256(db.read_bytes()).hexdigest()
+    result = cli("threads", f"sqlite:///{db}")
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"Error: url='sqlite:///{db}': holds no contextfold store: {_NOT_A_STORE['app']}; pass the SQLite "
+        "file a contextfold run wrote (only `contextfold demo` creates one)"
+    ]
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == before
+
+
+def test_a_store_of_a_newer_schema_gives_the_stores_own_error(thread_db: Path) -> None:
+    """threads on a store a newer contextfold wrote names the schema version, not a missing store."""
+    with sqlite3.connect(thread_db) as conn:
+        conn.execute("PRAGMA user_version = 99")
+    conn.close()
+    result = cli("threads", str(thread_db))
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"Error: SQLite database '{thread_db}' has schema version 99, newer than version 4 this contextfold "
+        "understands; upgrade contextfold to the release that wrote it, or open a different file"
+    ]
 
 
 @pytest.mark.postgres

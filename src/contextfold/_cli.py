@@ -153,10 +153,25 @@ def _store(url: str, *, create: bool = False) -> Store:
         return open_store(url, create=create)
     except ConfigError as exc:
         if exc.key == "url" and not create and "://" not in url:
-            raise click.ClickException(f"no database at {url}: pass the SQLite file a run wrote") from None
+            if not Path(url).is_file():
+                raise click.ClickException(
+                    f"no database at {url}: pass the SQLite file a run wrote"
+                ) from None
+            raise click.ClickException(f"{url} {exc.reason}") from None
         raise click.ClickException(_hidden(str(exc), url)) from None
     except ImportError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+class _FlagError(click.ClickException):
+    """A flag's value, or a mix of flags, that the command cannot use: one line, exit status 2.
+
+    Unlike click's ``UsageError`` it prints no usage block: the line names the
+    flag and the fix. Click keeps its usage block for a command line it cannot
+    parse (an unknown option, a missing argument).
+    """
+
+    exit_code = 2
 
 
 def _summarizer(kind: str, model: str | None, base_url: str | None, api_key: str | None) -> Summarizer:
@@ -166,7 +181,7 @@ def _summarizer(kind: str, model: str | None, base_url: str | None, api_key: str
         given = [flag for flag, value in flags if value is not None]
         if given:
             verb = "applies" if len(given) == 1 else "apply"
-            raise click.UsageError(
+            raise _FlagError(
                 f"{', '.join(given)} {verb} only to --summarizer openai or anthropic; the offline "
                 f"summarizer ({_OFFLINE}, the default) calls no model. Add --summarizer openai or "
                 f"--summarizer anthropic, or drop {', '.join(given)}"
@@ -174,7 +189,7 @@ def _summarizer(kind: str, model: str | None, base_url: str | None, api_key: str
         return ExtractiveSummarizer()
     provider = _PROVIDERS[kind]
     if model is None:
-        raise click.UsageError(
+        raise _FlagError(
             f"--summarizer {kind} needs --model, for example --model {provider.example_model}"
             + (" (or the model your server at --base-url serves)" if base_url else "")
         )
@@ -185,16 +200,16 @@ def _summarizer(kind: str, model: str | None, base_url: str | None, api_key: str
         return AnthropicSummarizer(model, base_url=url, api_key=api_key)
     except ConfigError as exc:
         if exc.key == "api_key" and "needs an API key" in exc.reason:
-            raise click.UsageError(
+            raise _FlagError(
                 f"--summarizer {kind} at {url} needs an API key: pass --api-key or set "
                 f"{provider.env_var} (a local server given with --base-url may need none)"
             ) from None
         if exc.key == "base_url":
-            raise click.UsageError(
+            raise _FlagError(
                 f"--base-url {base_url!r} is not an http(s) URL; use one such as "
                 f"http://127.0.0.1:11434/v1 (a local server) or {provider.official_url}"
             ) from None
-        raise click.UsageError(_cli_words(str(exc))) from None
+        raise _FlagError(_cli_words(str(exc))) from None
 
 
 def _summarizer_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -302,7 +317,7 @@ def demo(
     from the offline fallback); the demo stops at the first fold that shows it.
     """
     if plot is not None:
-        _require_matplotlib()
+        _require_plot(plot)
     chosen = _summarizer(summarizer, model, base_url, api_key)
     if db is None:
         handle, db = tempfile.mkstemp(prefix="contextfold-demo-", suffix=".db")
@@ -354,7 +369,13 @@ def demo(
     Console().print(_summary_table(stats, thread, redact_url(db)))
     click.echo(f"inspect it: contextfold inspect {redact_url(db)} {thread}")
     if plot is not None:
-        _plot(stats, plot, budget)
+        try:
+            _plot(stats, plot, budget)
+        except OSError as exc:
+            raise click.ClickException(
+                f"--plot {plot} could not be written ({exc.strerror or exc}); the session is saved in "
+                f"{redact_url(db)}"
+            ) from None
         click.echo(f"plot written to {plot}")
     made = _summaries(stats)
     if made and all(c.degraded for c in made):
@@ -398,11 +419,33 @@ def _summary_table(stats: DemoStats, thread: str, db: str) -> Table:
     return table
 
 
-def _require_matplotlib() -> None:
+def _require_plot(path: Path) -> None:
+    """Fail before the demo runs when the plot could not be drawn or saved to ``path``."""
     try:
-        import matplotlib  # noqa: F401
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
     except ImportError:
         raise click.ClickException("--plot needs matplotlib: pip install 'contextfold[plot]'") from None
+    suffix = path.suffix.lower().removeprefix(".")
+    if suffix and suffix not in FigureCanvasAgg.get_supported_filetypes():
+        raise click.ClickException(
+            f"--plot {path}: cannot draw a .{suffix} file; name a .png file (or .svg, .pdf)"
+        )
+    folder = path.parent
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise click.ClickException(f"--plot {path}: {folder} {what}; pass a file in a folder that exists")
+    try:
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            with path.open("r+b"):  # the plot will replace it; opened without truncating
+                pass
+        else:
+            path.unlink()
+    except OSError as exc:
+        raise click.ClickException(
+            f"--plot {path} cannot be written ({exc.strerror or exc}); pass a file you can write to"
+        ) from None
 
 
 def _plot(stats: DemoStats, path: Path, budget: int) -> Any:
@@ -427,8 +470,10 @@ def _plot(stats: DemoStats, path: Path, budget: int) -> Any:
     axes.set_title(f"Request tokens per step: {len(folds)} folds")
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    try:
+        figure.savefig(path, dpi=120)
+    finally:
+        plt.close(figure)
     return axes
 
 

@@ -7,6 +7,7 @@ contextfold`` never imports either.
 
 from __future__ import annotations
 
+import sqlite3
 import sys
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -23,6 +24,8 @@ _POSTGRES_SCHEMES = ("postgresql", "postgres")
 _URL_FORMS = "sqlite:///PATH, a file path, or postgresql://USER@HOST/DB"
 _DEFAULT_SCHEMA = "contextfold"  # PostgresStore's
 _CONNECT_TIMEOUT_SECONDS = 10
+_SQLITE_TABLES = frozenset({"threads", "messages", "episodes"})
+"""Tables every schema version of a SQLite store holds."""
 
 
 def redact_url(url: str) -> str:
@@ -37,8 +40,9 @@ def open_store(url: str, *, create: bool = True) -> Store:
     ``sqlite:////var/agent.db`` absolute, as in SQLAlchemy. A PostgreSQL URL may
     carry ``?schema=NAME`` (default ``contextfold``); every other part goes to
     psycopg as it is. With ``create=False`` a store that does not exist is an
-    error rather than a new, empty one: a SQLite file that is not there, or a
-    PostgreSQL schema that holds no store (checked over one blocking connection,
+    error rather than a new, empty one: a SQLite file that is not there or holds
+    no store (an empty file, another application's database), or a PostgreSQL
+    schema that holds no store (checked over one blocking, read-only connection,
     as befits the command line). Errors show the URL with its password masked.
     """
     if not isinstance(url, str) or not url.strip():
@@ -60,9 +64,46 @@ def open_store(url: str, *, create: bool = True) -> Store:
         raise ConfigError(
             "url", "is not an existing SQLite file: pass the database a run wrote", value=str(path)
         )
+    if not create:
+        _require_sqlite_store(path, url)
     from .stores import SQLiteStore
 
     return SQLiteStore(path)
+
+
+def _require_sqlite_store(path: Path, url: str) -> None:
+    """Refuse a SQLite file that holds no store, reading it without changing it.
+
+    Opening a ``SQLiteStore`` migrates the file, which would write contextfold's
+    tables into whatever database it is. A file of a newer schema passes: the
+    store names the version it does not understand.
+    """
+    what = None
+    if path.stat().st_size == 0:
+        what = "it is an empty file"
+    else:
+        try:
+            conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=5)
+            try:
+                version = conn.execute("PRAGMA user_version").fetchone()[0]
+                tables = {
+                    row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+                }
+            finally:
+                conn.close()
+        except sqlite3.Error as exc:
+            notadb = getattr(exc, "sqlite_errorname", "") == "SQLITE_NOTADB"
+            what = "it is not a SQLite database" if notadb else f"it cannot be read ({exc})"
+        else:
+            if version < 1 or not _SQLITE_TABLES <= tables:
+                what = "it is a SQLite database without contextfold's tables"
+    if what is not None:
+        raise ConfigError(
+            "url",
+            f"holds no contextfold store: {what}; pass the SQLite file a contextfold run wrote "
+            "(only `contextfold demo` creates one)",
+            value=redact_url(url),
+        )
 
 
 def _postgres(url: str, *, create: bool) -> Store:
