@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any
 
 import anyio
@@ -380,6 +381,31 @@ async def test_use_before_open_and_after_close_is_refused(postgres_url: str, sch
         _ = [r async for r in store.replay("t")]
     with pytest.raises(StoreClosedError):
         await store.open()
+
+
+_ON_TRIO = (
+    r"PostgresStore runs on asyncio only .*, but {}\(\) was called on another event loop, such as trio; "
+    r"run the program under asyncio .*or use SQLiteStore or MemoryStore, which run on trio too"
+)
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_opening_on_trio_is_a_store_error_saying_to_use_asyncio(anyio_backend: str) -> None:
+    """Under trio, open() raises a StoreError naming asyncio and the stores that do run on trio."""
+    store = PostgresStore("postgresql://postgres@127.0.0.1:1/unused", schema="unused")
+    with pytest.raises(StoreError, match=_ON_TRIO.format("open")) as caught:
+        async with store:
+            pass
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__
+    await store.aclose()
+
+
+async def test_a_store_opened_on_asyncio_refuses_calls_from_trio(store: PostgresStore) -> None:
+    """A call made under trio (in a worker thread here) on a store asyncio opened raises that StoreError."""
+    on_trio = partial(anyio.run, store.stats, "t", backend="trio")
+    with pytest.raises(StoreError, match=_ON_TRIO.format("stats")):
+        await anyio.to_thread.run_sync(on_trio)
+    assert (await store.stats("t")).message_count == 0  # still serves its own loop
 
 
 def _rows_read(plan: dict[str, Any], table: str) -> int:

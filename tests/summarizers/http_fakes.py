@@ -83,6 +83,13 @@ def reply_raw(body: str, status: int = 200, headers: dict[str, str] | None = Non
     return action
 
 
+def input_tokens_written_as(provider: Provider, number: str) -> Action:
+    """A good reply whose input token count is ``number`` in the JSON text: ``1e400``, ``NaN``, ``true``."""
+    mark = 918273645  # a count json.dumps writes as it is, then replaced by what it cannot write
+    text = json.dumps(provider.reply("## Decisions\n- keep ids", mark, 5)).replace(str(mark), number, 1)
+    return reply_raw(text)
+
+
 def hang_then(data: Any) -> Action:
     """Hold the request until the test releases it (after the client gave up), then answer."""
 

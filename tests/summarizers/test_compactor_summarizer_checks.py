@@ -160,3 +160,36 @@ def test_a_summary_size_the_summarizers_window_cannot_hold_is_refused_when_built
         compaction=SummarizeOptions(trigger_token_budget=4_000, max_summary_tokens=400),
     )
     Compactor(MemoryStore(), options=fitting, **{role: small})
+
+
+_NEEDS_THE_COMPACTOR_CHECK = pytest.mark.xfail(
+    strict=True,
+    reason="Compactor.__init__ checks only ChatSummarizer; it must also call "
+    "ExtractiveSummarizer.check_summary_room (a _compactor.py line, sent to its owner)",
+)
+
+
+@_NEEDS_THE_COMPACTOR_CHECK
+def test_a_budget_the_default_summarizer_cannot_serve_is_refused_when_built() -> None:
+    """trigger_token_budget=100 leaves max_summary_tokens=25, below the extractive headings: refused."""
+    options = RunOptions(max_history_tokens=400, compaction=SummarizeOptions(trigger_token_budget=100))
+    with pytest.raises(ConfigError) as caught:
+        Compactor(MemoryStore(), options=options)
+    assert caught.value.key == "compaction.max_summary_tokens" and caught.value.value == 25
+    assert "needs for its section headings alone, so every fold would fail" in caught.value.reason
+    assert "such as a FunctionSummarizer" in caught.value.reason
+
+
+@_NEEDS_THE_COMPACTOR_CHECK
+def test_the_extractive_fallback_is_checked_when_the_policy_may_ask_it() -> None:
+    """Beside a summarizer writing short summaries, the extractive one is checked under "fallback" only."""
+    short = FunctionSummarizer(async_fn)
+
+    def options(policy: Any) -> SummarizeOptions:
+        return SummarizeOptions(trigger_token_budget=100, on_summarizer_error=policy)
+
+    Compactor(MemoryStore(), options=options("raise"), summarizer=short)
+    Compactor(MemoryStore(), options=options("skip"), summarizer=short)
+    with pytest.raises(ConfigError, match="section headings") as caught:
+        Compactor(MemoryStore(), options=options("fallback"), summarizer=short)
+    assert caught.value.key == "max_summary_tokens" and caught.value.value == 25

@@ -161,6 +161,32 @@ def test_bad_options_fail_at_construction() -> None:
         ExtractiveSummarizer(result_head_chars=-1)
 
 
+def test_a_summary_size_below_the_section_headings_is_refused_by_check_summary_room() -> None:
+    """check_summary_room (the Compactor calls it when built) names the key, the size, the least, the fix."""
+    summarizer = ExtractiveSummarizer()
+    least = summarizer.least_summary_tokens()
+    with pytest.raises(ConfigError) as caught:
+        summarizer.check_summary_room(25, key="compaction.max_summary_tokens")
+    assert caught.value.key == "compaction.max_summary_tokens" and caught.value.value == 25
+    message = str(caught.value)
+    assert message.startswith(
+        f"compaction.max_summary_tokens=25: is below the {least} tokens the extractive summarizer needs "
+        "for its section headings alone, so every fold would fail; give it 105 or more"
+    )
+    assert "a budget of 420 or more" in message and "such as a FunctionSummarizer" in message
+    summarizer.check_summary_room(least)
+
+
+async def test_the_least_summary_size_is_what_the_section_headings_take() -> None:
+    """At its least the summarizer writes every heading; one token less and it cannot write a summary."""
+    summarizer = ExtractiveSummarizer()
+    least = summarizer.least_summary_tokens()
+    summary = await summarizer.summarize(SESSION, previous_summary=None, max_summary_tokens=least)
+    assert all(f"## {heading}" in summary.text for heading in SECTIONS)
+    with pytest.raises(SummarizerError, match="cannot hold even the section headings"):
+        await summarizer.summarize(SESSION, previous_summary=None, max_summary_tokens=least - 1)
+
+
 def test_satisfies_the_protocol() -> None:
     """The extractive summarizer is a Summarizer."""
     assert isinstance(ExtractiveSummarizer(), Summarizer)

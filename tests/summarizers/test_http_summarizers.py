@@ -21,6 +21,7 @@ from http_fakes import (
     Provider,
     Script,
     hang_then,
+    input_tokens_written_as,
     redirect_to,
     reply_json,
     reply_raw,
@@ -837,14 +838,18 @@ async def test_a_failing_provider_degrades_to_the_extractive_fallback(
     assert all(API_KEY not in record.getMessage() for record in caplog.records)
 
 
-async def test_a_refusal_degrades_to_the_extractive_fallback_instead_of_becoming_the_summary(
-    provider: Provider, script: Script, summarizer: HTTPSummarizer
+@pytest.mark.parametrize("failure", ["refusal", "usage 1e400"])
+async def test_a_refused_or_malformed_reply_degrades_to_the_extractive_fallback(
+    provider: Provider, script: Script, summarizer: HTTPSummarizer, failure: str
 ) -> None:
-    """Under the default ``fallback`` policy a refused fold is summarized offline and marked degraded."""
+    """Under the default ``fallback`` policy a refused or malformed reply is summarized offline, degraded."""
     from contextfold import Compactor, RunOptions, SummarizeOptions
     from contextfold.stores import MemoryStore
 
-    script.then(reply_json(_refused(provider, "I can't help with summarizing this conversation.")))
+    if failure == "refusal":
+        script.then(reply_json(_refused(provider, "I can't help with summarizing this conversation.")))
+    else:
+        script.then(input_tokens_written_as(provider, "1e400"))
     options = RunOptions(
         max_history_tokens=4000,
         compaction=SummarizeOptions(trigger_token_budget=1000, max_summary_tokens=200),
@@ -854,8 +859,10 @@ async def test_a_refusal_degrades_to_the_extractive_fallback_instead_of_becoming
         await _fill(compactor, 14)
         result = await compactor.maybe_compact("t")
         context = await compactor.context("t")
-    assert result is not None and result.degraded and result.summarizer_model == "extractive"
+    assert result is not None and result.compacted and result.degraded
+    assert result.summarizer_model == "extractive"
     assert "can't help" not in context[0].text and "/srv/f0.txt" in context[0].text
+    assert len(script.requests) == 1
 
 
 async def test_images_and_files_reach_the_provider_as_placeholders_never_as_base64(

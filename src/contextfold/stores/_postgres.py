@@ -668,11 +668,28 @@ class PostgresStore(AsyncResource):
 
     async def open(self) -> None:
         """Connect, create or migrate the schema, and start the pool; a second call does nothing."""
+        self._asyncio_loop("open")
         async with holding(self._opening):
             if self._closed:
                 raise StoreClosedError(f"{self!r} was closed; create a new PostgresStore")
             if self._pool is None:
                 await self._open()
+
+    def _asyncio_loop(self, action: str) -> asyncio.AbstractEventLoop:
+        """The running asyncio loop; on any other (trio), a StoreError saying what to do instead.
+
+        Checked before psycopg is called, which would fail with a bare
+        ``RuntimeError: no running event loop``.
+        """
+        try:
+            return asyncio.get_running_loop()
+        except RuntimeError:
+            raise StoreError(
+                f"PostgresStore runs on asyncio only (psycopg's async driver and pool need its event "
+                f"loop), but {action}() was called on another event loop, such as trio; run the program "
+                "under asyncio (anyio.run(main) or anyio.run(main, backend='asyncio')), or use "
+                "SQLiteStore or MemoryStore, which run on trio too"
+            ) from None
 
     async def _open(self) -> None:
         try:
@@ -865,7 +882,7 @@ class PostgresStore(AsyncResource):
         # The pool hands out an idle connection without yielding, so this is where a
         # caller cancelled before the call began is stopped before anything is sent.
         await checkpoint()
-        away = None if asyncio.get_running_loop() is self._home else self._away_pool()
+        away = None if self._asyncio_loop(action) is self._home else self._away_pool()
         try:
             try:
                 conn = await (pool.getconn() if away is None else away.getconn())

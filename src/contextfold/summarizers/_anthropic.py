@@ -2,16 +2,55 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from .._episodes import Usage
 from ._http import HTTPSummarizer
+from ._reply import Reply, Strict, TokenCount
 
 __all__ = ["AnthropicSummarizer"]
 
 ANTHROPIC_BASE_URL = "https://api.anthropic.com"
 ANTHROPIC_VERSION = "2023-06-01"
+
+
+class _Block(Strict):
+    """A content block; only ``text`` blocks hold the summary (``thinking`` and others are skipped)."""
+
+    type: str
+    text: str | None = None
+
+
+class _Usage(Strict):
+    input_tokens: TokenCount = None
+    output_tokens: TokenCount = None
+    cache_creation_input_tokens: TokenCount = None
+    cache_read_input_tokens: TokenCount = None
+
+
+class MessageReply(Reply):
+    """A Messages API reply."""
+
+    content: list[_Block]
+    stop_reason: str | None = None
+    usage: _Usage | None = None
+
+    def text(self) -> str:
+        return "".join(block.text or "" for block in self.content if block.type == "text")
+
+    def token_usage(self) -> Usage:
+        if self.usage is None:
+            return Usage()
+        usage = self.usage
+        # Cache reads and writes are input too: they are part of what the model was sent.
+        parts = (usage.input_tokens, usage.cache_creation_input_tokens, usage.cache_read_input_tokens)
+        return Usage(input_tokens=sum(n or 0 for n in parts), output_tokens=usage.output_tokens or 0)
+
+    def refusal(self) -> str | None:
+        return "stop_reason 'refusal'" if self.stop_reason == "refusal" else None
+
+    def was_cut(self) -> bool:
+        return self.stop_reason == "max_tokens"
 
 
 class AnthropicSummarizer(HTTPSummarizer):
@@ -25,6 +64,7 @@ class AnthropicSummarizer(HTTPSummarizer):
     """
 
     provider: ClassVar[str] = "Anthropic"
+    reply_type: ClassVar[type[Reply]] = MessageReply
     env_var: ClassVar[str] = "ANTHROPIC_API_KEY"
     official_host: ClassVar[str] = "api.anthropic.com"
     default_base_url: ClassVar[str] = ANTHROPIC_BASE_URL
@@ -48,31 +88,3 @@ class AnthropicSummarizer(HTTPSummarizer):
             "messages": [{"role": "user", "content": user}],
             **self.extra_body,
         }
-
-    def _was_cut(self, data: Mapping[str, Any]) -> bool:
-        return data.get("stop_reason") == "max_tokens"
-
-    def _refusal(self, data: Mapping[str, Any]) -> str | None:
-        return "stop_reason 'refusal'" if data.get("stop_reason") == "refusal" else None
-
-    def _parse_reply(self, data: Mapping[str, Any]) -> tuple[str, str | None, Usage]:
-        content = data.get("content")
-        if not isinstance(content, list):
-            raise ValueError("'content' is missing or not a list of blocks")
-        text = "".join(
-            str(block.get("text", ""))
-            for block in content
-            if isinstance(block, Mapping) and block.get("type") == "text"
-        )
-        raw_usage = data.get("usage")
-        usage = Usage()
-        if isinstance(raw_usage, Mapping):
-            cached = int(raw_usage.get("cache_creation_input_tokens") or 0) + int(
-                raw_usage.get("cache_read_input_tokens") or 0
-            )
-            usage = Usage(
-                input_tokens=int(raw_usage.get("input_tokens") or 0) + cached,
-                output_tokens=int(raw_usage.get("output_tokens") or 0),
-            )
-        model = data.get("model")
-        return text, model if isinstance(model, str) and model else None, usage

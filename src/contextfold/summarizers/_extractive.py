@@ -89,6 +89,10 @@ _MAX_KEY_VALUE_LINE_CHARS = 500
 _MAX_FACTS_PER_MESSAGE = 10
 _OPEN_LINES_KEPT = 3
 _COST_CACHE_SIZE = 32_768
+_CHARS_PER_TOKEN = 4
+"""The estimate where no tokenizer may be loaded: the headings are English and markdown."""
+_ROOM_FOR_LINES = 64
+"""Tokens past the headings advised for the first lines a summary keeps: the goal, a few identifiers."""
 _ATTACHMENT = " attachment"
 """The end of the label of a fact that is a non-text part's placeholder."""
 _BETWEEN_PLACEHOLDERS = re.compile(r"(?<=\]), (?=\[)")
@@ -350,6 +354,35 @@ class ExtractiveSummarizer:
     def __repr__(self) -> str:
         return f"ExtractiveSummarizer(counter={self._counter!r})"
 
+    def least_summary_tokens(self) -> int:
+        """The smallest ``max_summary_tokens`` this summarizer can write to: its section headings alone.
+
+        Estimated at four characters a token, so no tokenizer is loaded (a
+        ``Compactor`` asks when it is built, perhaps on the event loop). The
+        first fold measures the headings exactly; a size below them is a
+        :class:`SummarizerError` there.
+        """
+        return -(-len(self._render([])) // _CHARS_PER_TOKEN)
+
+    def check_summary_room(self, max_summary_tokens: int, *, key: str = "max_summary_tokens") -> None:
+        """Refuse a summary size below :meth:`least_summary_tokens`, at which every fold would fail.
+
+        The ``Compactor`` calls this when it is built, with ``key`` naming the option as it was given.
+        """
+        least = self.least_summary_tokens()
+        if max_summary_tokens >= least:
+            return
+        advised = least + _ROOM_FOR_LINES
+        raise ConfigError(
+            key,
+            f"is below the {least} tokens the extractive summarizer needs for its section headings alone, "
+            f"so every fold would fail; give it {advised} or more, room for a few lines beside them "
+            f"(unset, it is half of target_tokens, by default a quarter of trigger_token_budget: a budget "
+            f"of {4 * advised} or more), or pass a summarizer that writes shorter summaries, such as a "
+            "FunctionSummarizer",
+            value=max_summary_tokens,
+        )
+
     async def summarize(
         self,
         messages: Sequence[Message],
@@ -387,7 +420,7 @@ class ExtractiveSummarizer:
         if skeleton > max_summary_tokens:  # cutting would leave "" or a stub of a heading
             raise SummarizerError(
                 f"extractive summarizer: max_summary_tokens={max_summary_tokens} cannot hold even the "
-                f"section headings ({skeleton} tokens); give it at least {skeleton + 64}"
+                f"section headings ({skeleton} tokens); give it at least {skeleton + _ROOM_FOR_LINES}"
             )
         text = self._select(lines, max_summary_tokens)
         counter = self.counter

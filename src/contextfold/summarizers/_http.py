@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 
 import anyio
 import httpx
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
 
 from .._episodes import Usage
@@ -35,6 +35,7 @@ from .._errors import ConfigError, SummarizerError
 from .._tokens import TokenCounter
 from ._chat import ChatSummarizer, check_number
 from ._prompt import DEFAULT_MAX_MESSAGE_CHARS
+from ._reply import Reply, describe_errors
 from ._retry import RetryLater, SummarizerRetry, retry_after_seconds, wait_strategy
 
 __all__ = ["HTTPSummarizer"]
@@ -150,6 +151,8 @@ class HTTPSummarizer(ChatSummarizer):
     official_host: ClassVar[str]
     default_base_url: ClassVar[str]
     default_context_window_tokens: ClassVar[int]
+    reply_type: ClassVar[type[Reply]]
+    """The shape of the provider's reply, checked in full before any of it is read."""
 
     def __init__(
         self,
@@ -261,22 +264,6 @@ class HTTPSummarizer(ChatSummarizer):
     def request_body(self, system: str, user: str, max_tokens: int) -> dict[str, Any]:
         """The JSON body of one summarization request."""
 
-    @abstractmethod
-    def _parse_reply(self, data: Mapping[str, Any]) -> tuple[str, str | None, Usage]:
-        """``(text, model, usage)`` from a reply; raise ``ValueError`` naming what is malformed."""
-
-    @abstractmethod
-    def _was_cut(self, data: Mapping[str, Any]) -> bool:
-        """Whether the reply stopped at the output token limit rather than where the model ended it."""
-
-    @abstractmethod
-    def _refusal(self, data: Mapping[str, Any]) -> str | None:
-        """The provider's own words when the model declined or a filter withheld the reply, else None.
-
-        Such a reply's text is an apology or a fragment, never a summary.
-        Read before the reply is parsed, so a malformed reply returns None.
-        """
-
     # resource handling ----------------------------------------------------
 
     async def aclose(self) -> None:
@@ -294,39 +281,11 @@ class HTTPSummarizer(ChatSummarizer):
     async def complete(self, system: str, user: str, max_tokens: int) -> tuple[str, str | None, Usage]:
         """Post one summarization request and read its reply, retrying what a retry can fix."""
         response = await self._post(self.request_body(system, user, max_tokens))
-        try:
-            data = response.json()
-        except ValueError:
-            raise SummarizerError(
-                f"{self.provider} summarizer got a reply that is not JSON from {self.url}",
-                status=response.status_code,
-                body=self._excerpt(response.text),
-            ) from None
-        if isinstance(data, Mapping) and (refusal := self._refusal(data)) is not None:
-            raise SummarizerError(
-                f"{self.provider} summarizer: model {self.model!r} gave no summary: the reply ended with "
-                f"{refusal}, a refusal or a content filter (not retried)",
-                status=response.status_code,
-                body=self._excerpt(response.text),
-            )
-        try:
-            if not isinstance(data, Mapping):
-                raise ValueError(f"the reply is a JSON {type(data).__name__}, not an object")
-            text, model, usage = self._parse_reply(data)
-            cut = self._was_cut(data)
-        except (ValueError, TypeError, KeyError, IndexError) as exc:
-            raise SummarizerError(
-                f"{self.provider} summarizer got a malformed reply from {self.url}: {exc}",
-                status=response.status_code,
-                body=self._excerpt(response.text),
-            ) from None
+        reply = self._read(response)
+        text = reply.text()
         if not text.strip():
-            raise SummarizerError(
-                f"{self.provider} summarizer got an empty summary from model {self.model!r}",
-                status=response.status_code,
-                body=self._excerpt(response.text),
-            )
-        if cut:  # still the best summary there is, but its last sections may be missing
+            raise self._reply_error(f"got an empty summary from model {self.model!r}", response)
+        if reply.was_cut():  # still the best summary there is, but its last sections may be missing
             logger.warning(
                 "%s summarizer: model %r stopped at the limit of %d tokens; the summary may lack its "
                 "last sections (raise max_summary_tokens or use a model that keeps to it)",
@@ -334,7 +293,38 @@ class HTTPSummarizer(ChatSummarizer):
                 self.model,
                 max_tokens,
             )
-        return text.strip(), model, usage
+        return text.strip(), reply.model_name(), reply.token_usage()
+
+    def _read(self, response: httpx.Response) -> Reply:
+        """The reply, once its whole shape is checked; any fault is a SummarizerError naming it."""
+        try:
+            data = response.json()
+        except ValueError:
+            raise self._reply_error(f"got a reply that is not JSON from {self.url}", response) from None
+        except RecursionError:  # the parser recurses once per level of nesting
+            raise self._reply_error(
+                f"got a malformed reply from {self.url}: it is nested deeper than JSON can be read", response
+            ) from None
+        try:
+            reply = self.reply_type.model_validate(data)
+        except ValidationError as exc:
+            fault = describe_errors(data, exc)
+            raise self._reply_error(f"got a malformed reply from {self.url}: {fault}", response) from None
+        refusal = reply.refusal()
+        if refusal is not None:
+            raise self._reply_error(
+                f"got no summary from model {self.model!r}: the reply ended with {refusal}, a refusal "
+                "or a content filter (not retried)",
+                response,
+            )
+        return reply
+
+    def _reply_error(self, problem: str, response: httpx.Response) -> SummarizerError:
+        return SummarizerError(
+            self._redact(f"{self.provider} summarizer {problem}"),
+            status=response.status_code,
+            body=self._excerpt(response.text),
+        )
 
     # HTTP ---------------------------------------------------------------
 

@@ -7,13 +7,14 @@ from typing import Any, ClassVar, Literal, get_args
 from urllib.parse import urlparse
 
 import httpx
-from pydantic import SecretStr
+from pydantic import Field, SecretStr
 
 from .._episodes import Usage
 from .._errors import ConfigError
 from .._tokens import TokenCounter
 from ._http import HTTPSummarizer
 from ._prompt import DEFAULT_MAX_MESSAGE_CHARS
+from ._reply import Reply, Strict, TokenCount
 from ._retry import SummarizerRetry
 
 __all__ = ["OpenAICompatibleSummarizer"]
@@ -21,6 +22,58 @@ __all__ = ["OpenAICompatibleSummarizer"]
 OPENAI_BASE_URL = "https://api.openai.com/v1"
 
 TokenLimitField = Literal["max_tokens", "max_completion_tokens"]
+
+
+class _Part(Strict):
+    """A content part, as some compatible servers answer; parts without text (an image) add none."""
+
+    text: str | None = None
+
+
+class _Message(Strict):
+    content: str | list[_Part] | None = None
+    refusal: str | None = None  # the API sends "refusal": null with every answer
+
+
+class _Choice(Strict):
+    message: _Message
+    finish_reason: str | None = None
+
+
+class _Usage(Strict):
+    prompt_tokens: TokenCount = None
+    completion_tokens: TokenCount = None
+
+
+class ChatCompletion(Reply):
+    """A Chat Completions reply; only the first choice is read."""
+
+    choices: list[_Choice] = Field(min_length=1)
+    usage: _Usage | None = None
+
+    def text(self) -> str:
+        content = self.choices[0].message.content
+        if isinstance(content, list):
+            return "".join(part.text or "" for part in content)
+        return content or ""
+
+    def token_usage(self) -> Usage:
+        if self.usage is None:
+            return Usage()
+        return Usage(
+            input_tokens=self.usage.prompt_tokens or 0, output_tokens=self.usage.completion_tokens or 0
+        )
+
+    def refusal(self) -> str | None:
+        choice = self.choices[0]
+        if choice.finish_reason == "content_filter":
+            return "finish_reason 'content_filter'"
+        if choice.message.refusal:
+            return "a refusal in choices[0].message.refusal"
+        return None
+
+    def was_cut(self) -> bool:
+        return self.choices[0].finish_reason == "length"
 
 
 class OpenAICompatibleSummarizer(HTTPSummarizer):
@@ -36,6 +89,7 @@ class OpenAICompatibleSummarizer(HTTPSummarizer):
     """
 
     provider: ClassVar[str] = "OpenAI-compatible"
+    reply_type: ClassVar[type[Reply]] = ChatCompletion
     env_var: ClassVar[str] = "OPENAI_API_KEY"
     official_host: ClassVar[str] = "api.openai.com"
     default_base_url: ClassVar[str] = OPENAI_BASE_URL
@@ -101,41 +155,3 @@ class OpenAICompatibleSummarizer(HTTPSummarizer):
             self.token_limit_field: max_tokens,
             **self.extra_body,
         }
-
-    def _was_cut(self, data: Mapping[str, Any]) -> bool:
-        choice = data["choices"][0]
-        return isinstance(choice, Mapping) and choice.get("finish_reason") == "length"
-
-    def _refusal(self, data: Mapping[str, Any]) -> str | None:
-        choices = data.get("choices")
-        choice = choices[0] if isinstance(choices, list) and choices else None
-        if not isinstance(choice, Mapping):
-            return None
-        if choice.get("finish_reason") == "content_filter":
-            return "finish_reason 'content_filter'"
-        message = choice.get("message")
-        if isinstance(message, Mapping) and message.get("refusal"):  # the API sends "refusal": null otherwise
-            return "a refusal in choices[0].message.refusal"
-        return None
-
-    def _parse_reply(self, data: Mapping[str, Any]) -> tuple[str, str | None, Usage]:
-        choices = data.get("choices")
-        if not isinstance(choices, list) or not choices:
-            raise ValueError("'choices' is missing or empty")
-        message = choices[0].get("message") if isinstance(choices[0], Mapping) else None
-        if not isinstance(message, Mapping):
-            raise ValueError("'choices[0].message' is missing")
-        content = message.get("content")
-        if isinstance(content, list):  # some compatible servers answer with content parts
-            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
-        if content is not None and not isinstance(content, str):
-            raise ValueError(f"'choices[0].message.content' is a {type(content).__name__}, not text")
-        raw_usage = data.get("usage")
-        usage = Usage()
-        if isinstance(raw_usage, Mapping):
-            usage = Usage(
-                input_tokens=int(raw_usage.get("prompt_tokens") or 0),
-                output_tokens=int(raw_usage.get("completion_tokens") or 0),
-            )
-        model = data.get("model")
-        return content or "", model if isinstance(model, str) and model else None, usage
