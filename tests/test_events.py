@@ -326,9 +326,12 @@ async def store() -> AsyncIterator[MemoryStore]:
         yield backend
 
 
-def fold_options(budget: int = 400) -> RunOptions:
+def fold_options(budget: int = 400, on_summarizer_error: Any = "fallback") -> RunOptions:
     compaction = SummarizeOptions(
-        trigger_token_budget=budget, max_summary_tokens=min(60, budget // 4), min_recent_messages=2
+        trigger_token_budget=budget,
+        max_summary_tokens=min(60, budget // 4),
+        min_recent_messages=2,
+        on_summarizer_error=on_summarizer_error,
     )
     return RunOptions(max_history_tokens=budget * 2, compaction=compaction)
 
@@ -381,7 +384,7 @@ async def test_a_stall_is_one_event_and_one_log_line(
 ) -> None:
     """A fold with nothing to fold emits one FoldStalled, and the stall is logged exactly once."""
     seen: list[CompactionEvent] = []
-    compactor = wired_compactor(store, seen, options=fold_options(budget=40))
+    compactor = wired_compactor(store, seen, options=fold_options(budget=40, on_summarizer_error="raise"))
     await fill(compactor, count=1)
     with caplog.at_level(logging.DEBUG, logger="contextfold"):
         result = await compactor.maybe_compact(THREAD)

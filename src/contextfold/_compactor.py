@@ -443,8 +443,11 @@ class Compactor:
         if self.settings is not None and self.settings.summarize:
             from .summarizers import ChatSummarizer
 
-            for chosen in (summarizer, fallback):  # a chat summarizer knows its model's window
-                if isinstance(chosen, ChatSummarizer):
+            asked = [summarizer if summarizer is not None else self.fallback]
+            if self.settings.on_summarizer_error == "fallback":  # the fallback is asked only then
+                asked.append(self.fallback)
+            for chosen in asked:  # a chat model knows its window, the extractive one its headings
+                if isinstance(chosen, ChatSummarizer | ExtractiveSummarizer):
                     chosen.check_summary_room(self.settings.max_summary_tokens, key=_summary_key(options))
         self.summarizer: Summarizer = summarizer if summarizer is not None else self.fallback
         if callable(subscribers) or not_a_sequence(subscribers):

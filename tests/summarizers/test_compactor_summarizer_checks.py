@@ -162,14 +162,6 @@ def test_a_summary_size_the_summarizers_window_cannot_hold_is_refused_when_built
     Compactor(MemoryStore(), options=fitting, **{role: small})
 
 
-_NEEDS_THE_COMPACTOR_CHECK = pytest.mark.xfail(
-    strict=True,
-    reason="Compactor.__init__ checks only ChatSummarizer; it must also call "
-    "ExtractiveSummarizer.check_summary_room (a _compactor.py line, sent to its owner)",
-)
-
-
-@_NEEDS_THE_COMPACTOR_CHECK
 def test_a_budget_the_default_summarizer_cannot_serve_is_refused_when_built() -> None:
     """trigger_token_budget=100 leaves max_summary_tokens=25, below the extractive headings: refused."""
     options = RunOptions(max_history_tokens=400, compaction=SummarizeOptions(trigger_token_budget=100))
@@ -180,7 +172,6 @@ def test_a_budget_the_default_summarizer_cannot_serve_is_refused_when_built() ->
     assert "such as a FunctionSummarizer" in caught.value.reason
 
 
-@_NEEDS_THE_COMPACTOR_CHECK
 def test_the_extractive_fallback_is_checked_when_the_policy_may_ask_it() -> None:
     """Beside a summarizer writing short summaries, the extractive one is checked under "fallback" only."""
     short = FunctionSummarizer(async_fn)
