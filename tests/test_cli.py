@@ -461,12 +461,14 @@ _LONG = "a" * 300
         ("x.txt", "--plot {tmp}/x.txt: cannot draw a .txt file; name a .png file (or .svg, .pdf)"),
         (f"{_LONG}.png",
          f"--plot {{tmp}}/{_LONG}.png cannot be written (File name too long); pass a file you can write to"),
+        ("plots", "--plot {tmp}/plots is a folder; name a file in it, such as {tmp}/plots/tokens.png"),
     ],
-    ids=["missing-folder", "unknown-format", "name-too-long"],
+    ids=["missing-folder", "unknown-format", "name-too-long", "a-folder"],
 )  # fmt: skip
 def test_demo_refuses_a_plot_it_could_not_save_before_it_runs(tmp_path: Path, plot: str, line: str) -> None:
     """demo --plot to a path it cannot write exits 1 with one line before simulating a step."""
     db = tmp_path / "d.db"
+    (tmp_path / "plots").mkdir()
     result = cli("demo", "--db", str(db), "--steps", "5", "--plot", str(tmp_path / plot))
     assert result.returncode == 1
     assert result.stderr.splitlines() == ["Error: " + line.replace("{tmp}", str(tmp_path))]

@@ -294,7 +294,7 @@ def app() -> None:
 @click.option("--seed", type=int, default=7, show_default=True, help="Seed of the simulated session.")
 @click.option(
     "--plot",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),
     default=None,
     help="Draw request tokens per step to this PNG, log scale, folds marked (needs contextfold[plot]).",
 )
@@ -425,6 +425,13 @@ def _require_plot(path: Path) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
     except ImportError:
         raise click.ClickException("--plot needs matplotlib: pip install 'contextfold[plot]'") from None
+    try:
+        folder_given = path.is_dir()
+    except OSError:  # a name too long, say: the write test below words it
+        folder_given = False
+    if folder_given:
+        example = path / "tokens.png"
+        raise click.ClickException(f"--plot {path} is a folder; name a file in it, such as {example}")
     suffix = path.suffix.lower().removeprefix(".")
     if suffix and suffix not in FigureCanvasAgg.get_supported_filetypes():
         raise click.ClickException(
