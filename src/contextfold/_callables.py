@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Awaitable
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from contextlib import AbstractAsyncContextManager, aclosing, nullcontext
+from typing import Any, TypeVar, cast
 
 from ._errors import ConfigError
 
-__all__ = ["awaited", "bind_error", "returns_awaitable", "unwrapped"]
+__all__ = ["awaited", "bind_error", "closing", "returns_awaitable", "unwrapped"]
+
+_T = TypeVar("_T")
 
 
 def unwrapped(fn: object) -> object:
@@ -77,3 +80,15 @@ def awaited(pending: object, fn: object, key: str, shape: str) -> Awaitable[Any]
         reason = f"returned a {type(pending).__name__} rather than an awaitable; define it as {shape}"
         raise ConfigError(key, reason, value=fn)
     return pending
+
+
+def closing(stream: AsyncIterator[_T]) -> AbstractAsyncContextManager[AsyncIterator[_T]]:
+    """Close an async iterator on the way out when it can be closed.
+
+    An async generator can, and so can any stream with an ``aclose()`` (an SDK's
+    stream wrapper, say): leaving it early must not leave it (and a connection
+    it holds) to the garbage collector.
+    """
+    if callable(getattr(stream, "aclose", None)):
+        return aclosing(cast("AsyncGenerator[_T, None]", stream))
+    return nullcontext(stream)

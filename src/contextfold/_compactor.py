@@ -35,6 +35,7 @@ from typing import Any, NamedTuple, Self
 import anyio
 from anyio.abc import TaskGroup
 
+from ._callables import closing
 from ._config import RunOptions, Settings, SummarizeOptions, resolve_settings
 from ._episodes import (
     Episode,
@@ -727,9 +728,7 @@ class Compactor:
             return taken
         if reason in TOKEN_REASONS and self._held_back(thread, stats.version, tokens):
             return taken
-        backoff = self._backoff.get(thread)
-        if backoff is not None and backoff.skips_left > 0:
-            backoff.skips_left -= 1
+        if self._backing_off(thread):
             return taken
         if running is not None:
             # The hard trigger fired while the summary is on its way: wait for that one, then check
@@ -1106,15 +1105,10 @@ class Compactor:
         """When the log recorded episode ``seq`` of ``thread`` (``None`` without one)."""
         if seq is None:
             return None
-        records = self.episodic.replay(thread, from_seq=seq)
-        try:
+        async with closing(self.episodic.replay(thread, from_seq=seq)) as records:
             async for record in records:
                 return record.at if record.seq == seq else None
-            return None
-        finally:
-            close = getattr(records, "aclose", None)  # a generator: closed here, not by the collector
-            if close is not None:
-                await close()
+        return None
 
     async def _prepare(
         self,
@@ -1713,12 +1707,14 @@ class Compactor:
         budget, at = settings.budget, settings.background_at
         if budget is None or at is None or tokens <= at * budget:
             return False
-        if self._held_back(thread, version, tokens):
-            return False
+        return not self._held_back(thread, version, tokens) and not self._backing_off(thread)
+
+    def _backing_off(self, thread: str) -> bool:
+        """Whether a stall's back-off skips this check of ``thread`` (and counts it as skipped)."""
         backoff = self._backoff.get(thread)
-        if backoff is not None and backoff.skips_left > 0:
-            backoff.skips_left -= 1
+        if backoff is None or backoff.skips_left <= 0:
             return False
+        backoff.skips_left -= 1
         return True
 
     def _start_background(self, thread: str, settings: Settings) -> None:

@@ -33,13 +33,13 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager, nullcontext
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Self, TypeAlias, TypeVar, cast
 
 import anyio
 
-from ._callables import awaited, returns_awaitable, unwrapped
+from ._callables import awaited, closing, returns_awaitable, unwrapped
 from ._compactor import CompactionResult, Compactor
 from ._episodes import ToolCallEpisode, Usage
 from ._errors import ConfigError
@@ -384,7 +384,7 @@ class StepLoop:
                 whole: Message | None = None
                 model: str | None = None
                 usage: Usage | None = None
-                async with _closing(_stream_of(llm, step.messages)) as chunks:
+                async with closing(_stream_of(llm, step.messages)) as chunks:
                     async for chunk in chunks:
                         if isinstance(chunk, str):
                             text.append(chunk)
@@ -556,18 +556,6 @@ def _tool_mapping(tools: object) -> Mapping[str, Tool]:
                 value=tool,
             )
     return named
-
-
-def _closing(stream: AsyncIterator[_T]) -> AbstractAsyncContextManager[AsyncIterator[_T]]:
-    """Close a model's stream on the way out when it can be closed.
-
-    An async generator can, and so can any stream with an ``aclose()`` (an SDK's
-    stream wrapper, say): an early exit must not leave its connection to the
-    garbage collector.
-    """
-    if callable(getattr(stream, "aclose", None)):
-        return aclosing(cast("AsyncGenerator[_T, None]", stream))
-    return nullcontext(stream)
 
 
 async def _run_tool(tools: Mapping[str, Tool], call: ToolCall) -> Message:

@@ -343,21 +343,21 @@ class RacingStore(MemoryStore):
             await meanwhile()
 
 
-def race(store: RacingStore, c: Compactor, thread: str, group: TaskGroup) -> anyio.Event:
-    """Make ``store`` start a step of ``thread`` (a sync adding "meanwhile") in ``group`` at a whole read.
+def meddle(store: Any, work: Callable[[], Awaitable[None]], group: TaskGroup) -> anyio.Event:
+    """Make ``store`` start ``work`` in ``group`` at its ``meanwhile`` point; the event is set once done.
 
-    The reader waits for the step up to 1,000 turns of the event loop: plenty
-    for it to finish on a memory store, unless the thread's lock holds it back.
-    The event is set once the step is through.
+    The store's reader waits for it up to 1,000 turns of the event loop:
+    plenty for it to finish on a memory store, unless the thread's lock holds
+    it back.
     """
     done = anyio.Event()
 
-    async def step() -> None:
-        await c.sync(thread, [Message.user("meanwhile")], ids=["meanwhile"])
+    async def run() -> None:
+        await work()
         done.set()
 
     async def meanwhile() -> None:
-        group.start_soon(step)
+        group.start_soon(run)
         for _ in range(1_000):
             if done.is_set():
                 return
@@ -365,6 +365,15 @@ def race(store: RacingStore, c: Compactor, thread: str, group: TaskGroup) -> any
 
     store.meanwhile = meanwhile
     return done
+
+
+def race(store: RacingStore, c: Compactor, thread: str, group: TaskGroup) -> anyio.Event:
+    """Make ``store`` start a step of ``thread`` (a sync adding "meanwhile") in ``group`` at a whole read."""
+
+    async def step() -> None:
+        await c.sync(thread, [Message.user("meanwhile")], ids=["meanwhile"])
+
+    return meddle(store, step, group)
 
 
 async def agreeing(store: Any, thread: str) -> list[str]:

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 from anyio.abc import TaskGroup
-from anyio.lowlevel import checkpoint
 
 from contextfold import StoreError, conversation
 from contextfold.episodes import MessagesRetractedEpisode, SummaryCheckpoint
 from contextfold.stores import ContextWindow, MemoryStore, SQLiteStore, ThreadStats
 
-from .scenario import _execute, agreeing, compactor, question, record_text, refusing_withdrawals
+from .scenario import _execute, agreeing, compactor, meddle, question, record_text, refusing_withdrawals
 
 pytest.importorskip("agents")
 
@@ -143,26 +143,8 @@ class MeddlingStore(MemoryStore):
 def adding(
     store: MeddlingStore, session: CompactingSession, items: list[Any], group: TaskGroup
 ) -> anyio.Event:
-    """Make ``store`` start ``session.add_items(items)`` in ``group`` at its next read of a context.
-
-    The reader waits for the add up to 1,000 turns of the event loop: plenty for it to finish on a
-    memory store, unless the thread's lock holds it back. The event is set once the add is through.
-    """
-    done = anyio.Event()
-
-    async def add() -> None:
-        await session.add_items(items)
-        done.set()
-
-    async def meanwhile() -> None:
-        group.start_soon(add)
-        for _ in range(1_000):
-            if done.is_set():
-                return
-            await checkpoint()
-
-    store.meanwhile = meanwhile
-    return done
+    """Make ``store`` start ``session.add_items(items)`` in ``group`` at its next read of a context."""
+    return meddle(store, partial(session.add_items, items), group)
 
 
 ONE_TWO: list[Any] = [{"role": "user", "content": "one"}, {"role": "user", "content": "two"}]
