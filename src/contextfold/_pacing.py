@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 
 from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
 
@@ -20,6 +21,7 @@ __all__ = [
     "PACE_SECONDS",
     "Pacer",
     "current_async_library",
+    "others_can_run",
     "wake",
     "yield_behind_due_timers",
 ]
@@ -50,14 +52,18 @@ class Pacer:
     """Makes every call a cancellation point, and a scheduling point at least once per ``PACE_SECONDS``.
 
     A call that yields to the scheduler costs a round of the event loop
-    (several microseconds, more than a memory write itself); one that only
-    looks for a cancellation costs about one. So a loop that only records and
+    (several microseconds in a tight loop, 25-40 µs between a session's
+    tokenizer calls, more than a memory write itself); one that only looks
+    for a cancellation costs about one. So a loop that only records and
     checks stops at once when cancelled, and lets other tasks (a background
     summary, a heartbeat) run at least every 0.2 ms, without paying a
-    loop round on every call. While other tasks are taking turns (the last
-    yield gave the loop away for ``PACE_SECONDS`` or more) the slice is
-    ``CROWDED_PACE_SECONDS``, and ``turn`` adds a scheduling point where a
-    caller's own work would make a long slice.
+    loop round on every call. On asyncio a call that is due first looks
+    whether anything else could run (``others_can_run``): a lone task whose
+    round would run nothing but itself goes on without it. While other
+    tasks are taking turns (the last yield gave the loop away for
+    ``PACE_SECONDS`` or more) the slice is ``CROWDED_PACE_SECONDS``, and
+    ``turn`` adds a scheduling point where a caller's own work would make a
+    long slice.
     """
 
     __slots__ = ("_crowded", "_due")
@@ -69,6 +75,10 @@ class Pacer:
     async def __call__(self) -> None:
         now = time.monotonic()
         if now < self._due:
+            await checkpoint_if_cancelled()
+            return
+        if not self._crowded and not others_can_run():
+            self._due = now + PACE_SECONDS  # looked again a slice from now, not on every call
             await checkpoint_if_cancelled()
             return
         # While other tasks take turns (the last yield gave the loop away for a slice or
@@ -91,6 +101,38 @@ class Pacer:
         """
         if self._crowded:
             await self()
+
+
+def others_can_run() -> bool:
+    """Whether a round of the event loop could run anything but the caller; ``True`` when it cannot tell.
+
+    On asyncio's selector loops (the default loop on Linux and macOS, and
+    anyio's), a round runs the callbacks already queued (another task's
+    step, a worker thread's result, a cancellation), the timers that came
+    due (a ``sleep`` that ended) and the handlers of sockets and pipes that
+    are ready. The first two are the loop's own queues; for the third the
+    loop's selector is asked without waiting, which reports a ready file
+    again at the loop's next round (it is level-triggered, and ``select``
+    changes nothing). The queues are attributes of CPython's
+    ``BaseEventLoop`` and the selector one of ``BaseSelectorEventLoop``, the
+    same since Python 3.7; a loop without them (uvloop, Windows' proactor
+    loop) and trio are answered ``True``, and the caller yields as it would
+    without this look.
+    """
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # trio, or no loop at all
+        return True
+    ready = getattr(loop, "_ready", None)
+    scheduled = getattr(loop, "_scheduled", None)
+    selector = getattr(loop, "_selector", None)
+    if type(ready) is not deque or type(scheduled) is not list or selector is None:
+        return True
+    if ready:
+        return True
+    if scheduled and scheduled[0].when() <= loop.time():
+        return True
+    return bool(selector.select(0))
 
 
 async def yield_behind_due_timers() -> None:
