@@ -260,8 +260,13 @@ async def test_a_step_whose_record_fails_leaves_nothing_of_it_stored() -> None:
     assert [m.role.value for m in context] == ["user"]
 
 
-async def test_a_step_cut_short_keeps_its_reply_and_the_results_it_had() -> None:
-    """Stopping after the first tool, or cancelling in the second, records what the step had, in order."""
+async def test_a_step_cut_short_keeps_what_it_had_and_answers_the_calls_it_did_not_finish() -> None:
+    """Stopping after the first tool, or cancelling in the second, records what the step had, in order.
+
+    Each call the step did not finish gets an error result: left unanswered,
+    it was followed by the next user message in every later request, which
+    providers refuse (``user, assistant[a, b], tool a, user``).
+    """
     second_started = anyio.Event()
 
     async def slow(url: str) -> str:
@@ -286,23 +291,43 @@ async def test_a_step_cut_short_keeps_its_reply_and_the_results_it_had() -> None
             group.cancel_scope.cancel()
         logs = {t: [r.episode async for r in store.replay(t)] for t in ("stopped", "cancelled")}
         contexts = {t: await loop.compactor.context(t) for t in ("stopped", "cancelled")}
-    assert [e.kind for e in logs["stopped"]] == ["user_message", "llm_call", "tool_call", "tool_result"]
+        follow_up = ScriptedModel([Message.assistant("next answer")])
+        await loop.run("stopped", "next question", llm=follow_up)
+    assert [e.kind for e in logs["stopped"]] == [
+        "user_message",
+        "llm_call",
+        "tool_call",
+        "tool_result",
+        "tool_result",
+    ]
     assert [e.kind for e in logs["cancelled"]] == [
         "user_message",
         "llm_call",
         "tool_call",
         "tool_result",
         "tool_call",
+        "tool_result",
     ]
     assert [e.call.id for e in logs["cancelled"] if isinstance(e, ToolCallEpisode)] == ["a", "b"]
-    for thread in ("stopped", "cancelled"):
+    for thread, what in (("stopped", "ran"), ("cancelled", "returned")):
         context = contexts[thread]
         assert [(m.role.value, m.tool_call_id) for m in context] == [
             ("user", None),
             ("assistant", None),
             ("tool", "a"),
+            ("tool", "b"),
         ]
         assert context[2].text == "https://example.org/a: ok"
+        assert context[3].metadata[TOOL_ERROR_METADATA_KEY] is True
+        assert context[3].text == f"error: interrupted: the step was cut short before this tool {what}"
+    # The next request answers both calls right after them, as providers require.
+    assert [(m.role.value, m.tool_call_id) for m in follow_up.requests[0]] == [
+        ("user", None),
+        ("assistant", None),
+        ("tool", "a"),
+        ("tool", "b"),
+        ("user", None),
+    ]
 
 
 @pytest.mark.parametrize("stores", ["one store", "two stores"])
@@ -712,7 +737,10 @@ async def test_a_lambda_tool_is_run_when_it_returns_a_coroutine_and_refused_when
         context = await loop.compactor.context("bad")
     assert info.value.key == "tools['fetch']" and info.value.value is sync_lambda
     assert "returned a str rather than an awaitable" in info.value.reason
-    assert not any(m.role.value == "tool" for m in context)  # the model never got it as a result
+    # The model never got the bare value as a result; the call is answered with the step's failure.
+    assert [(m.role.value, m.text) for m in context if m.role.value == "tool"] == [
+        ("tool", "error: interrupted: the step stopped on ConfigError before this tool returned")
+    ]
 
 
 async def test_a_tool_called_with_arguments_it_does_not_take_is_still_an_error_result() -> None:

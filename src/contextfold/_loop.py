@@ -417,8 +417,11 @@ class StepLoop:
                         started.append(call)
                         results.append(await _run_tool(runnable, call))
                         yield ToolFinished(results[-1])
-                except BaseException:
-                    # Cut short (cancelled, or its consumer stopped): what the step had is kept.
+                except BaseException as exc:
+                    # Cut short (cancelled, or its consumer stopped): what the step had is kept, and
+                    # each call it did not finish is answered, or every later request would be refused.
+                    unfinished = reply.tool_calls[len(results) :]
+                    results.extend(_cut_short(call, call in started, exc) for call in unfinished)
                     with anyio.CancelScope(shield=True):
                         try:
                             await step.record(reply, *results, model=model, usage=usage, started=started)
@@ -587,6 +590,17 @@ async def _run_tool(tools: Mapping[str, Tool], call: ToolCall) -> Message:
         return _tool_failed(call, wrong)
     text = output if isinstance(output, str) else json.dumps(output, ensure_ascii=False, default=str)
     return Message.tool(call.id, text)
+
+
+def _cut_short(call: ToolCall, started: bool, exc: BaseException) -> Message:
+    """The error result of a call its step did not finish: no result will ever come for it.
+
+    Left unanswered, the call would be followed by the next user message in
+    every later request, which OpenAI's and Anthropic's APIs refuse.
+    """
+    how = f"stopped on {type(exc).__name__}" if isinstance(exc, Exception) else "was cut short"
+    when = "before this tool returned" if started else "before this tool ran"
+    return Message.tool(call.id, f"error: interrupted: the step {how} {when}", is_error=True)
 
 
 def _tool_failed(call: ToolCall, exc: Exception) -> Message:
