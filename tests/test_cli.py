@@ -395,6 +395,96 @@ def test_a_command_line_click_cannot_parse_keeps_the_usage_block() -> None:
     assert result.stderr.splitlines()[-1].startswith("Error: No such option")
 
 
+_BELOW_THE_LEAST = re.compile(
+    r"Error: --budget (\d+) is below (\d+), the least that works: a summary gets a quarter of --budget, "
+    r"and the offline summarizer \(which also stands in when openai or anthropic fails\) needs \d+ tokens "
+    r"for its section headings; use --budget \2 or more"
+)
+
+
+def least_budget() -> int:
+    """The least --budget, as the error for a smaller one offers it."""
+    found = _BELOW_THE_LEAST.fullmatch(cli("demo", "--budget", "1").stderr.strip())
+    assert found, "no least --budget offered"
+    return int(found.group(2))
+
+
+@pytest.mark.parametrize(
+    "summarizer",
+    [[], *(["--summarizer", kind, "--model", "m", "--api-key", "k"] for kind in ("openai", "anthropic"))],
+    ids=["extractive", "openai", "anthropic"],
+)
+def test_demo_below_the_least_budget_is_one_line_and_creates_no_store(
+    tmp_path: Path, summarizer: list[str]
+) -> None:
+    """demo --budget under the least that works names --budget, it and that least, exits 2, writes no file."""
+    least = least_budget()
+    db = tmp_path / "d.db"
+    for budget in (4, 100, least - 1):
+        result = cli(
+            "demo", "--db", str(db), "--steps", "3", "--budget", str(budget), *summarizer, tmp=tmp_path
+        )
+        assert result.returncode == 2, result.stdout + result.stderr
+        found = _BELOW_THE_LEAST.fullmatch(result.stderr.strip())
+        assert found and found.group(1) == str(budget) and int(found.group(2)) == least, result.stderr
+        assert len(result.stderr.splitlines()) == 1
+        assert list(tmp_path.iterdir()) == []
+    # Without --db the demo writes to a temporary file of its own: none is left either.
+    result = cli("demo", "--steps", "3", "--budget", "100", *summarizer, tmp=tmp_path)
+    assert result.returncode == 2 and list(tmp_path.iterdir()) == []
+    assert "Traceback" not in result.stderr
+
+
+def test_compact_below_the_least_budget_is_one_line_and_leaves_the_store_alone(thread_db: Path) -> None:
+    """compact --budget under the least that works names both in one line and leaves the store as it was."""
+    least = least_budget()
+    files = sorted(thread_db.parent.iterdir())
+    before = [hashlib.sha256(path.read_bytes()).hexdigest() for path in files]
+    result = cli("compact", str(thread_db), "t", "--budget", "100")
+    assert result.returncode == 2, result.stdout + result.stderr
+    found = _BELOW_THE_LEAST.fullmatch(result.stderr.strip())
+    assert found and found.group(1) == "100" and int(found.group(2)) == least, result.stderr
+    assert sorted(thread_db.parent.iterdir()) == files
+    assert [hashlib.sha256(path.read_bytes()).hexdigest() for path in files] == before
+
+
+def test_the_least_budget_runs_a_demo_and_a_compact(tmp_path: Path) -> None:
+    """The least --budget the help and the error name runs a demo whose folds all succeed, and a compact."""
+    least = least_budget()
+    assert f"[default: 12000; x>={least}]" in " ".join(ok(cli("demo", "--help")).split())
+    assert f"[default: 12000; x>={least}]" in " ".join(ok(cli("compact", "--help")).split())
+    db = tmp_path / "d.db"
+    out = ok(cli("demo", "--db", str(db), "--thread", "t", "--steps", "80", "--budget", str(least)))
+    assert row(out, "compactions") > 0 and row(out, "degraded summaries") == 0
+    folded = ok(cli("compact", str(db), "t", "--budget", str(least), "--manual-recovery"))
+    assert folded.startswith("compacted 't' (manual_recovery): ")
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["db", "temporary"])
+def test_demo_builds_its_compactor_before_it_creates_a_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given: bool
+) -> None:
+    """A setting the Compactor refuses fails demo in one line naming --budget before any store file exists."""
+    import tempfile
+
+    from click.testing import CliRunner
+
+    from contextfold import RunOptions, SummarizeOptions, _cli
+
+    def refused(budget: int) -> RunOptions:  # a summary too small for the offline summarizer's headings
+        compaction = SummarizeOptions(trigger_token_budget=budget, max_summary_tokens=1)
+        return RunOptions(max_history_tokens=budget * 2, compaction=compaction)
+
+    monkeypatch.setattr(_cli, "_options", refused)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    db = ["--db", str(tmp_path / "d.db")] if given else []
+    result = CliRunner().invoke(_cli.app, ["demo", "--steps", "3", *db])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("Error: --budget 12000: compaction.max_summary_tokens=1: ")
+    assert len(result.output.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_unknown_thread_is_an_error(demo_db: Path) -> None:
     """inspect of a thread the store does not hold says so, points at threads, and exits 1."""
     result = cli("inspect", str(demo_db), "no-such-thread")

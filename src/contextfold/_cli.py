@@ -244,12 +244,44 @@ def _summarizer_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return command
 
 
+_SUMMARY_SHARE = 4
+"""A summary may take ``--budget // _SUMMARY_SHARE`` tokens (at most 800)."""
+_LEAST_SUMMARY = ExtractiveSummarizer().least_summary_tokens()
+"""The smallest summary the offline summarizer can write: its section headings. It writes the summary
+whenever the chosen ``--summarizer`` fails, so the ``Compactor`` holds every choice to this size."""
+_LEAST_BUDGET = _SUMMARY_SHARE * _LEAST_SUMMARY
+"""The least ``--budget`` whose summary holds those headings: below it every fold would fail."""
+
+
+class _Budget(click.IntRange):
+    """``--budget``'s type: its least value shown in the help, and a smaller one refused in one line.
+
+    Click's own range error would come with the usage block, and would not say
+    why the least is what it is.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(min=_LEAST_BUDGET)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        budget = click.INT.convert(value, param, ctx)
+        if budget < _LEAST_BUDGET:
+            raise _FlagError(
+                f"--budget {budget} is below {_LEAST_BUDGET}, the least that works: a summary gets a "
+                "quarter of --budget, and the offline summarizer (which also stands in when "
+                f"openai or anthropic fails) needs {_LEAST_SUMMARY} tokens for its section headings; "
+                f"use --budget {_LEAST_BUDGET} or more"
+            )
+        return budget
+
+
 _budget = click.option(
     "--budget",
-    type=click.IntRange(min=4),
+    type=_Budget(),
     default=12000,
     show_default=True,
-    help="Compact when the working context is above this many tokens.",
+    help="Compact when the working context is above this many tokens. A summary gets a quarter of it, "
+    f"so {_LEAST_BUDGET} is the least, with any --summarizer: the offline one stands in when another fails.",
 )
 
 
@@ -257,8 +289,24 @@ def _options(budget: int) -> RunOptions:
     """The CLI's compaction settings for a token budget."""
     return RunOptions(
         max_history_tokens=budget * 2,
-        compaction=SummarizeOptions(trigger_token_budget=budget, max_summary_tokens=min(800, budget // 4)),
+        compaction=SummarizeOptions(
+            trigger_token_budget=budget, max_summary_tokens=min(800, budget // _SUMMARY_SHARE)
+        ),
     )
+
+
+def _compactor(
+    store: Store, budget: int, summarizer: Summarizer, counter: TiktokenCounter | None = None
+) -> Compactor:
+    """The command's ``Compactor``, built before the store is opened: a setting it refuses writes nothing.
+
+    ``--budget`` is checked when it is parsed, so nothing the CLI passes
+    should be refused here; should it be, the error is one line all the same.
+    """
+    try:
+        return Compactor(store, options=_options(budget), summarizer=summarizer, counter=counter)
+    except ConfigError as exc:
+        raise _FlagError(f"--budget {budget}: {_cli_words(str(exc))}") from None
 
 
 def _describe(summarizer: Summarizer) -> str:
@@ -319,10 +367,18 @@ def demo(
     if plot is not None:
         _require_plot(plot)
     chosen = _summarizer(summarizer, model, base_url, api_key)
+    temporary = db is None
     if db is None:
         handle, db = tempfile.mkstemp(prefix="contextfold-demo-", suffix=".db")
         os.close(handle)  # SQLite takes an empty file for an empty database
-    store = _store(db, create=True)
+    counter = TiktokenCounter()
+    try:
+        store = _store(db, create=True)  # opened, and a SQLite file created, only by the session
+        compactor = _compactor(store, budget, chosen, counter)
+    except click.ClickException:
+        if temporary:
+            Path(db).unlink()
+        raise
     thread = thread or f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     console = Console(stderr=True)
     offline = summarizer == _OFFLINE
@@ -332,12 +388,10 @@ def demo(
         return not offline and len(made) == 1 and made[0].degraded
 
     async def session() -> DemoStats:
-        counter = TiktokenCounter()
         async with AsyncExitStack() as stack:
             if isinstance(chosen, AsyncResource):  # the HTTP summarizers own a connection pool
                 await stack.enter_async_context(chosen)
             await stack.enter_async_context(store)
-            compactor = Compactor(store, options=_options(budget), summarizer=chosen, counter=counter)
             with Progress(
                 TextColumn("[bold]simulating"),
                 BarColumn(),
@@ -677,6 +731,7 @@ def compact(
     chosen = _summarizer(summarizer, model, base_url, api_key)
     store = _store(store_url)
     options = _options(budget)
+    compactor = _compactor(store, budget, chosen)  # before the store is opened, which may migrate it
 
     waiting = False  # whether what a stalled recovery left holds a tool call without its result
 
@@ -687,7 +742,6 @@ def compact(
                 await stack.enter_async_context(chosen)
             await stack.enter_async_context(store)
             await _require_thread(store, thread)
-            compactor = Compactor(store, options=options, summarizer=chosen)
             if not manual_recovery:
                 return await compactor.compact_now(thread)
             result = await compactor.manual_recovery(thread)

@@ -43,6 +43,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import repeat
 from typing import Any, Protocol, TypeVar
 
 import anyio
@@ -60,6 +61,7 @@ from ._episodes import (
 from ._errors import ConfigError
 from ._messages import SUMMARY_METADATA_KEY, Message
 from ._threads import holding
+from .stores._rows import not_a_sequence
 
 __all__ = ["KEY_METADATA_KEY", "SUMMARY_KEY_PREFIX", "append", "content_hash", "message_key", "sync"]
 
@@ -71,6 +73,11 @@ _INLINE_ITEMS = 100  # hashing this many messages takes about a millisecond of t
 
 SUMMARY_KEY_PREFIX = "contextfold.summary:"
 """Prefix of the key ``sync`` gives a summary it hands back; such a message is never recorded."""
+
+_ID_TYPES = (str, type(None))
+"""What each of ``sync``'s ``ids`` may be: a framework's id, or ``None`` for a message without one."""
+_NOT_A_LIST = str | Message
+"""What ``messages`` may not be, although a str is a sequence: one message, or text."""
 
 
 def content_hash(message: Message) -> str:
@@ -316,6 +323,8 @@ async def sync(
     the messages are only recorded (at the end of a run, say). ``recorded``,
     when given, receives the messages this call recorded.
     """
+    if compact is not True and compact is not False:
+        raise ConfigError("compact", "must be True or False", value=compact)
     keys = _keys(messages, ids)
     seen = _seen(compactor, thread)
     async with holding(seen.lock):
@@ -353,16 +362,54 @@ async def append(
 
 
 def _keys(messages: Sequence[Message], ids: Sequence[str | None] | None) -> list[str | None]:
-    """Each message's key: the framework's id, else the key ``sync`` gave it earlier, else ``None``."""
-    if ids is not None and len(ids) != len(messages):
+    """Each message's key: the framework's id, else the key ``sync`` gave it earlier, else ``None``.
+
+    The arguments are checked here, before anything is read or recorded: one
+    ``isinstance`` of each message and each id, run in C, is all a good call pays.
+    """
+    if not_a_sequence(messages, _NOT_A_LIST):
+        raise ConfigError(
+            "messages",
+            "must be a list of Message objects, the framework's whole list for the thread "
+            "(a single message goes in a list too: [message])",
+            value=messages,
+        )
+    if not all(map(isinstance, messages, repeat(Message))):
+        index, item = _stray(messages, Message)
+        raise ConfigError(
+            "messages",
+            f"must hold Message objects only, and messages[{index}] is of type {type(item).__name__}; "
+            "convert it first, e.g. with Message.user(text)",
+            value=item,
+        )
+    if ids is None:
+        return [message_key(message) for message in messages]
+    if not_a_sequence(ids):
+        raise ConfigError(
+            "ids",
+            "must be a list holding one id (a str, or None) per message, or None; "
+            "e.g. ids=[str(row_id) for row_id in row_ids]",
+            value=ids,
+        )
+    if not all(map(isinstance, ids, repeat(_ID_TYPES))):
+        index, item = _stray(ids, _ID_TYPES)
+        raise ConfigError(
+            "ids",
+            f"must hold str ids (or None for a message without one), and ids[{index}] is of type "
+            f"{type(item).__name__}; pass str ids, e.g. ids=[str(row_id) for row_id in row_ids]",
+            value=item,
+        )
+    if len(ids) != len(messages):
         raise ConfigError(
             "ids",
             f"must hold one id (or None) per message: got {len(ids)} ids for {len(messages)} messages",
         )
-    return [
-        (ids[index] if ids is not None and ids[index] else None) or message_key(message)
-        for index, message in enumerate(messages)
-    ]
+    return [given or message_key(message) for given, message in zip(ids, messages, strict=True)]
+
+
+def _stray(items: Sequence[object], kind: type | tuple[type, ...]) -> tuple[int, object]:
+    """The index and value of the first of ``items`` that is not a ``kind``."""
+    return next((index, item) for index, item in enumerate(items) if not isinstance(item, kind))
 
 
 def _with_key(message: Message, key: str | None) -> Message:

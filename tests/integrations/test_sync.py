@@ -14,7 +14,7 @@ import pytest
 
 from contextfold import Compactor, ConfigError, Message, RunOptions, SummarizeOptions, ToolCall, conversation
 from contextfold._episodes import HistoryClearedEpisode, MessagesRetractedEpisode
-from contextfold._sync import KEY_METADATA_KEY, SUMMARY_KEY_PREFIX, sync
+from contextfold._sync import KEY_METADATA_KEY, SUMMARY_KEY_PREFIX, append, sync
 from contextfold.stores import MemoryStore, SQLiteStore
 from contextfold.tokens import ApproximateCounter
 
@@ -89,6 +89,70 @@ async def test_ids_must_match_the_messages(store: Any) -> None:
     """An ids list of the wrong length is refused with a ConfigError naming ids."""
     with pytest.raises(ConfigError, match="ids"):
         await sync(compactor(store), "t", [Message.user("a")], ids=["x", "y"])
+
+
+@pytest.mark.parametrize(
+    ("ids", "shown"),
+    [
+        ([101, 102], "ids=101"),
+        (["m1", 102], "ids=102"),
+        ([b"m1", b"m2"], "ids=b'm1'"),
+        ([0, 1], "ids=0"),
+        ("m1", "ids='m1'"),
+    ],
+    ids=["row-ids", "one-int", "bytes", "a-falsy-int", "a-str"],
+)
+@pytest.mark.parametrize("call", ["Compactor.sync", "append"])
+async def test_ids_of_another_type_than_str_are_refused_before_anything_is_stored(
+    store: Any, ids: Any, shown: str, call: str
+) -> None:
+    """Ids that are not str (or None), database row ids say, are a ConfigError naming ids and the fix."""
+    c = compactor(store)
+    messages = [Message.user("a"), Message.assistant("b")]
+    with pytest.raises(ConfigError) as caught:
+        if call == "append":
+            await append(c, "t", messages, ids=ids)
+        else:
+            await c.sync("t", messages, ids=ids)
+    assert caught.value.key == "ids"
+    assert str(caught.value).startswith(f"{shown}: must ") and "str(" in str(caught.value)
+    assert (await store.stats("t")).message_count == 0
+    assert await logged(c, "t") == []
+
+
+@pytest.mark.parametrize(
+    ("given", "key", "shown"),
+    [
+        ({"messages": Message.user("a")}, "messages", "a single message goes in a list too"),
+        ({"messages": "a"}, "messages", "must be a list of Message objects"),
+        ({"messages": [Message.user("a"), {"role": "user"}]}, "messages", "messages[1] is of type dict"),
+        ({"compact": "no"}, "compact", "must be True or False"),
+        ({"compact": None}, "compact", "must be True or False"),
+    ],
+    ids=["one-message", "text", "a-dict", "compact-str", "compact-none"],
+)  # fmt: skip
+async def test_messages_and_compact_of_the_wrong_type_are_refused_before_anything_is_stored(
+    store: Any, given: dict[str, Any], key: str, shown: str
+) -> None:
+    """sync's messages and compact of the wrong type are a ConfigError naming the parameter, not a crash."""
+    c = compactor(store)
+    arguments: dict[str, Any] = {"messages": [Message.user("a")], **given}
+    with pytest.raises(ConfigError) as caught:
+        await c.sync("t", arguments.pop("messages"), **arguments)
+    assert caught.value.key == key and shown in caught.value.reason
+    assert (await store.stats("t")).message_count == 0
+
+
+async def test_ids_may_be_none_empty_or_a_str_subclass(store: Any) -> None:
+    """None and "" mean a message without an id; a subclass of str is an id like any other."""
+
+    class RowId(str):
+        pass
+
+    c = compactor(store)
+    await c.sync("t", [Message.user("a"), Message.user("b"), Message.user("c")], ids=[None, "", RowId("r3")])
+    keys = [m.metadata[KEY_METADATA_KEY] for m in await logged(c, "t")]
+    assert keys[2] == "r3" and keys[0].startswith("c:") and keys[1].startswith("c:")
 
 
 async def test_a_restarted_process_resumes_without_duplicates(tmp_path: Path) -> None:
