@@ -719,6 +719,18 @@ async def test_a_message_edited_after_append_leaves_the_context_as_stored(store:
     assert [row.message for row in (await store.load(THREAD)).messages] == context
 
 
+async def test_each_appended_message_is_stored_with_its_own_count(store: Any) -> None:
+    """A part given as an object, then as a list of pairs, is stored at 31 and 32 tokens, not 31 twice."""
+    as_object = Message.user([{"type": "custom", "data": {"k": 1, "j": 2, "l": 3}}])
+    as_pairs = Message.user([{"type": "custom", "data": [["k", 1], ["j", 2], ["l", 3]]}])
+    compactor = Compactor(store, counter=TiktokenCounter())
+    await compactor.append(THREAD, [as_object])
+    await compactor.append(THREAD, [as_pairs])
+    stored = [row.tokens for row in (await store.load(THREAD)).messages]
+    assert stored == [31, 32]
+    assert stored == [TiktokenCounter(cache_size=0).count(m) for m in (as_object, as_pairs)]
+
+
 async def test_a_cached_context_is_few_objects_for_the_garbage_collector(store: Any) -> None:
     """Each message the compactor caches adds two objects a full collection walks (four on MemoryStore).
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -367,6 +369,25 @@ def test_a_value_of_the_wrong_type_says_what_type_it_must_be() -> None:
     with pytest.raises(ConfigError) as info:
         RunOptions(max_history_tokens=1.5)  # type: ignore[arg-type]
     assert info.value.reason == "must be a whole number (int), not float"
+
+
+@pytest.mark.parametrize("given", ["robot", "TOOL", 3, None])
+def test_an_unknown_summary_role_offers_only_the_roles_the_option_takes(given: Any) -> None:
+    """summary_role="robot" is offered 'user', 'system' or 'assistant', never 'tool', which it refuses."""
+    with pytest.raises(ConfigError) as info:
+        SummarizeOptions(trigger_token_budget=8000, summary_role=given)
+    assert str(info.value) == (
+        f"compaction.summary_role={given!r}: must be 'user' (the default), 'system' or 'assistant'"
+    )
+    offered = re.findall(r"'(\w+)'", info.value.reason)
+    assert offered == ["user", "system", "assistant"]
+    for role in offered:
+        assert SummarizeOptions(trigger_token_budget=8000, summary_role=role).summary_role == role
+    with pytest.raises(ConfigError) as nested:
+        RunOptions.model_validate_json(
+            f'{{"compaction": {{"trigger_token_budget": 40000, "summary_role": {json.dumps(given)}}}}}'
+        )
+    assert nested.value.reason == info.value.reason
 
 
 def test_an_unknown_option_lists_the_options_of_its_own_model() -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 
 from contextfold import ConfigError, EpisodicCompactionConfig, TokenCount, TurnCount
+from contextfold._policy import unchecked_pressure
 from contextfold.planning import (
     AllOf,
     AnyOf,
@@ -193,6 +195,59 @@ def test_pressure_takes_turns_and_tokens_by_position_and_by_keyword() -> None:
     assert Pressure() == Pressure(0, 0)
 
 
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (
+            lambda: Pressure("3", 4),  # type: ignore[arg-type]
+            "Pressure.turns='3': must be a whole number (int), not str, for example Pressure(3, 4000)",
+        ),
+        (
+            lambda: Pressure(3, 4.0),  # type: ignore[arg-type]
+            "Pressure.tokens=4.0: must be a whole number (int), not float, for example Pressure(3, 4000)",
+        ),
+        (
+            lambda: Pressure(True, 4),
+            "Pressure.turns=True: must be a whole number (int), not bool, for example Pressure(3, 4000)",
+        ),
+        (
+            lambda: Pressure(3, 4, messages="5"),  # type: ignore[arg-type]
+            "Pressure.messages='5': must be a whole number (int) or None (the default: as many as turns), "
+            "not str, for example Pressure(3, 4000, messages=5)",
+        ),
+        (
+            lambda: Pressure(3, 4, episodic={"total_user_messages": 2}),  # type: ignore[arg-type]
+            "Pressure.episodic={'total_user_messages': 2}: must be an EpisodicCompactionPressure or None "
+            "(the default), not dict, for example "
+            "Pressure(3, 4000, episodic=EpisodicCompactionPressure(total_user_messages=2))",
+        ),
+    ],
+    ids=["turns-str", "tokens-float", "turns-bool", "messages-str", "episodic-dict"],
+)
+def test_a_pressure_of_the_wrong_type_is_a_config_error_when_built(build: object, message: str) -> None:
+    """Pressure("3", 4) fails when it is built, naming the field, the value and one that works."""
+    with pytest.raises(ConfigError) as info:
+        build()  # type: ignore[operator]
+    assert str(info.value) == message
+
+
+def test_a_trigger_asked_with_the_wrong_type_names_the_pressure_field() -> None:
+    """should_compact("3", 4) is the ConfigError of Pressure.turns, not a TypeError from a comparison."""
+    with pytest.raises(ConfigError) as info:
+        TurnCount(2).should_compact("3", 4)  # type: ignore[arg-type]
+    assert (info.value.key, info.value.value) == ("Pressure.turns", "3")
+
+
+def test_the_compactor_s_unchecked_pressure_is_the_same_snapshot() -> None:
+    """The compactor's unchecked constructor sets every field, and equals the checked Pressure."""
+    episodic = EpisodicCompactionPressure(total_user_messages=2)
+    built = unchecked_pressure(3, 400, 5, episodic)
+    assert built == Pressure(3, 400, messages=5, episodic=episodic)
+    assert type(built) is Pressure
+    assert [getattr(built, f.name) for f in dataclasses.fields(Pressure)] == [3, 400, 5, episodic]
+    assert unchecked_pressure(0, 7, None, None) == Pressure(0, 7)
+
+
 def test_episodic_config_defaults_match_the_seed() -> None:
     """The default policy has no context limit, 8 unfinished turns, 30 days and 50 user messages."""
     config = EpisodicCompactionConfig()
@@ -271,6 +326,26 @@ def test_token_count_fraction_of_fires_above_the_fraction_of_the_window() -> Non
 
 
 @pytest.mark.parametrize(
+    ("window", "fraction", "limit"),
+    [
+        (200_000, 0.57, 114_000),
+        (100_000, 0.29, 29_000),
+        (100, 0.29, 29),
+        (1_000_000, 0.07, 70_000),
+        (10, 0.15, 1),
+        (3, 0.5, 1),
+        (7, 1, 7),
+    ],
+)
+def test_a_fraction_of_a_window_is_the_exact_product_rounded_down(
+    window: int, fraction: float, limit: int
+) -> None:
+    """57% of 200,000 is 114,000, not the 113,999 a float product truncates to; both builders agree."""
+    assert TokenCount.fraction_of(window, fraction).limit == limit
+    assert EpisodicCompactionConfig.for_context_window(window, fraction).trigger_context_tokens == limit
+
+
+@pytest.mark.parametrize(
     ("window", "fraction", "key"),
     [
         (0, 0.8, "context_window"),
@@ -346,6 +421,33 @@ def test_a_bad_trigger_count_names_a_value_that_works(build: object, message: st
     with pytest.raises(ConfigError) as info:
         build()  # type: ignore[operator]
     assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    ("field", "message", "example"),
+    [
+        (
+            "trigger_unfinished_turns",
+            "trigger_unfinished_turns=-1: must be a whole number >= 1, for example 8 (the default)",
+            8,
+        ),
+        (
+            "trigger_context_tokens",
+            "trigger_context_tokens=-1: must be a whole number >= 1, "
+            "for example 100000, or None (the default)",
+            100_000,
+        ),
+    ],
+)
+def test_a_threshold_that_refuses_zero_gives_its_real_range_for_a_negative(
+    field: str, message: str, example: int
+) -> None:
+    """A negative count for a threshold where 0 is refused too says >= 1, and the example it gives works."""
+    with pytest.raises(ConfigError) as info:
+        EpisodicCompactionConfig(**{field: -1})  # type: ignore[arg-type]
+    assert str(info.value) == message
+    assert getattr(EpisodicCompactionConfig(**{field: example}), field) == example  # type: ignore[arg-type]
+    assert getattr(EpisodicCompactionConfig(**{field: 1}), field) == 1  # type: ignore[arg-type]
 
 
 def test_one_of_the_age_thresholds_may_be_zero() -> None:

@@ -65,6 +65,17 @@ def test_the_top_level_holds_what_a_user_calls() -> None:
         assert internal not in contextfold.__all__
 
 
+def test_the_window_multiple_is_exported_and_documented_beside_the_budget_rule() -> None:
+    """WINDOW_MULTIPLE_OF_TRIGGER, the 4 of budget * 4 >= max_history_tokens, is a top-level name."""
+    from contextfold._config import WINDOW_MULTIPLE_OF_TRIGGER
+
+    assert "WINDOW_MULTIPLE_OF_TRIGGER" in contextfold.__all__
+    assert contextfold.WINDOW_MULTIPLE_OF_TRIGGER == WINDOW_MULTIPLE_OF_TRIGGER == 4
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    budgets = readme.split("## Options and budgets", 1)[1].split("\n## ", 1)[0]
+    assert "WINDOW_MULTIPLE_OF_TRIGGER" in budgets
+
+
 def test_each_backend_is_importable_from_one_public_path() -> None:
     """Backends are re-exported at the top level from contextfold.stores, the one module that defines them."""
     from contextfold import stores

@@ -337,6 +337,31 @@ def test_a_zero_cache_measures_every_time() -> None:
     assert (counter.misses, counter.cache_len()) == (2, 0)
 
 
+LOOK_ALIKE_PARTS = [
+    pytest.param({"k": 1, "j": 2, "l": 3}, [["k", 1], ["j", 2], ["l", 3]], id="object-vs-pairs"),
+    pytest.param(1, 1.0, id="int-vs-float"),
+    pytest.param(1, True, id="int-vs-bool"),
+    pytest.param(1.0, True, id="float-vs-bool"),
+    pytest.param(0.0, -0.0, id="zero-vs-negative-zero"),
+    pytest.param(0, False, id="zero-vs-false"),
+    pytest.param({"a": [1]}, {"a": [1.0]}, id="nested-int-vs-float"),
+]
+
+
+@pytest.mark.parametrize(("first", "second"), LOOK_ALIKE_PARTS)
+@pytest.mark.parametrize("make", [TiktokenCounter, ApproximateCounter], ids=["tiktoken", "approximate"])
+def test_parts_python_holds_equal_but_json_tells_apart_never_share_a_count(
+    make: type[TiktokenCounter] | type[ApproximateCounter], first: object, second: object
+) -> None:
+    """Contents Python holds equal (1 == 1.0 == True, an object's items as pairs) are each measured."""
+    one = Message.user([{"type": "custom", "data": first}])
+    other = Message.user([{"type": "custom", "data": second}])
+    counter = make()
+    counter.count(one)
+    assert counter.count(other) == make(cache_size=0).count(other)
+    assert counter.misses == 2
+
+
 @pytest.mark.parametrize("size", [-1, True, 2.5])
 def test_a_bad_cache_size_is_a_config_error(size: int) -> None:
     """A cache size that is not a whole number >= 0 is rejected naming cache_size."""

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
         tokens,
     )
     from ._compactor import CompactionResult, Compactor
-    from ._config import RunOptions, SummarizeOptions
+    from ._config import WINDOW_MULTIPLE_OF_TRIGGER, RunOptions, SummarizeOptions
     from ._episodes import Usage, conversation
     from ._errors import (
         ConfigError,
@@ -92,6 +92,7 @@ _HOMES: dict[str, str] = {
     "ToolCall": "_messages",
     "TurnCount": "_policy",
     "Usage": "_episodes",
+    "WINDOW_MULTIPLE_OF_TRIGGER": "_config",
     "conversation": "_episodes",
     "from_anthropic": "_messages",
     "from_openai": "_messages",
@@ -115,6 +116,7 @@ _SUBMODULES = frozenset(
 )
 
 __all__ = [
+    "WINDOW_MULTIPLE_OF_TRIGGER",
     "AnthropicSummarizer",
     "ChatSummarizer",
     "CompactionResult",

@@ -62,7 +62,7 @@ from ._events import (
 )
 from ._messages import SUMMARY_METADATA_KEY, Message, Role, ToolCall
 from ._pacing import Pacer
-from ._policy import TOKEN_REASONS, EpisodicCompactionPressure, Pressure, Reason, Trigger
+from ._policy import TOKEN_REASONS, EpisodicCompactionPressure, Reason, Trigger, unchecked_pressure
 from ._strategies import CompactionPlan, SlidingWindow, Strategy, _bounds, split_head, unanswered_calls
 from ._telemetry import Telemetry, error_type
 from ._tokens import TiktokenCounter, TokenCounter, check_counter
@@ -704,14 +704,12 @@ class Compactor:
             else stats.message_count
         )
         reason = settings.config.trigger.reason(
-            Pressure(turns, tokens, messages=stats.message_count, episodic=episodic)
+            unchecked_pressure(turns, tokens, stats.message_count, episodic)
         )
         if (
             reason is not None
             and turns
-            and settings.config.trigger.reason(
-                Pressure(0, tokens, messages=stats.message_count, episodic=episodic)
-            )
+            and settings.config.trigger.reason(unchecked_pressure(0, tokens, stats.message_count, episodic))
             is None
         ):  # the turns made it fire: the plan's own count of them decides
             reason = await self._turns_confirmed(thread, settings, stats, tokens, episodic)
@@ -762,7 +760,7 @@ class Compactor:
         pinned, previous = split_head(messages, settings.config.keep_first)
         turns = len(_bounds(messages[pinned + (previous is not None) :]).starts)
         return settings.config.trigger.reason(
-            Pressure(turns, tokens, messages=stats.message_count, episodic=episodic)
+            unchecked_pressure(turns, tokens, stats.message_count, episodic)
         )
 
     async def compact_now(self, thread: str, *, summarize: bool = True) -> CompactionResult | None:

@@ -47,6 +47,9 @@ WINDOW_MULTIPLE_OF_TRIGGER = 4
 
 DEFAULT_MAX_SUMMARY_TOKENS = 1024
 
+_SUMMARY_ROLES = "'user' (the default), 'system' or 'assistant'"
+"""The roles a summary may take: any but ``tool``, since a summary answers no tool call."""
+
 _SMALLEST_BUDGET = 4
 """The smallest budget whose default target (half of it) leaves room for a summary."""
 
@@ -282,16 +285,21 @@ class SummarizeOptions(_Options):
         except ConfigError as exc:  # the episodic config's own rule, keyed relative to it
             raise exc.under("compaction.episodic") from None
 
-    @field_validator("summary_role")
+    @field_validator("summary_role", mode="wrap")
     @classmethod
-    def _summary_role(cls, value: Role) -> Role:
-        if value is Role.TOOL:
+    def _summary_role(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Role:
+        # pydantic's own message lists every Role, 'tool' included, which this option refuses.
+        try:
+            role: Role = handler(value)
+        except ValidationError:
+            raise ConfigError("compaction.summary_role", f"must be {_SUMMARY_ROLES}", value=value) from None
+        if role is Role.TOOL:
             raise ConfigError(
                 "compaction.summary_role",
-                "a summary answers no tool call; use 'user' (the default), 'system' or 'assistant'",
-                value=value.value,
+                f"a summary answers no tool call; use {_SUMMARY_ROLES}",
+                value=role.value,
             )
-        return value
+        return role
 
     @model_validator(mode="before")
     @classmethod

@@ -6,10 +6,12 @@ with the stable name of the reason it fires, or ``None``.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from fractions import Fraction
 
 from ._errors import ConfigError
 
@@ -68,11 +70,14 @@ class EpisodicCompactionTrigger(StrEnum):
         return self.value
 
 
-def _non_negative(key: str, value: int | None, example: str, *, optional: bool = False) -> None:
+def _whole_number(
+    key: str, value: int | None, example: str, *, optional: bool = False, least: int = 0
+) -> None:
+    """Refuse what is not a whole number of at least ``least`` (0 unless the field refuses 0 too)."""
     if value is None and optional:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(key, f"must be a whole number >= 0, for example {example}", value=value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(key, f"must be a whole number >= {least}, for example {example}", value=value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,27 +106,29 @@ class EpisodicCompactionConfig:
     trigger_age_turn_count: int = 50
 
     def __post_init__(self) -> None:
-        _non_negative(
-            "trigger_context_tokens",
-            self.trigger_context_tokens,
-            "100000, or None (the default)",
-            optional=True,
-        )
-        _non_negative("trigger_unfinished_turns", self.trigger_unfinished_turns, "8 (the default)")
-        _non_negative("trigger_age_days", self.trigger_age_days, "30 (the default)")
-        _non_negative("trigger_age_turn_count", self.trigger_age_turn_count, "50 (the default)")
-        if self.trigger_context_tokens == 0:
+        # 0 is a whole number these two refuse: it gets its own reason, a negative the range >= 1.
+        if type(self.trigger_context_tokens) is int and self.trigger_context_tokens == 0:
             raise ConfigError(
                 "trigger_context_tokens",
                 "0 would fire on every request; use None to disable the context-pressure trigger",
                 value=0,
             )
-        if self.trigger_unfinished_turns == 0:
+        if type(self.trigger_unfinished_turns) is int and self.trigger_unfinished_turns == 0:
             raise ConfigError(
                 "trigger_unfinished_turns",
                 "0 would fire on every request, finished or not; use a positive count such as 8",
                 value=0,
             )
+        _whole_number(
+            "trigger_context_tokens",
+            self.trigger_context_tokens,
+            "100000, or None (the default)",
+            optional=True,
+            least=1,
+        )
+        _whole_number("trigger_unfinished_turns", self.trigger_unfinished_turns, "8 (the default)", least=1)
+        _whole_number("trigger_age_days", self.trigger_age_days, "30 (the default)")
+        _whole_number("trigger_age_turn_count", self.trigger_age_turn_count, "50 (the default)")
         if self.trigger_age_days == 0 and self.trigger_age_turn_count == 0:
             raise ConfigError(
                 "trigger_age_turn_count",
@@ -150,7 +157,12 @@ class EpisodicCompactionConfig:
 
 
 def fraction_of_window(context_window: int, fraction: float) -> int:
-    """``fraction`` of ``context_window`` tokens, validated, rounded down (at least 1)."""
+    """``fraction`` of ``context_window`` tokens, validated, rounded down (at least 1).
+
+    The product is taken of the fraction as written (``0.57`` is 57/100): the
+    float product of 200,000 and 0.57 is 113,999.99..., a token short of the
+    114,000 asked for.
+    """
     if isinstance(context_window, bool) or not isinstance(context_window, int) or context_window <= 0:
         raise ConfigError(
             "context_window", "must be a positive token count, for example 128000", value=context_window
@@ -159,7 +171,7 @@ def fraction_of_window(context_window: int, fraction: float) -> int:
         raise ConfigError(
             "fraction", "must be in (0, 1], for example 0.8 for 80% of the window", value=fraction
         )
-    return max(1, int(context_window * fraction))
+    return max(1, math.floor(context_window * Fraction(str(fraction))))
 
 
 def episodic_compaction_trigger(
@@ -192,6 +204,8 @@ class Pressure:
     """The load on a working context: turns and tokens, and optionally messages and the episodic view.
 
     ``messages`` defaults to ``turns`` (a turn holds at least one message).
+    A field of the wrong type is a :class:`ConfigError` when the snapshot is
+    built, not a ``TypeError`` when a trigger compares it.
     """
 
     turns: int = 0
@@ -199,9 +213,67 @@ class Pressure:
     messages: int | None = field(default=None, kw_only=True)
     episodic: EpisodicCompactionPressure | None = field(default=None, kw_only=True)
 
+    def __post_init__(self) -> None:
+        for name in ("turns", "tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(
+                    f"Pressure.{name}",
+                    f"must be a whole number (int), not {type(value).__name__}, "
+                    "for example Pressure(3, 4000)",
+                    value=value,
+                )
+        messages = self.messages
+        if messages is not None and (isinstance(messages, bool) or not isinstance(messages, int)):
+            raise ConfigError(
+                "Pressure.messages",
+                "must be a whole number (int) or None (the default: as many as turns), "
+                f"not {type(messages).__name__}, for example Pressure(3, 4000, messages=5)",
+                value=messages,
+            )
+        episodic = self.episodic
+        if episodic is not None and not isinstance(episodic, EpisodicCompactionPressure):
+            options = (
+                ", ".join(f"{key}={value!r}" for key, value in episodic.items())
+                if isinstance(episodic, Mapping)
+                else "user_messages_after_latest_run_completed=8"
+            )
+            raise ConfigError(
+                "Pressure.episodic",
+                "must be an EpisodicCompactionPressure or None (the default), "
+                f"not {type(episodic).__name__}, for example "
+                f"Pressure(3, 4000, episodic=EpisodicCompactionPressure({options}))",
+                value=episodic,
+            )
+
     @property
     def message_count(self) -> int:
         return self.turns if self.messages is None else self.messages
+
+
+_new = object.__new__
+_set_turns, _set_tokens, _set_messages, _set_episodic = (
+    Pressure.__dict__[name].__set__ for name in ("turns", "tokens", "messages", "episodic")
+)
+
+
+def unchecked_pressure(
+    turns: int, tokens: int, messages: int | None, episodic: EpisodicCompactionPressure | None
+) -> Pressure:
+    """A :class:`Pressure` of values already known to be of the right types, built without checking them.
+
+    For the compactor's per-step check, which builds one from the store's own
+    counts on every step: checking the fields cost about a fifth of a check
+    that folds nothing, and building it through the slots' descriptors (as
+    ``trusted`` does for models) costs less than the dataclass's own
+    ``__init__``. Every field is set, so it equals the checked ``Pressure``.
+    """
+    pressure = _new(Pressure)
+    _set_turns(pressure, turns)
+    _set_tokens(pressure, tokens)
+    _set_messages(pressure, messages)
+    _set_episodic(pressure, episodic)
+    return pressure
 
 
 class Trigger(ABC):
@@ -232,7 +304,7 @@ class TurnCount(Trigger):
     limit: int
 
     def __post_init__(self) -> None:
-        _non_negative("TurnCount.limit", self.limit, "TurnCount(50)")
+        _whole_number("TurnCount.limit", self.limit, "TurnCount(50)")
 
     def reason(self, pressure: Pressure) -> str | None:
         return Reason.TURN_COUNT if pressure.turns > self.limit else None
@@ -245,7 +317,7 @@ class MessageCount(Trigger):
     limit: int
 
     def __post_init__(self) -> None:
-        _non_negative("MessageCount.limit", self.limit, "MessageCount(100)")
+        _whole_number("MessageCount.limit", self.limit, "MessageCount(100)")
 
     def reason(self, pressure: Pressure) -> str | None:
         return Reason.MESSAGE_COUNT if pressure.message_count > self.limit else None
@@ -258,7 +330,7 @@ class TokenCount(Trigger):
     limit: int
 
     def __post_init__(self) -> None:
-        _non_negative("TokenCount.limit", self.limit, "TokenCount(8000)")
+        _whole_number("TokenCount.limit", self.limit, "TokenCount(8000)")
 
     @classmethod
     def fraction_of(cls, context_window: int, fraction: float = 0.8) -> TokenCount:

@@ -425,12 +425,22 @@ _NAME_CACHE_SIZE = 4096
 
 
 def _freeze(value: Any) -> object:
-    """A hashable stand-in for a part's JSON value; its strings are the part's own, hashed once each."""
+    """A hashable stand-in for a part's JSON value; its strings are the part's own, hashed once each.
+
+    Values Python holds equal must not share a key when their JSON differs:
+    ``1 == 1.0 == True`` and ``0.0 == -0.0``, and an object's items would
+    freeze like a list of pairs. So an object and an array are each tagged
+    (``"{"``, ``"["``) and a scalar other than a string, an int or None is
+    its type's name and its repr: every key is made of strings, ints, None
+    and tuples, which the collector does not track.
+    """
+    if isinstance(value, str) or type(value) is int or value is None:
+        return value
     if isinstance(value, Mapping):
-        return tuple([(key, _freeze(inner)) for key, inner in value.items()])
+        return ("{", *[(key, _freeze(inner)) for key, inner in value.items()])
     if isinstance(value, list | tuple):
-        return tuple([_freeze(inner) for inner in value])
-    return value
+        return ("[", *[_freeze(inner) for inner in value])
+    return (type(value).__name__, repr(value))
 
 
 def _utf8_len(text: str) -> int:
