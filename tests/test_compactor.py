@@ -6,6 +6,7 @@ import gc
 import json
 import logging
 import threading
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -729,6 +730,53 @@ async def test_each_appended_message_is_stored_with_its_own_count(store: Any) ->
     stored = [row.tokens for row in (await store.load(THREAD)).messages]
     assert stored == [31, 32]
     assert stored == [TiktokenCounter(cache_size=0).count(m) for m in (as_object, as_pairs)]
+
+
+@pytest.mark.parametrize("masking", [False, True], ids=["summarized", "masked"])
+async def test_parts_holding_a_datetime_a_uuid_or_a_set_are_counted_as_the_json_the_store_keeps(
+    store: Any, masking: bool
+) -> None:
+    """``Message`` takes them in a content part and the store keeps their JSON; counting raised ``TypeError``.
+
+    Every append of such a message failed on both counters, before anything
+    was stored, and so did masking's size check; now each is counted as the
+    JSON the store writes (the count of the message read back), and folds.
+    """
+    from contextfold import ObservationMasking, TokenBudget, TokenCount
+
+    def step(n: int) -> list[Message]:
+        when = {"type": "custom", "at": datetime(2026, 1, n + 1, tzinfo=UTC), "tags": {n}}
+        call = ToolCall(id=f"c{n}", name="lookup", arguments="{}")
+        return [
+            Message.user([{"type": "text", "text": f"question {n}"}, when]),
+            Message.assistant(None, tool_calls=[call]),
+            Message.tool(f"c{n}", [{"type": "custom", "id": uuid.UUID(int=n), "rows": "r" * 400}]),
+            Message.assistant(f"answer {n} " + "word " * 40),
+        ]
+
+    counter = TiktokenCounter()
+    if masking:
+        compactor = Compactor(
+            store,
+            trigger=TokenCount(600),
+            strategy=[ObservationMasking(1), TokenBudget(400)],
+            counter=counter,
+        )
+    else:
+        settings = SummarizeOptions(trigger_token_budget=600, min_recent_messages=2)
+        compactor = Compactor(
+            store, options=RunOptions(max_history_tokens=2_400, compaction=settings), counter=counter
+        )
+    folds = 0
+    for n in range(8):
+        stored = await compactor.append(THREAD, step(n))
+        read_back = (await store.tail(THREAD, after_seq=stored[0].seq - 1)).messages
+        assert [row.tokens for row in stored] == [counter.count(row.message) for row in read_back]
+        result = await compactor.maybe_compact(THREAD)
+        folds += result is not None and result.compacted
+    assert folds >= 2
+    log = [m for m in conversation([r async for r in store.replay(THREAD)]) if m.role is Role.USER]
+    assert log[0].content[1]["at"] == "2026-01-01T00:00:00Z"
 
 
 async def test_a_cached_context_is_few_objects_for_the_garbage_collector(store: Any) -> None:

@@ -371,3 +371,25 @@ def test_mask_then_summarize_drops_the_original_outputs_and_counts_only_masks_th
     assert masked and all(m.text == "[masked]" for m in masked)
     assert plan.masked == len(masked)
     assert len(plan.dropped) + len(plan.kept) == len(body)
+
+
+def test_masking_sizes_a_part_holding_a_uuid_or_a_datetime_by_the_json_a_store_keeps() -> None:
+    """The pure planner takes the messages as given: such a part raised ``TypeError`` when sized."""
+    import uuid
+    from datetime import UTC, datetime
+
+    result = Message.tool(
+        "c1",
+        [
+            {
+                "type": "custom",
+                "id": uuid.UUID(int=7),
+                "at": datetime(2026, 1, 1, tzinfo=UTC),
+                "rows": "r" * 400,
+            }
+        ],
+    )
+    masked = ObservationMasking(0).mask(result, 120, "lookup")
+    assert masked is not None and masked.text == "[tool output elided by contextfold: 120 tokens]"
+    tiny = Message.tool("c2", [{"type": "custom", "id": uuid.UUID(int=7)}])
+    assert ObservationMasking(0, placeholder="x" * 80).mask(tiny, 5) is None  # no shorter: kept

@@ -19,7 +19,6 @@ and summarizing only when masking is not enough.
 from __future__ import annotations
 
 import itertools
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
@@ -29,7 +28,7 @@ from typing import ClassVar, Literal
 from ._errors import ConfigError
 from ._messages import Message, Role, ToolCall
 from ._policy import TOKEN_REASONS, EpisodicCompactionPressure, Pressure, Trigger
-from ._tokens import ApproximateCounter
+from ._tokens import ApproximateCounter, json_text
 
 __all__ = [
     "MASKED_METADATA_KEY",
@@ -331,7 +330,7 @@ def _content_size(message: Message) -> int:
     content = message.content
     if content is None:
         return 0
-    return len(content) if isinstance(content, str) else len(json.dumps(content, ensure_ascii=False))
+    return len(content) if isinstance(content, str) else len(json_text(content))
 
 
 CLEARED_ARGUMENTS = "{}"

@@ -35,6 +35,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import anyio.to_thread
 import tiktoken
+from pydantic_core import to_jsonable_python
 
 from ._errors import ConfigError
 from ._messages import Message, Role
@@ -443,6 +444,15 @@ def _freeze(value: Any) -> object:
     return (type(value).__name__, repr(value))
 
 
+def json_text(value: object) -> str:
+    """Content's JSON text, as a store writes it: a datetime, a UUID or a set as its JSON form.
+
+    ``Message`` takes such values in content parts (``_messages._check_finite``)
+    and a store keeps their JSON; ``json.dumps`` alone raised ``TypeError``.
+    """
+    return json.dumps(value, ensure_ascii=False, default=to_jsonable_python)
+
+
 def _utf8_len(text: str) -> int:
     # An ASCII string's length is its UTF-8 size, and isascii() is O(1): no copy of long content.
     # A lone surrogate counts as the 3 bytes it takes in CESU-8: counting never refuses text (the store does).
@@ -550,7 +560,7 @@ class _CachedCounter:
             if image is not None:
                 tokens += image_tokens(image, self.image_rule, unknown_size=self.url_image_tokens)
             else:
-                tokens += self.count_text(json.dumps(part, ensure_ascii=False))
+                tokens += self.count_text(json_text(part))
         return tokens
 
     def count_text(self, text: str) -> int:
@@ -703,7 +713,7 @@ class ApproximateCounter(_CachedCounter):
                 elif part.get("type") == "text" and isinstance(part.get("text"), str):
                     size += _utf8_len(part["text"])
                 else:
-                    size += _utf8_len(json.dumps(part, ensure_ascii=False))
+                    size += _utf8_len(json_text(part))
         else:
             size, images = (_utf8_len(content) if content else 0), 0
         for call in message.tool_calls:
