@@ -369,6 +369,36 @@ async def test_summarizer_failure_fallback_marks_the_checkpoint_degraded(store: 
     assert "src/f4.py" in context[0].text
 
 
+@pytest.mark.parametrize("policy", ["fallback", "raise"])
+async def test_a_summary_no_store_can_hold_is_the_summarizers_failure(store: Any, policy: str) -> None:
+    """A lone surrogate in the summary (a JSON reply may carry one) meets ``on_summarizer_error``.
+
+    It raised the summary message's ``InvalidMessageError`` past the policy,
+    at every fold: the thread could never fold again, fallback or not.
+    """
+
+    async def broken(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        return "broken \ud83d pair"
+
+    compactor = Compactor(
+        store,
+        options=options(on_summarizer_error=policy),
+        summarizer=FunctionSummarizer(broken),
+        counter=ApproximateCounter(),
+    )
+    await grow(compactor, range(6), compact=False)
+    before = await store.load(THREAD)
+    if policy == "raise":
+        with pytest.raises(SummarizerError, match="no store can hold"):
+            await compactor.maybe_compact(THREAD)
+        assert await store.load(THREAD) == before
+        return
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.compacted and result.degraded
+    context = await compactor.context(THREAD)
+    assert context[0].is_summary and "src/f4.py" in context[0].text
+
+
 async def test_a_tail_too_big_to_fold_stalls_without_calling_the_summarizer(store: Any) -> None:
     """With only protected turns left the compactor reports a stall and backs off, summarizing nothing."""
     summarizer = recorder()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import re
@@ -489,6 +490,38 @@ async def test_a_step_loop_hook_receives_the_compactors_events(store: MemoryStor
     assert isinstance(event, FoldApplied) and event.tokens_after == step.compaction.tokens_after
 
 
+async def test_a_hook_shared_by_two_loops_receives_each_event_once(store: MemoryStore) -> None:
+    """Two loops sharing one compactor and one hook: each fold reaches the hook once, not once per loop."""
+    hook, other = Observer(), Observer()
+    compactor = wired_compactor(store, [])
+    first = StepLoop(compactor, hooks=[hook])
+    second = StepLoop(compactor, hooks=[hook, other])
+    await fill(compactor)
+    async with first.step(THREAD) as step:
+        assert step.compaction is not None and step.compaction.compacted
+    [event] = hook.events
+    assert isinstance(event, FoldApplied) and event.tokens_after == step.compaction.tokens_after
+    assert other.events == [event]
+    assert second.hooks[1:] == (hook, other)
+
+
+async def test_a_loop_that_is_gone_leaves_no_hook_behind_on_a_long_lived_compactor(
+    store: MemoryStore,
+) -> None:
+    """A loop built per request: the earlier requests' hooks no longer receive the compactor's events."""
+    compactor = wired_compactor(store, [])
+    earlier = Observer()
+    StepLoop(compactor, hooks=[earlier])  # a request that ended: nothing refers to its loop
+    gc.collect()
+    current = Observer()
+    loop = StepLoop(compactor, hooks=[current])
+    await fill(compactor)
+    async with loop.step(THREAD) as step:
+        assert step.compaction is not None and step.compaction.compacted
+    assert len(current.events) == 1
+    assert earlier.events == []
+
+
 def test_the_cli_says_a_stall_once(tmp_path: Path) -> None:
     """``contextfold compact`` on a thread with nothing to fold says so once, not again as a warning."""
 
@@ -622,6 +655,35 @@ async def test_a_failed_background_summary_is_discarded_naming_the_error(
     assert discarded.messages_folded == begun.messages_folded > 0
     assert discarded.tokens_saved == 0
     assert [r async for r in store.replay(THREAD) if isinstance(r.episode, SummaryCheckpoint)] == []
+
+
+async def test_a_step_that_stopped_waiting_stops_counting_in_waited_s(store: MemoryStore) -> None:
+    """A step cancelled 0.1 s into its wait, and the summary done 0.6 s later: ``waited_s`` is the 0.1 s.
+
+    The wait's start was kept when the step gave up, so the fold reported
+    every second until it was applied as time a step had waited.
+    """
+    gate, started = anyio.Event(), anyio.Event()
+    seen: list[CompactionEvent] = []
+    options = background_options(background_at=0.9)
+    settings = {"options": options, "summarizer": gated_summarizer(gate, started)}
+    async with wired_compactor(store, seen, **settings) as compactor:
+        await cross_background_at(compactor, 0.9)
+        with anyio.fail_after(10):
+            await started.wait()
+        while (await compactor.context_tokens(THREAD))[1] <= 2_000:  # past the hard trigger
+            await compactor.append(THREAD, [Message.user("word " * 150)])
+        began = time.perf_counter()
+        with anyio.move_on_after(0.1):  # the step waits at the hard trigger, then is cancelled
+            await compactor.maybe_compact(THREAD)
+        gave_up = time.perf_counter() - began
+        await anyio.sleep(0.6)  # no step waits meanwhile
+        gate.set()
+        with anyio.fail_after(10):
+            while not any(isinstance(e, BackgroundSummaryApplied) for e in seen):
+                await anyio.sleep(0.01)
+    [applied] = [e for e in seen if isinstance(e, BackgroundSummaryApplied)]
+    assert 0.09 <= applied.waited_s <= gave_up
 
 
 async def test_a_background_fold_reports_its_prefix_the_wait_and_what_it_removed(store: MemoryStore) -> None:

@@ -328,6 +328,45 @@ async def test_an_abandoned_call_gets_an_error_result_in_both_logs_and_a_late_re
     assert replayed[-1] == Message.tool("lost", "finally: 42")
 
 
+async def test_a_late_result_recorded_by_a_worker_whose_cache_is_behind_is_still_a_note(store: Any) -> None:
+    """Another worker's fold closed the call while this one's cached context still held it open.
+
+    The worker that made the call recorded its result as a ``tool`` message,
+    trusting its cached context: an orphan every later request carried (the
+    call was folded into the summary), which providers refuse.
+    """
+    options = RunOptions(
+        max_history_tokens=8_000,
+        compaction=SummarizeOptions(
+            trigger_token_budget=2_000, abandon_after_turns=3, min_recent_turns=1, min_recent_messages=0
+        ),
+    )
+
+    def worker() -> Compactor:
+        return Compactor(
+            store, options=options, summarizer=counting_summarizer(), counter=ApproximateCounter()
+        )
+
+    agent, other = worker(), worker()
+    lost = ToolCall(id="lost", name="flaky", arguments="{}")
+    await agent.append(THREAD, [Message.user("go")])
+    await agent.context(THREAD)  # the agent caches the thread
+    await agent.append(THREAD, [Message.assistant(None, tool_calls=[lost])])
+    folds = 0
+    for n in range(30):  # the other worker goes on, and its folds close the call
+        await other.append(THREAD, [Message.user(f"still here {n} " + "word " * 60, metadata={"n": n})])
+        result = await other.maybe_compact(THREAD)
+        folds += result is not None and result.compacted
+    assert folds and not any(lost in m.tool_calls for m in await other.context(THREAD))
+    await agent.append(THREAD, [Message.tool("lost", "finally: 42")])
+    for compactor in (agent, other):
+        context = await compactor.context(THREAD)
+        no_orphans(context)
+        assert context[-1].role.value == "user" and "finally: 42" in context[-1].text
+        assert context[-1].metadata[LATE_RESULT_METADATA_KEY] == "lost"
+    assert conversation([r async for r in store.replay(THREAD)])[-1] == Message.tool("lost", "finally: 42")
+
+
 async def test_keep_first_pins_the_task_across_folds(store: Any) -> None:
     """keep_first=1 keeps the first user message verbatim before the summary through every fold."""
     options = RunOptions(

@@ -368,11 +368,31 @@ class _Background:
     settled: bool = False
     """An applied or discarded event was emitted for it."""
     waiting_since: float | None = None
-    """When a step at the hard trigger began to wait for it."""
+    """When a step at the hard trigger began to wait for it, while one waits."""
+    waited_before: float = 0.0
+    """How long steps waited for it before they were cancelled (their waits ended without it)."""
 
 
 _running_job: ContextVar[_Background | None] = ContextVar("contextfold_background_job", default=None)
 """The background fold the current task computes (``None`` in a step): its summary is reported as one."""
+
+
+def _check_storable(text: str, summarizer: Summarizer) -> None:
+    """Raise ``SummarizerError`` for a summary no store can hold: a lone surrogate, which JSON may carry.
+
+    As the summarizer's failure, it meets ``on_summarizer_error``; as the
+    summary message's own ``InvalidMessageError`` it stopped every fold of the
+    thread, with no fallback.
+    """
+    if text.isascii():
+        return
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise SummarizerError(
+            f"summarizer {summarizer!r} returned a summary no store can hold: {exc.reason} "
+            f"{text[exc.start]!r} at character {exc.start}"
+        ) from None
 
 
 def _summary_body(message: Message) -> str:
@@ -876,8 +896,9 @@ class Compactor:
         batch made before it while one with its id is unanswered there, else a
         call open in the context: only the latter results look at the context.
         """
-        if len(messages) == 1:  # the common step: one result, whose call this process saw made
-            cache = self._cache.get(thread)
+        # Checked against the store first: another worker may have closed the call meanwhile.
+        cache = await self._current_cache(thread)
+        if len(messages) == 1:  # the common step: one result, whose call is open in the context
             if cache is not None and not cache.reused_open_id:
                 if messages[0].tool_call_id in cache.open_calls:
                     return messages
@@ -891,7 +912,7 @@ class Compactor:
         if not from_context:
             return messages
         wanted = {messages[index].tool_call_id or "" for index in from_context}
-        open_calls = await self._open_calls(thread, wanted)
+        open_calls = await self._open_calls(thread, wanted, cache)
         late = [index for index in from_context if not _answer(open_calls, messages[index])]
         if not late:
             return messages
@@ -906,16 +927,24 @@ class Compactor:
             )
         return sent
 
-    async def _open_calls(self, thread: str, wanted: set[str]) -> dict[str, int]:
-        """How many calls with each ``wanted`` id are open in the context.
+    async def _current_cache(self, thread: str) -> _Cache | None:
+        """The cached context, brought up to date with the store's stats: one point read, rows only if new.
+
+        A cache that was current at the step's check may not be by the time
+        its tool results arrive: another worker may have appended, or folded
+        and closed a call as abandoned. ``None`` without a ``Store``.
+        """
+        if self._store is None:
+            return None
+        self._seen[thread] = await self._store.stats(thread)
+        return await self._fresh_cache(thread)
+
+    async def _open_calls(self, thread: str, wanted: set[str], cache: _Cache | None) -> dict[str, int]:
+        """How many calls with each ``wanted`` id are open in the context (``cache``, current or ``None``).
 
         Counted, not a set: a reply may reuse the id of a call still open, and
         then two results with that id each answer one of them.
         """
-        cache = self._cache.get(thread)
-        if cache is None or not wanted <= cache.open_calls.keys():
-            # Another writer may have appended the call: read what this process has not seen.
-            cache = await self._fresh_cache(thread)
         if cache is None:
             context = (await self.short_term.load(thread)).plain
         elif cache.reused_open_id:  # its open_calls kept one call per id: pair them up again
@@ -1380,7 +1409,9 @@ class Compactor:
             background.result = result
             background.settled = True
             waiting = background.waiting_since
-            waited = time.perf_counter() - waiting if waiting is not None else 0.0
+            waited = background.waited_before + (
+                time.perf_counter() - waiting if waiting is not None else 0.0
+            )
             event = BackgroundSummaryApplied(**figures, waited_s=waited)
         else:
             event = FoldApplied(**figures)
@@ -1611,6 +1642,7 @@ class Compactor:
             summary = await self._call_summarizer(self.summarizer, plan, previous, room)
             if not summary.text.strip():
                 raise SummarizerError(f"summarizer {self.summarizer!r} returned an empty summary")
+            _check_storable(summary.text, self.summarizer)
             return summary
         except (SummarizerError, TimeoutError) as exc:
             if settings.on_summarizer_error == "raise":
@@ -1741,9 +1773,16 @@ class Compactor:
 
     async def _wait_background(self, thread: str, job: _Background) -> CompactionResult | None:
         """Wait for a background fold at the hard trigger, then take its result (its event says how long)."""
-        if job.waiting_since is None:
-            job.waiting_since = time.perf_counter()
-        await self._background_done(job)
+        began = time.perf_counter()
+        first = job.waiting_since is None
+        if first:
+            job.waiting_since = began
+        try:
+            await self._background_done(job)
+        finally:
+            if first and not job.settled:  # cancelled first: the time it waited counts, no more
+                job.waited_before += time.perf_counter() - began
+                job.waiting_since = None
         return self._take_background(thread, job)
 
     async def _background_done(self, running: _Background) -> None:

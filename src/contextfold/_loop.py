@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import weakref
 from collections.abc import (
     AsyncGenerator,
     AsyncIterable,
@@ -35,7 +36,7 @@ from collections.abc import (
 )
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Self, TypeAlias, TypeVar, cast
+from typing import Any, ClassVar, Self, TypeAlias, TypeVar, cast
 
 import anyio
 
@@ -234,6 +235,55 @@ class RunResult:
     compactions: tuple[CompactionResult, ...]
 
 
+class _LoopEvents:
+    """A compactor's one subscriber for the hooks of the ``StepLoop`` objects alive on it.
+
+    Each hook with ``on_compaction_event`` receives an event once, however many
+    loops share it, and a loop's hooks stop receiving events once the loop is
+    gone: subscribed one by one, a hook shared by two loops counted every fold
+    twice, and a loop built per request on a long-lived compactor left every
+    earlier request's hooks subscribed for good. The loops are held weakly.
+    """
+
+    _of: ClassVar[weakref.WeakKeyDictionary[Compactor, _LoopEvents]] = weakref.WeakKeyDictionary()
+
+    def __init__(self) -> None:
+        self._loops: list[weakref.ref[StepLoop]] = []
+
+    @classmethod
+    def of(cls, compactor: Compactor) -> _LoopEvents:
+        """The compactor's own, subscribed to it the first time it is asked for."""
+        events = cls._of.get(compactor)
+        if events is None:
+            events = cls._of[compactor] = cls()
+            compactor.subscribe(events)  # holds it, and it holds no reference back
+        return events
+
+    def add(self, loop: StepLoop) -> None:
+        self._loops.append(weakref.ref(loop))
+
+    async def __call__(self, event: CompactionEvent) -> None:
+        delivered: set[int] = set()
+        for ref in tuple(self._loops):  # a copy: a loop may be built while a hook runs
+            loop = ref()
+            if loop is None:
+                continue
+            for hook in loop._listening:
+                if id(hook) in delivered:
+                    continue
+                delivered.add(id(hook))
+                try:
+                    await hook.on_compaction_event(event)
+                except Exception:  # an observation: the others still run (see EventDispatcher.emit)
+                    logger.exception(
+                        "hook %r failed on %s for thread %r; the others still run",
+                        hook,
+                        event.name,
+                        event.thread,
+                    )
+        self._loops[:] = [ref for ref in self._loops if ref() is not None]
+
+
 class StepLoop:
     """Runs the hook chain around each step of an agent; see the module docstring.
 
@@ -261,9 +311,11 @@ class StepLoop:
         self._steps: dict[str, int] = {}
         self._entries: list[bool] = []
         """For each ``async with`` of this loop, innermost last: whether it entered the compactor."""
-        for hook in hooks:
-            if type(hook).on_compaction_event is not Hook.on_compaction_event:
-                compactor.subscribe(hook.on_compaction_event)
+        self._listening = tuple(
+            hook for hook in hooks if type(hook).on_compaction_event is not Hook.on_compaction_event
+        )
+        if self._listening:
+            _LoopEvents.of(compactor).add(self)
 
     async def __aenter__(self) -> Self:
         compactor = self.compactor
