@@ -19,6 +19,7 @@ from contextfold.episodes import (
     UserMessageEpisode,
 )
 from contextfold.planning import EpisodicCompactionPressure
+from contextfold.stores import MAX_THREAD_BYTES
 
 from .conftest import SQL_BACKENDS, RawSQL
 
@@ -271,7 +272,14 @@ async def test_episodic_threads_are_isolated(store: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    "thread", ["t" * 5000, "スレッド 🧵", 'o\'brien "q"', "'; DELETE FROM episodes; --", "%s ? $1 {s}"]
+    "thread",
+    [
+        "t" * (MAX_THREAD_BYTES - 1),
+        "スレッド 🧵",
+        'o\'brien "q"',
+        "'; DELETE FROM episodes; --",
+        "%s ? $1 {s}",
+    ],
 )
 async def test_odd_thread_ids_keep_their_own_log(store: Any, thread: str) -> None:
     """Long, unicode, quoted and SQL-looking thread ids record, replay and count like any other."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+import string
 from typing import Any
 
 import anyio
@@ -10,7 +12,7 @@ import pytest
 from contextfold import ConfigError, ConflictError, InvalidMessageError, Message, Role, StoreError, ToolCall
 from contextfold.episodes import UserMessageEpisode
 from contextfold.messages import SUMMARY_METADATA_KEY
-from contextfold.stores import ThreadStats
+from contextfold.stores import MAX_THREAD_BYTES, ThreadStats
 
 from .conftest import SQL_BACKENDS, OpenStore, RawSQL
 
@@ -312,6 +314,47 @@ async def test_the_complete_tail_and_a_later_cut_reach_rows_numbered_below_1(sto
     ]
 
 
+LONGEST = "".join(random.Random(7).choices(string.ascii_letters + string.digits, k=MAX_THREAD_BYTES - 1))
+"""An id one byte short of the limit (so ``+ "x"`` fits) that does not compress, as ``"t" * 5000`` did."""
+
+
+@pytest.mark.parametrize(
+    "thread",
+    [
+        pytest.param(LONGEST + "x", id="at the limit"),
+        pytest.param("é" * (MAX_THREAD_BYTES // 2), id="multibyte at the limit"),
+    ],
+)
+async def test_a_thread_id_of_the_longest_size_works(store: Any, thread: str) -> None:
+    """An id of ``MAX_THREAD_BYTES`` bytes, counted in UTF-8, is stored and read back on every backend."""
+    await store.append(thread, users(2), [1, 2])
+    assert (await store.stats(thread)).total_tokens == 3
+    assert (await store.load(thread)).thread == thread
+
+
+@pytest.mark.parametrize(
+    "thread",
+    [
+        pytest.param(LONGEST + "xy", id="one byte over"),
+        pytest.param("é" * (MAX_THREAD_BYTES // 2) + "x", id="multibyte one byte over"),
+        pytest.param(
+            "".join(random.Random(3).choices(string.ascii_letters, k=4000)), id="incompressible 4000"
+        ),
+    ],
+)
+async def test_a_thread_id_over_the_limit_is_refused_before_anything_is_written(
+    store: Any, thread: str
+) -> None:
+    """Refused alike on every backend: PostgreSQL's index failed at the first write of a 4,000-byte id."""
+    with pytest.raises(ConfigError) as info:
+        await store.append(thread, users(1), [1])
+    assert info.value.key == "thread"
+    assert f"over the {MAX_THREAD_BYTES:,}" in info.value.reason and "sha256" in info.value.reason
+    with pytest.raises(ConfigError):
+        await store.stats(thread)
+    assert await store.threads() == []
+
+
 async def test_threads_are_isolated(store: Any) -> None:
     """Appends and replacements on one thread leave another thread's messages and counters alone."""
     await store.append("a", users(3), [1, 1, 1])
@@ -324,7 +367,7 @@ async def test_threads_are_isolated(store: Any) -> None:
 
 
 ODD_THREADS = [
-    pytest.param("t" * 5000, id="long"),
+    pytest.param(LONGEST, id="long"),
     pytest.param("スレッド 🧵 ünïcödé", id="unicode"),
     pytest.param('o\'brien "quoted" `x`', id="quotes"),
     pytest.param("'; DROP TABLE messages; --", id="sql"),

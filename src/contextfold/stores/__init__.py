@@ -23,12 +23,14 @@ from ._base import (
     Tombstone,
 )
 from ._memory import MemoryStore
+from ._rows import MAX_THREAD_BYTES
 from ._sqlite import SQLiteStore
 
 if TYPE_CHECKING:
     from ._postgres import PostgresStore
 
 __all__ = [
+    "MAX_THREAD_BYTES",
     "ContextWindow",
     "EpisodicStore",
     "MemoryStore",

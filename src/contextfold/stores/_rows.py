@@ -174,6 +174,15 @@ def _whole_number(key: str, value: Any, *, minimum: int) -> int:
     return value
 
 
+MAX_THREAD_BYTES = 2_048
+"""The longest thread id, in bytes of UTF-8, that every backend can hold.
+
+PostgreSQL's B-tree indexes take an entry of at most 2,704 bytes (a third of
+a page): an id that does not compress, 4,000 characters say, failed there at
+its first write while memory and SQLite took it.
+"""
+
+
 def check_thread(thread: Any) -> str:
     """``thread`` itself, once known to be a non-empty string every backend can store."""
     if not isinstance(thread, str) or not thread:
@@ -181,7 +190,8 @@ def check_thread(thread: Any) -> str:
     if "\x00" in thread:
         # PostgreSQL text cannot hold NUL; refusing it everywhere keeps thread ids portable.
         raise ConfigError("thread", "cannot contain NUL characters; remove them", value=thread)
-    if not thread.isascii():
+    ascii_only = thread.isascii()
+    if not ascii_only:
         try:
             thread.encode("utf-8")
         except UnicodeEncodeError as exc:
@@ -191,6 +201,15 @@ def check_thread(thread: Any) -> str:
                 f"{exc.start}; decode the id with errors='replace' or use another id",
                 value=thread,
             ) from None
+    if len(thread) > MAX_THREAD_BYTES // 4:  # a character is at most 4 bytes: shorter ids always fit
+        size = len(thread) if ascii_only else len(thread.encode("utf-8"))
+        if size > MAX_THREAD_BYTES:
+            raise ConfigError(
+                "thread",
+                f"is {size:,} bytes of UTF-8, over the {MAX_THREAD_BYTES:,} every backend can index; "
+                "use a digest of a longer id, e.g. hashlib.sha256(thread_id.encode()).hexdigest()",
+                value=thread[:60] + "...",
+            )
     return thread
 
 
