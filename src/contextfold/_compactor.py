@@ -896,9 +896,12 @@ class Compactor:
         batch made before it while one with its id is unanswered there, else a
         call open in the context: only the latter results look at the context.
         """
-        # Checked against the store first: another worker may have closed the call meanwhile.
-        cache = await self._current_cache(thread)
+        # The context is checked against the store before its open calls are trusted: another
+        # worker may have closed a call meanwhile. A batch that answers only its own calls reads nothing.
+        cache: _Cache | None = None
+        current = False
         if len(messages) == 1:  # the common step: one result, whose call is open in the context
+            cache, current = await self._current_cache(thread), True
             if cache is not None and not cache.reused_open_id:
                 if messages[0].tool_call_id in cache.open_calls:
                     return messages
@@ -912,6 +915,8 @@ class Compactor:
         if not from_context:
             return messages
         wanted = {messages[index].tool_call_id or "" for index in from_context}
+        if not current:
+            cache = await self._current_cache(thread)
         open_calls = await self._open_calls(thread, wanted, cache)
         late = [index for index in from_context if not _answer(open_calls, messages[index])]
         if not late:
