@@ -713,6 +713,62 @@ async def test_aclose_during_open_leaves_no_pool_behind(postgres_url: str, schem
             await anyio.sleep(0.02)  # the server notices closed sessions asynchronously
 
 
+async def test_calls_waiting_for_a_connection_end_promptly_when_the_store_closes(
+    postgres_url: str, schema: str
+) -> None:
+    """Calls waiting for a connection when the store closes raise StoreClosedError at once, not after 30 s.
+
+    The one connection is held by a writer, and the test holds the pool's lock,
+    so the pool's own close cannot wake anyone: the calls made before aclose()
+    and those made during it must end all the same. Without that, one reaching
+    the pool's lock behind its close queued after it and waited out the pool's
+    timeout, then failed as if the pool were too small.
+    """
+    app = f"cf_wait_{uuid.uuid4().hex[:8]}"
+    store = PostgresStore(f"{postgres_url}?application_name={app}", schema=schema, min_size=1, max_size=1)
+    await store.open()
+    await store.append("t", _users(1), [1])
+    pool = store._pool
+    assert pool is not None
+    ended: dict[str, tuple[str, float]] = {}
+    closed_at = math.inf
+
+    async def call(name: str, method: Callable[[], Any]) -> None:
+        try:
+            await method()
+            outcome = "returned"
+        except StoreClosedError:
+            outcome = "closed"
+        ended[name] = (outcome, time.monotonic() - closed_at)
+
+    async with await psycopg.AsyncConnection.connect(postgres_url) as blocker:
+        await blocker.execute(
+            sql.SQL("SELECT 1 FROM {} WHERE thread = 't' FOR UPDATE").format(_table(schema, "threads"))
+        )
+        async with anyio.create_task_group() as tg:
+            try:
+                tg.start_soon(call, "writer", partial(store.append, "t", _users(1), [1]))
+                with anyio.fail_after(10):
+                    while not (await _sql(postgres_url, _WAITING, (app,)))[0][0]:
+                        await anyio.sleep(0.02)  # the server reports lock waits asynchronously
+                async with pool._lock:
+                    for name in ("stats before", "load before", "state before"):
+                        tg.start_soon(call, name, partial(getattr(store, name.split()[0]), "t"))
+                    await anyio.wait_all_tasks_blocked()
+                    closed_at = time.monotonic()
+                    tg.start_soon(store.aclose)
+                    for name in ("stats during", "load during", "state during"):
+                        tg.start_soon(call, name, partial(getattr(store, name.split()[0]), "t"))
+                    with anyio.fail_after(1):
+                        while len(ended) < 6:
+                            await anyio.sleep(0.01)
+            finally:
+                await blocker.rollback()
+    assert ended.pop("writer")[0] == "returned"
+    assert {name: outcome for name, (outcome, _) in ended.items()} == dict.fromkeys(ended, "closed")
+    assert len(ended) == 6
+
+
 async def test_only_the_tombstones_transaction_may_delete_episodes(
     postgres_url: str, schema: str, store: PostgresStore
 ) -> None:

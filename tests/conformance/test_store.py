@@ -528,6 +528,22 @@ async def test_forgetting_an_unknown_thread_leaves_an_empty_tombstone(store: Any
     assert await store.tombstones("somebody else") == []
 
 
+async def test_forget_moves_the_version_on_only_for_a_thread_with_a_context(store: Any) -> None:
+    """forget() moves the version on for a thread that had a working context, not for one with a log alone."""
+    await store.record("log only", RunCompletedEpisode())
+    await say(store, "both", "a")
+    await store.append("appended", [Message.user("a")], [1])
+    for thread in ("log only", "both", "appended", "nobody"):
+        await store.forget(thread)
+    versions = {
+        thread: (await store.stats(thread)).version for thread in ("log only", "both", "appended", "nobody")
+    }
+    assert versions == {"log only": 0, "both": 1, "appended": 1, "nobody": 0}
+    assert (await store.load("log only")).version == 0
+    await store.forget("appended")
+    assert (await store.stats("appended")).version == 2
+
+
 @pytest.mark.parametrize("backend", SQL_BACKENDS)
 async def test_the_log_stays_append_only_after_forget(backend: str, store: Any, raw_sql: RawSQL) -> None:
     """After a forget(), the database still rejects a raw UPDATE or DELETE on any thread's episodes."""

@@ -384,6 +384,35 @@ async def test_the_key_never_appears_in_reprs_errors_or_logs(
     assert "api_key='**********'" in repr(summarizer)
 
 
+@pytest.mark.parametrize("status", [401, 404, 500])
+async def test_a_password_in_base_url_never_appears_in_reprs_errors_or_logs(
+    provider: Provider,
+    script: Script,
+    base_url: str,
+    sleeps: list[float],
+    caplog: pytest.LogCaptureFixture,
+    status: int,
+) -> None:
+    """A password in ``base_url`` is masked in repr, errors and contextfold's logs, as in store URLs."""
+    password = "PASSWORD-SECRET"
+    with_password = base_url.replace("http://", f"http://user:{password}@", 1)
+    script.then(reply_json({}, status=503), reply_json({}, status=status))
+    retry = SummarizerRetry(max_retries=1)
+    async with provider.make(with_password, retry=retry, timeout=2.0, sleeps=sleeps) as summarizer:
+        with caplog.at_level(logging.DEBUG), pytest.raises(SummarizerError) as caught:
+            await summarizer.summarize(CONVERSATION, previous_summary=None, max_summary_tokens=300)
+    assert len(script.requests) == 2  # the request itself went to the URL as given
+    assert caught.value.status == status
+    texts = [str(caught.value), repr(caught.value), repr(summarizer), str(summarizer)]
+    # httpx's own INFO line quotes the URL as requested; contextfold's records are what it controls.
+    ours = [record.getMessage() for record in caplog.records if record.name.startswith("contextfold")]
+    assert any("retrying in" in message for message in ours)
+    texts += ours
+    assert "user:***@127.0.0.1" in repr(summarizer)
+    for text in texts:
+        assert password not in text
+
+
 async def test_a_key_echoed_across_the_excerpt_cut_is_still_redacted(
     provider: Provider, script: Script, summarizer: HTTPSummarizer
 ) -> None:

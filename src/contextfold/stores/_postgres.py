@@ -41,8 +41,8 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any, Self, TypeVar
@@ -263,6 +263,19 @@ async def _outcome(done: concurrent.futures.Future[_T]) -> _T:
     done.add_done_callback(notify)
     await waiter
     return done.result()
+
+
+def _cancel_on(loop: asyncio.AbstractEventLoop, scope: anyio.CancelScope) -> None:
+    """Cancel ``scope`` on ``loop``, the loop of the task it belongs to, from any thread."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if loop is running:
+        scope.cancel()
+        return
+    with contextlib.suppress(RuntimeError):  # that loop closed: nobody waits there any more
+        loop.call_soon_threadsafe(scope.cancel)
 
 
 class _Away:
@@ -659,6 +672,9 @@ class PostgresStore(AsyncResource):
         # thread, since open() and aclose() may come from different event loops and threads.
         self._opening = threading.Lock()
         self._away_lock = threading.Lock()
+        # The calls waiting for a pooled connection, each with its loop: aclose() ends their waits.
+        self._waiting: set[tuple[asyncio.AbstractEventLoop, anyio.CancelScope]] = set()
+        self._waiting_lock = threading.Lock()
         self._queries: dict[str, sql.Composed] = {}
 
     def __repr__(self) -> str:
@@ -765,7 +781,11 @@ class PostgresStore(AsyncResource):
         ``open()`` in progress finishes first, so no pool outlives the store.
         """
         with anyio.CancelScope(shield=True, deadline=anyio.current_time() + _CONNECT_TIMEOUT_SECONDS * 3):
-            self._closed = True
+            with self._waiting_lock:
+                self._closed = True
+                waiting = list(self._waiting)
+            for loop, scope in waiting:
+                _cancel_on(loop, scope)
             async with holding(self._opening):
                 with self._away_lock:
                     away, self._away = self._away, None
@@ -863,6 +883,30 @@ class PostgresStore(AsyncResource):
             )
         return self._pool
 
+    def _closed_during(self, action: str, thread: str) -> StoreClosedError:
+        return StoreClosedError(f"{self!r} was closed during {action} of thread {thread!r}")
+
+    @contextmanager
+    def _until_closed(self, action: str, thread: str) -> Iterator[anyio.CancelScope]:
+        """A scope that ``aclose()`` cancels, around a wait for a pooled connection.
+
+        The pool fails only the clients queued when it closes: one that reached
+        its lock while it closed queues after it and would wait out the pool's
+        30 s timeout, then fail as if the pool were too small.
+        """
+        scope = anyio.CancelScope()
+        entry = (asyncio.get_running_loop(), scope)
+        with self._waiting_lock:
+            if self._closed:
+                raise self._closed_during(action, thread)
+            self._waiting.add(entry)
+        try:
+            with scope:
+                yield scope
+        finally:
+            with self._waiting_lock:
+                self._waiting.discard(entry)
+
     @asynccontextmanager
     async def _connection(
         self, action: str, thread: str, *, write: bool = False
@@ -885,10 +929,15 @@ class PostgresStore(AsyncResource):
         away = None if self._asyncio_loop(action) is self._home else self._away_pool()
         try:
             try:
-                conn = await (pool.getconn() if away is None else away.getconn())
+                with self._until_closed(action, thread) as waiting:
+                    conn = await (pool.getconn() if away is None else away.getconn())
+                if waiting.cancelled_caught:
+                    raise self._closed_during(action, thread)
             except PoolClosed as exc:
-                raise StoreClosedError(f"{self!r} was closed during {action} of thread {thread!r}") from exc
+                raise self._closed_during(action, thread) from exc
             except PoolTimeout as exc:
+                if self._closed:  # the pool's timeout ran out for a call made before the close
+                    raise self._closed_during(action, thread) from exc
                 raise StoreError(
                     f"no PostgreSQL connection free for {action} of thread {thread!r} "
                     f"(pool max_size={self._max_size}); raise max_size"

@@ -1972,9 +1972,11 @@ class SQLiteStore(AsyncResource):
                 conn.execute("DELETE FROM forgetting WHERE thread = ?", (thread,))
                 conn.execute("DELETE FROM messages WHERE thread = ?", (thread,))
                 # The version and seq counter go on, so a cache of the forgotten context never
-                # matches; the log starts over.
+                # matches; the log starts over. The row holds the log's counters too: a thread that
+                # never held a message nor was replaced had no context, and its version stays.
                 conn.execute(
-                    """UPDATE threads SET message_count = 0, total_tokens = 0, version = version + 1,
+                    """UPDATE threads SET message_count = 0, total_tokens = 0,
+                        version = CASE WHEN last_seq > 0 OR version > 0 THEN version + 1 ELSE version END,
                         last_episode_seq = 0, total_user_messages = 0, user_messages_since_boundary = 0,
                         run_completed_since_boundary = 0, user_messages_after_latest_run_completed = 0,
                         boundary_seq = NULL, first_at = NULL

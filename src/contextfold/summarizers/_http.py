@@ -32,6 +32,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, sto
 
 from .._episodes import Usage
 from .._errors import ConfigError, SummarizerError
+from .._secrets import masked_url
 from .._tokens import TokenCounter
 from ._chat import ChatSummarizer, check_number
 from ._prompt import DEFAULT_MAX_MESSAGE_CHARS
@@ -182,10 +183,12 @@ class HTTPSummarizer(ChatSummarizer):
         parsed = urlparse(base_url) if isinstance(base_url, str) else None
         if parsed is None or parsed.scheme not in ("http", "https") or not parsed.hostname:
             hint = "must be an http(s) URL such as 'http://127.0.0.1:11434/v1'"
-            raise ConfigError("base_url", hint, value=base_url)
+            raise ConfigError(
+                "base_url", hint, value=masked_url(base_url) if isinstance(base_url, str) else base_url
+            )
         if "?" in base_url or "#" in base_url:
             # Not shown: a query string is where a key is most often put.
-            root = f"{parsed.scheme}://{parsed.netloc}{parsed.path}"
+            root = masked_url(f"{parsed.scheme}://{parsed.netloc}{parsed.path}")
             raise ConfigError(
                 "base_url",
                 "has a query string or a fragment (not shown: it may hold a key), after which the "
@@ -257,6 +260,11 @@ class HTTPSummarizer(ChatSummarizer):
     def url(self) -> str:
         """The endpoint requests are posted to."""
 
+    @property
+    def _shown_url(self) -> str:
+        """``url`` as errors, logs and ``repr`` show it: a password in it masked, as in store URLs."""
+        return masked_url(self.url)
+
     @abstractmethod
     def _auth_headers(self, key: str) -> dict[str, str]: ...
 
@@ -274,7 +282,8 @@ class HTTPSummarizer(ChatSummarizer):
 
     def __repr__(self) -> str:
         shown = "None" if self._api_key is None else repr(str(self._api_key))
-        return f"{type(self).__name__}(model={self.model!r}, base_url={self.base_url!r}, api_key={shown})"
+        base_url = masked_url(self.base_url)
+        return f"{type(self).__name__}(model={self.model!r}, base_url={base_url!r}, api_key={shown})"
 
     # one request -------------------------------------------------------
 
@@ -300,16 +309,21 @@ class HTTPSummarizer(ChatSummarizer):
         try:
             data = response.json()
         except ValueError:
-            raise self._reply_error(f"got a reply that is not JSON from {self.url}", response) from None
+            raise self._reply_error(
+                f"got a reply that is not JSON from {self._shown_url}", response
+            ) from None
         except RecursionError:  # the parser recurses once per level of nesting
             raise self._reply_error(
-                f"got a malformed reply from {self.url}: it is nested deeper than JSON can be read", response
+                f"got a malformed reply from {self._shown_url}: it is nested deeper than JSON can be read",
+                response,
             ) from None
         try:
             reply = self.reply_type.model_validate(data)
         except ValidationError as exc:
             fault = describe_errors(data, exc)
-            raise self._reply_error(f"got a malformed reply from {self.url}: {fault}", response) from None
+            raise self._reply_error(
+                f"got a malformed reply from {self._shown_url}: {fault}", response
+            ) from None
         refusal = reply.refusal()
         if refusal is not None:
             raise self._reply_error(
@@ -360,7 +374,8 @@ class HTTPSummarizer(ChatSummarizer):
         except httpx.HTTPError as exc:  # a proxy, protocol or redirect failure that a retry would repeat
             # Only the kind: the text can quote a header value (a key in ``headers``) or proxy credentials.
             raise SummarizerError(
-                f"{self.provider} summarizer: {self.url} failed with {type(exc).__name__} (not retried)"
+                f"{self.provider} summarizer: {self._shown_url} failed with {type(exc).__name__} "
+                "(not retried)"
             ) from None
         status = response.status_code
         if status < 300:
@@ -379,14 +394,17 @@ class HTTPSummarizer(ChatSummarizer):
         who = f"{self.provider} summarizer"
         if status == 401:
             return (
-                f"{who}: the API key was rejected by {self.base_url}; check api_key "
+                f"{who}: the API key was rejected by {masked_url(self.base_url)}; check api_key "
                 f"or the {self.env_var} environment variable (not retried)"
             )
         if status == 403:
-            return f"{who}: the API key may not use model {self.model!r} at {self.base_url} (not retried)"
+            return (
+                f"{who}: the API key may not use model {self.model!r} at {masked_url(self.base_url)} "
+                "(not retried)"
+            )
         if status == 404:
-            return f"{who}: {self.url} or model {self.model!r} was not found; check base_url and model"
-        return f"{who}: {self.url} rejected the request (not retried)"
+            return f"{who}: {self._shown_url} or model {self.model!r} was not found; check base_url and model"
+        return f"{who}: {self._shown_url} rejected the request (not retried)"
 
     def _log_retry(self, state: RetryCallState) -> None:
         outcome = state.outcome
@@ -396,7 +414,7 @@ class HTTPSummarizer(ChatSummarizer):
             "%s summarizer: %s from %s, retrying in %.2f s (attempt %d of %d)",
             self.provider,
             exc,
-            self.url,
+            self._shown_url,
             wait,
             state.attempt_number + 1,
             self.retry.max_retries + 1,
@@ -418,7 +436,7 @@ class HTTPSummarizer(ChatSummarizer):
         except RetryLater as exc:
             attempts = self.retry.max_retries + 1
             raise SummarizerError(
-                f"{self.provider} summarizer: {self.url} failed after {attempts} "
+                f"{self.provider} summarizer: {self._shown_url} failed after {attempts} "
                 f"attempt{'s' if attempts > 1 else ''}, last with {exc.reason}",
                 status=exc.status,
                 body=exc.body,
