@@ -54,6 +54,7 @@ __all__ = [
     "FoldStalled",
     "Subscriber",
     "SummaryDegraded",
+    "deliver",
     "event_line",
     "hook_subscriber",
     "log_event",
@@ -309,6 +310,27 @@ def hook_subscriber(hook: CompactionEventHook) -> Subscriber:
     return deliver
 
 
+async def deliver(subscriber: Subscriber, event: CompactionEvent) -> None:
+    """Hand ``event`` to one subscriber (sync or async); its failure is logged, not raised.
+
+    Events are observations, not hooks: by the time one is emitted its fold is
+    already durable (or already discarded), so raising here would report a
+    failure that did not happen and starve the subscribers after this one.
+    Cancellation and other BaseExceptions still propagate.
+    """
+    try:
+        result = subscriber(event)
+        if inspect.isawaitable(result):
+            await result
+    except Exception:
+        _dispatch_logger.exception(
+            "event subscriber %r failed on %s for thread %r; the others still run",
+            subscriber,
+            event.name,
+            event.thread,
+        )
+
+
 class EventDispatcher:
     """Delivers each event to its subscribers, in the order they were registered.
 
@@ -348,18 +370,4 @@ class EventDispatcher:
         """Deliver ``event`` to every subscriber, awaiting the async ones in turn."""
         # A copy: a subscriber may unsubscribe itself (or another) while this runs.
         for subscriber in tuple(self._subscribers):
-            try:
-                result = subscriber(event)
-                if inspect.isawaitable(result):
-                    await result
-            except Exception:
-                # Events are observations, not hooks: by the time one is emitted its fold is
-                # already durable (or already discarded), so raising here would report a
-                # failure that did not happen and starve the subscribers after this one.
-                # Cancellation and other BaseExceptions still propagate.
-                _dispatch_logger.exception(
-                    "event subscriber %r failed on %s for thread %r; the others still run",
-                    subscriber,
-                    event.name,
-                    event.thread,
-                )
+            await deliver(subscriber, event)

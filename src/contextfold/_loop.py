@@ -44,7 +44,7 @@ from ._callables import awaited, closing, returns_awaitable, unwrapped
 from ._compactor import CompactionResult, Compactor
 from ._episodes import ToolCallEpisode, Usage
 from ._errors import ConfigError
-from ._events import CompactionEvent
+from ._events import CompactionEvent, deliver
 from ._messages import Message, Role, ToolCall
 from .stores._base import ShortTermStore
 
@@ -272,15 +272,7 @@ class _LoopEvents:
                 if id(hook) in delivered:
                     continue
                 delivered.add(id(hook))
-                try:
-                    await hook.on_compaction_event(event)
-                except Exception:  # an observation: the others still run (see EventDispatcher.emit)
-                    logger.exception(
-                        "hook %r failed on %s for thread %r; the others still run",
-                        hook,
-                        event.name,
-                        event.thread,
-                    )
+                await deliver(hook.on_compaction_event, event)  # an observation: the others still run
         self._loops[:] = [ref for ref in self._loops if ref() is not None]
 
 

@@ -374,14 +374,9 @@ def _keys(messages: Sequence[Message], ids: Sequence[str | None] | None) -> list
             "(a single message goes in a list too: [message])",
             value=messages,
         )
-    if not all(map(isinstance, messages, repeat(Message))):
-        index, item = _stray(messages, Message)
-        raise ConfigError(
-            "messages",
-            f"must hold Message objects only, and messages[{index}] is of type {type(item).__name__}; "
-            "convert it first, e.g. with Message.user(text)",
-            value=item,
-        )
+    _check_items(
+        "messages", messages, Message, "Message objects", "convert it first, e.g. with Message.user(text)"
+    )
     if ids is None:
         return [message_key(message) for message in messages]
     if not_a_sequence(ids):
@@ -391,14 +386,13 @@ def _keys(messages: Sequence[Message], ids: Sequence[str | None] | None) -> list
             "e.g. ids=[str(row_id) for row_id in row_ids]",
             value=ids,
         )
-    if not all(map(isinstance, ids, repeat(_ID_TYPES))):
-        index, item = _stray(ids, _ID_TYPES)
-        raise ConfigError(
-            "ids",
-            f"must hold str ids (or None for a message without one), and ids[{index}] is of type "
-            f"{type(item).__name__}; pass str ids, e.g. ids=[str(row_id) for row_id in row_ids]",
-            value=item,
-        )
+    _check_items(
+        "ids",
+        ids,
+        _ID_TYPES,
+        "str ids (or None for a message without one)",
+        "pass str ids, e.g. ids=[str(row_id) for row_id in row_ids]",
+    )
     if len(ids) != len(messages):
         raise ConfigError(
             "ids",
@@ -407,9 +401,18 @@ def _keys(messages: Sequence[Message], ids: Sequence[str | None] | None) -> list
     return [given or message_key(message) for given, message in zip(ids, messages, strict=True)]
 
 
-def _stray(items: Sequence[object], kind: type | tuple[type, ...]) -> tuple[int, object]:
-    """The index and value of the first of ``items`` that is not a ``kind``."""
-    return next((index, item) for index, item in enumerate(items) if not isinstance(item, kind))
+def _check_items(
+    key: str, items: Sequence[object], kind: type | tuple[type, ...], what: str, fix: str
+) -> None:
+    """Refuse ``items`` unless each is a ``kind``, naming the first that is not (one pass in C if all are)."""
+    if all(map(isinstance, items, repeat(kind))):
+        return
+    index, item = next((index, item) for index, item in enumerate(items) if not isinstance(item, kind))
+    raise ConfigError(
+        key,
+        f"must hold {what} only, and {key}[{index}] is of type {type(item).__name__}; {fix}",
+        value=item,
+    )
 
 
 def _with_key(message: Message, key: str | None) -> Message:
