@@ -1414,6 +1414,45 @@ async def test_an_abandoned_calls_error_result_goes_right_after_the_call(store: 
     assert {row.episode_seq for row in kept} <= set(before.values())
 
 
+async def test_a_second_abandoned_call_is_closed_after_the_first_numbered_a_row_0(store: Any) -> None:
+    """Two calls abandoned one after the other on a never-folded thread: both get their result in place.
+
+    Closing the first lengthened the context, so its rows were numbered from
+    0; closing the second named that row, and the store refused ``stands_for``
+    of 0. From then on every check of the thread raised ``ConfigError``.
+    """
+    settings = SummarizeOptions(trigger_token_budget=400, abandon_after_turns=2)
+    compactor = Compactor(store, options=settings, counter=ApproximateCounter(), log_events=False)
+    first = ToolCall(id="A", name="slow", arguments="{}")
+    second = ToolCall(id="B", name="slow", arguments="{}")
+    await compactor.append(THREAD, [Message.system("You are terse."), Message.user("go")])
+    await compactor.append(THREAD, [Message.assistant(None, tool_calls=[first])])
+    await compactor.append(THREAD, [Message.user("u1")])
+    await compactor.append(THREAD, [Message.assistant(None, tool_calls=[second])])
+    await compactor.append(THREAD, [Message.user("u2 " + "x " * 1000)])
+    await compactor.maybe_compact(THREAD)  # A is closed in place; B, one turn old, still waits
+    assert [row.seq for row in (await store.load(THREAD)).messages][0] == 0
+    await compactor.append(THREAD, [Message.user("u3")])
+    await compactor.maybe_compact(THREAD)  # B's turn: two turns after it now
+    await compactor.maybe_compact(THREAD)
+    context = await compactor.context(THREAD)
+    assert [(m.role.value, m.tool_call_id or m.text[:2]) for m in context] == [
+        ("system", "Yo"),
+        ("user", "go"),
+        ("assistant", ""),
+        ("tool", "A"),
+        ("user", "u1"),
+        ("assistant", ""),
+        ("tool", "B"),
+        ("user", "u2"),
+        ("user", "u3"),
+    ]
+    assert _calls_answered_in_place(context)
+    assert context == (await store.load(THREAD)).plain
+    log = conversation([record async for record in store.replay(THREAD)])
+    assert sorted(m.tool_call_id for m in log if m.role is Role.TOOL) == ["A", "B"]
+
+
 async def test_the_context_keeps_rows_an_edit_numbered_below_1(store: Any) -> None:
     """An edit that lengthens a never-folded context numbers down past seq 1; ``context()`` keeps those rows.
 

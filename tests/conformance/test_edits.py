@@ -164,6 +164,48 @@ async def test_a_row_standing_for_no_replaced_row_links_no_episode(store: Any) -
     ]
 
 
+async def test_rows_numbered_0_and_below_keep_their_links_through_a_second_edit(store: Any) -> None:
+    """An edit that adds rows numbers them down past seq 1; the next edit's ``stands_for`` may name them.
+
+    ``stands_for`` took only seqs of 1 and above, so after a first edit had
+    numbered a row 0 (an abandoned call's result put in place, say) every
+    later edit naming it was a ``ConfigError``: each compaction check of the
+    thread failed from then on.
+    """
+    await prompt_and_say(store, "t", "a")  # rows 1, 2; episodes 1, 2
+    first = [PROMPT, Message.user("a"), Message.user("b")]
+    await store.record_and_replace(
+        "t",
+        [UserMessageEpisode(message=first[2])],
+        through_seq=2,
+        expected_version=0,
+        replacement=first,
+        tokens=[10, 10, 1],
+        message_episodes=[None, None, 0],
+        stands_for=[1, 2, None],
+    )
+    assert [(m.seq, m.episode_seq) for m in (await store.load("t")).messages] == [(0, 1), (1, 2), (2, 3)]
+    second = [PROMPT, Message.user("a"), Message.user("b"), Message.user("c")]
+    await store.record_and_replace(
+        "t",
+        [UserMessageEpisode(message=second[3])],
+        through_seq=2,
+        expected_version=1,
+        replacement=second,
+        tokens=[10, 10, 1, 1],
+        message_episodes=[None, None, None, 0],
+        stands_for=[0, 1, 2, None],
+    )
+    window = await store.load("t")
+    assert [(m.seq, m.message.text, m.episode_seq) for m in window.messages] == [
+        (-1, "be careful", 1),
+        (0, "a", 2),
+        (1, "b", 3),
+        (2, "c", 4),
+    ]
+    assert await agree(store, "t") == ["be careful", "a", "b", "c"]
+
+
 async def test_record_and_replace_without_episodes_is_a_linked_replace_prefix(store: Any) -> None:
     """With no episode to record it swaps the prefix, and a thread without a log gets none."""
     await store.append("t", [Message.user("a"), Message.user("b")], [1, 1])
@@ -206,7 +248,7 @@ async def test_an_edit_after_a_fold_of_the_same_read_conflicts(store: Any) -> No
     [
         ({"message_episodes": [0, 2, None]}, "message_episodes\\[1\\]"),
         ({"message_episodes": [None]}, "message_episodes"),
-        ({"stands_for": [1, 0, None]}, "stands_for\\[1\\]"),
+        ({"stands_for": [1, True, None]}, "stands_for\\[1\\]"),
         ({"stands_for": [1, "2", None]}, "stands_for\\[1\\]"),
         ({"stands_for": [1]}, "stands_for"),
     ],

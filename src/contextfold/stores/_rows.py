@@ -813,7 +813,8 @@ def check_stands_for(stands_for: Sequence[int | None] | None, messages: int) -> 
     _check_per_message("stands_for", stands_for, messages, "seq (or None)", "seqs (or None)")
     for index, value in enumerate(stands_for):
         if value is not None:
-            _whole_number(f"stands_for[{index}]", value, minimum=1)
+            # Any seq a context can hold: a replacement longer than what it replaced took 0 and below.
+            _whole_number(f"stands_for[{index}]", value, minimum=FIRST_SEQ)
     return list(stands_for)
 
 
