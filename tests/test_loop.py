@@ -260,6 +260,40 @@ async def test_a_step_whose_record_fails_leaves_nothing_of_it_stored() -> None:
     assert [m.role.value for m in context] == ["user"]
 
 
+@pytest.mark.parametrize("backend", ["memory", "sqlite"])
+async def test_a_run_cancelled_as_its_last_tool_returns_records_the_step(backend: str, tmp_path: Path) -> None:
+    """A cancellation that arrives once every tool ran waits for the step's record; it does not lose it.
+
+    Only the path that caught the cancellation inside the tools was shielded.
+    One arriving as the last tool returned hit the record's first await, before
+    anything was written: the tool had run (a file deleted, say), and neither
+    the log nor the context held its call or its result.
+    """
+    scope = anyio.CancelScope()
+    deleted = Message.assistant("I'll delete it", tool_calls=[ToolCall(id="c1", name="rm", arguments="{}")])
+
+    async def rm() -> str:
+        scope.cancel()  # a deadline or a shutdown, arriving as the tool finishes
+        return "deleted /important"
+
+    store = MemoryStore() if backend == "memory" else SQLiteStore(tmp_path / "a.db")
+    async with store:
+        loop = make_loop(store)
+        with scope:
+            model = ScriptedModel([deleted, Message.assistant("done")])
+            await loop.run("t", "delete the file", llm=model, tools={"rm": rm})
+        assert scope.cancelled_caught
+        log = [r.episode async for r in store.replay("t")]
+        context = (await store.load("t")).plain
+    # The cancellation ends the run at its next await: before or after the second reply.
+    assert [e.kind for e in log][:4] == ["user_message", "llm_call", "tool_call", "tool_result"]
+    assert [(m.role.value, m.text) for m in context][:3] == [
+        ("user", "delete the file"),
+        ("assistant", "I'll delete it"),
+        ("tool", "deleted /important"),
+    ]
+
+
 async def test_a_step_cut_short_keeps_what_it_had_and_answers_the_calls_it_did_not_finish() -> None:
     """Stopping after the first tool, or cancelling in the second, records what the step had, in order.
 

@@ -472,7 +472,10 @@ class StepLoop:
                         except Exception:
                             logger.exception("thread %r: could not record the interrupted step", thread)
                     raise
-                await step.record(reply, *results, model=model, usage=usage, started=started)
+                # Shielded as the path above is: the tools ran (their effects happened), so a
+                # cancellation arriving now waits for the record instead of losing the step.
+                with anyio.CancelScope(shield=True):
+                    await step.record(reply, *results, model=model, usage=usage, started=started)
             yield StepFinished(reply, number)
             if not reply.tool_calls:
                 await self.complete_run(thread, clean=True)
