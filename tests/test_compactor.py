@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
+import sys
 import threading
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -1263,6 +1265,56 @@ async def test_a_forgotten_thread_starts_over_without_the_erased_conversations_f
     context = await compactor.context(THREAD)
     assert context[0].is_summary and [m.text for m in context[1:]] == before[-len(context) + 1 :]
     assert result.tokens_after < tokens
+
+
+async def test_a_context_after_another_workers_append_and_fold_is_what_the_store_holds(
+    store: Any, tmp_path: Path
+) -> None:
+    """A check, then another worker appends and folds, then this worker's ``context()``: the current context.
+
+    The check's read stood for the thread until the next ``context()``, however
+    long after and whatever was written meanwhile: the context returned was
+    the one before the other worker's fold, without its four new messages. The
+    other worker shares the ``MemoryStore``, or opens the SQLite file again.
+    """
+    settings = RunOptions(max_history_tokens=4_000, compaction=SummarizeOptions(trigger_token_budget=1_000))
+    async with contextlib.AsyncExitStack() as stack:
+        other = store
+        if isinstance(store, SQLiteStore):
+            other = await stack.enter_async_context(SQLiteStore(store.path))
+        worker = Compactor(store, options=settings, counter=ApproximateCounter(), log_events=False)
+        another = Compactor(other, options=settings, counter=ApproximateCounter(), log_events=False)
+        await worker.append(THREAD, [Message.user(f"message {n}") for n in range(5)])
+        await worker.context(THREAD)
+        assert await worker.maybe_compact(THREAD) is None
+        await another.append(THREAD, [Message.user(f"from B {n} " + "x " * 400) for n in range(4)])
+        folded = await another.compact_now(THREAD)
+        assert folded is not None and folded.compacted
+        context = await worker.context(THREAD)
+        assert context == (await store.load(THREAD)).plain
+        assert context[0].is_summary
+        assert [m.text[:8] for m in context[-4:]] == [f"from B {n}" for n in range(4)]
+
+
+async def test_a_context_long_after_the_check_sees_another_processs_append(tmp_path: Path) -> None:
+    """Another process's write reaches no in-process count: a check's read stands for 10 ms at most."""
+    path = tmp_path / "cf.db"
+    script = (
+        "import anyio\n"
+        "from contextfold import Message\n"
+        "from contextfold.stores import SQLiteStore\n"
+        "async def main():\n"
+        f"    async with SQLiteStore({str(path)!r}) as store:\n"
+        f"        await store.append({THREAD!r}, [Message.user('from another process')], [5])\n"
+        "anyio.run(main)\n"
+    )
+    async with SQLiteStore(path) as store:
+        worker = Compactor(store, options=options(), counter=ApproximateCounter(), log_events=False)
+        await worker.append(THREAD, [Message.user("first")])
+        await worker.context(THREAD)
+        assert await worker.maybe_compact(THREAD) is None
+        await anyio.run_process([sys.executable, "-c", script])
+        assert [m.text for m in await worker.context(THREAD)] == ["first", "from another process"]
 
 
 async def test_another_workers_fold_voids_this_workers_hold_back(store: Any) -> None:

@@ -78,6 +78,7 @@ from .stores._rows import (
     record_messages,
     summary_index,
     utc,
+    writes_to,
 )
 from .summarizers._base import Summarizer, Summary
 from .summarizers._checks import check_summarizers
@@ -109,6 +110,15 @@ LATE_RESULT_METADATA_KEY = "contextfold.late_result"
 
 _MAX_BACKOFF_SKIPS = 32
 _CACHED_THREADS = 1024
+
+_SEEN_STANDS_FOR = 0.01
+"""Seconds the stats a check read stand for the thread's state: a ``context()`` that soon after reads nothing.
+
+The step's check and the context it sends come a few microseconds apart; a
+``before_request`` hook that waits on I/O between them, or a ``context()``
+long after the check, reads the store again rather than send what another
+worker has since appended or folded.
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -488,7 +498,8 @@ class Compactor:
             self.events.subscribe(self.telemetry.record_event)
         self._backoff: dict[str, _Backoff] = {}
         self._cache: OrderedDict[str, _Cache] = OrderedDict()
-        self._seen: dict[str, ThreadStats] = {}
+        self._seen: dict[str, tuple[ThreadStats, float, int]] = {}
+        """Per thread: the stats last read, when, and ``writes_to(thread)`` before the read."""
         self._overhead: dict[str, int] = {}
         self._next_fold_at: dict[str, tuple[int, int]] = {}
         """Per thread, the version a fold left and the tokens the next token fold waits for on it.
@@ -673,7 +684,14 @@ class Compactor:
         await self.episodic.record(thread, RunCompletedEpisode(clean=clean))
 
     async def context(self, thread: str) -> list[Message]:
-        """The working context the next request is built from (only rows not seen before are read)."""
+        """The working context the next request is built from (only rows not seen before are read).
+
+        Right after a ``maybe_compact`` that folded nothing (within
+        ``_SEEN_STANDS_FOR``, 10 ms, and with no write to the thread by any
+        store object of the process since) the check's read stands for it and
+        nothing is read; else the rows appended since are read, or the whole
+        context if it was folded.
+        """
         cache = await self._fresh_cache(thread)
         if cache is not None:
             return cache.messages
@@ -774,8 +792,10 @@ class Compactor:
         declines. Only a check that the turns alone make fire pays for this:
         a turn trigger near its limit (a context of about that many turns).
         """
+        seen = self._seen.get(thread)
         cache = await self._fresh_cache(thread)
-        self._seen[thread] = stats  # the stats are as current as before: the step's context() needs no read
+        if seen is not None:  # as current as before: the step's context() needs no read
+            self._seen[thread] = seen
         messages = cache.messages if cache is not None else (await self.short_term.load(thread)).plain
         pinned, previous = split_head(messages, settings.config.keep_first)
         turns = len(_bounds(messages[pinned + (previous is not None) :]).starts)
@@ -828,6 +848,7 @@ class Compactor:
         episodic: EpisodicCompactionPressure | None
         if now is not None:
             utc(now, "now")  # refused whether or not a read takes it
+        writes = writes_to(thread)
         if self._store is not None and settings.episodic:  # both in one read
             state = await self._store.state(thread, now=now)
             stats, episodic = state.stats, state.pressure
@@ -838,7 +859,7 @@ class Compactor:
                 if settings.episodic
                 else None
             )
-        self._seen[thread] = stats
+        self._seen[thread] = stats, time.monotonic(), writes
         return stats, episodic if settings.episodic else None
 
     def _forget_seen(self, thread: str) -> None:
@@ -852,8 +873,14 @@ class Compactor:
             return None
         cache = self._cache.get(thread)
         seen = self._seen.pop(thread, None)
-        if cache is not None and seen is not None and seen.version == cache.version:
-            if seen.last_seq == cache.last_seq:
+        if cache is not None and seen is not None:
+            stats, at, writes = seen
+            if (
+                stats.version == cache.version
+                and stats.last_seq == cache.last_seq
+                and writes == writes_to(thread)
+                and time.monotonic() - at <= _SEEN_STANDS_FOR
+            ):
                 self._cache.move_to_end(thread)
                 return cache
         if cache is not None:
@@ -941,7 +968,8 @@ class Compactor:
         """
         if self._store is None:
             return None
-        self._seen[thread] = await self._store.stats(thread)
+        writes = writes_to(thread)
+        self._seen[thread] = await self._store.stats(thread), time.monotonic(), writes
         return await self._fresh_cache(thread)
 
     async def _open_calls(self, thread: str, wanted: set[str], cache: _Cache | None) -> dict[str, int]:
@@ -1160,7 +1188,8 @@ class Compactor:
         # the cache is read anew only if they moved, so no summary covers a folded prefix. (With
         # two stores the window below is loaded whole anyway.)
         if self._store is not None:
-            self._seen[thread] = await self.short_term.stats(thread)
+            writes = writes_to(thread)
+            self._seen[thread] = await self.short_term.stats(thread), time.monotonic(), writes
         rows, version, total = await self._window(thread, settings)
         if not recovery and await self._close_abandoned(thread, rows, version, settings):
             rows, version, total = await self._window(thread, settings)
@@ -1334,6 +1363,7 @@ class Compactor:
         """
         thread = prepared.thread
         appended = self._appended_since(prepared)
+        writes = writes_to(thread) + 1  # the fold's own write; any other one since voids the step's read
         try:
             with anyio.CancelScope(shield=True):
                 checkpoint_seq = await self._write_fold(prepared)
@@ -1375,7 +1405,14 @@ class Compactor:
             return None
         self._backoff.pop(thread, None)
         linked = checkpoint_seq if self._store is not None else None  # replace_prefix links nothing
-        self._after_fold(thread, prepared, settings, background=background is not None, checkpoint_seq=linked)
+        self._after_fold(
+            thread,
+            prepared,
+            settings,
+            background=background is not None,
+            checkpoint_seq=linked,
+            writes=writes,
+        )
         summary = prepared.summary
         result = CompactionResult(
             thread=thread,
@@ -1435,7 +1472,8 @@ class Compactor:
             known = cache.total_tokens
         else:
             seen = self._seen.get(prepared.thread)
-            known = seen.total_tokens if seen is not None and seen.version == prepared.version else 0
+            stats = seen[0] if seen is not None else None
+            known = stats.total_tokens if stats is not None and stats.version == prepared.version else 0
         return max(0, known - prepared.tokens_before)
 
     async def _write_fold(self, prepared: _Prepared) -> int:
@@ -1469,6 +1507,7 @@ class Compactor:
         *,
         background: bool,
         checkpoint_seq: int | None,
+        writes: int,
     ) -> None:
         """Bring the cache to the folded state and set when the next token fold may fire."""
         cache = self._cache.get(thread)
@@ -1483,14 +1522,16 @@ class Compactor:
             )
             self._cache[thread] = rebuilt
             if not background:
-                # The step's state is its check's plus this fold: its context() needs no read.
-                self._seen[thread] = trusted(
+                # The step's state is its check's plus this fold: its context() needs no read,
+                # unless a write other than the fold's (``writes``) came meanwhile.
+                stats = trusted(
                     ThreadStats,
                     message_count=len(rebuilt.seqs),
                     total_tokens=rebuilt.total_tokens,
                     version=rebuilt.version,
                     last_seq=rebuilt.last_seq,
                 )
+                self._seen[thread] = stats, time.monotonic(), writes
         else:
             self._forget_cache(thread)
         after = prepared.checkpoint.tokens_after + self._overhead.get(thread, 0)

@@ -55,6 +55,7 @@ from ._rows import (
     check_replace,
     check_thread,
     check_total,
+    check_write,
     decode_episode,
     edit_links,
     encode_edit,
@@ -231,7 +232,7 @@ class MemoryStore(AsyncResource):
         self, thread: str, messages: Sequence[Message], tokens: Sequence[int]
     ) -> list[StoredMessage]:
         await self._enter()
-        check_thread(thread)
+        check_write(thread)
         rows = await off_loop_if_heavy(messages, encode_rows, messages, tokens)
         self._check_open()  # a large batch was encoded in a thread: the store may have closed meanwhile
         with self._lock:
@@ -328,7 +329,7 @@ class MemoryStore(AsyncResource):
         tokens: Sequence[int],
     ) -> ThreadStats:
         await self._enter()
-        check_thread(thread)
+        check_write(thread)
         check_replace(through_seq, expected_version)
         rows = await off_loop_if_heavy(
             replacement, partial(encode_rows, replacement, tokens, field="replacement")
@@ -407,7 +408,7 @@ class MemoryStore(AsyncResource):
         *,
         message_episodes: Sequence[int] | None = None,
     ) -> list[StoredMessage]:
-        check_thread(thread)
+        check_write(thread)
         recording = await off_loop_if_heavy(
             messages, encode_recording, episodes, messages, tokens, message_episodes
         )
@@ -419,7 +420,7 @@ class MemoryStore(AsyncResource):
     async def _write_recording(self, thread: str, recording: Recording) -> list[StoredMessage]:
         """``record_and_append`` of a step checked and encoded already: nothing is written unless all is."""
         await self._enter()
-        check_thread(thread)
+        check_write(thread)
         rows = recording.rows
         when = datetime.now(UTC)
         # A step ``Compactor.append`` checked without encoding it: each episode's JSON is made when read.
@@ -443,7 +444,7 @@ class MemoryStore(AsyncResource):
         tokens: Sequence[int],
     ) -> EpisodeRecord:
         await self._enter()
-        check_thread(thread)
+        check_write(thread)
         body = check_checkpoint(checkpoint)
         check_replace(through_seq, expected_version)
         rows = await off_loop_if_heavy(
@@ -482,7 +483,7 @@ class MemoryStore(AsyncResource):
         stands_for: Sequence[int | None] | None = None,
     ) -> ThreadStats:
         await self._enter()
-        check_thread(thread)
+        check_write(thread)
         check_replace(through_seq, expected_version)
         recording, kept = await off_loop_if_heavy(
             replacement, encode_edit, episodes, replacement, tokens, message_episodes, stands_for
@@ -505,7 +506,7 @@ class MemoryStore(AsyncResource):
 
     async def forget(self, thread: str) -> Tombstone:
         await self._enter()
-        check_thread(thread)
+        check_write(thread)
         with self._lock:
             return self._forget(thread)
 

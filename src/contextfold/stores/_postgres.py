@@ -81,6 +81,7 @@ from ._rows import (
     check_text,
     check_thread,
     check_total,
+    check_write,
     decode_episode,
     encode_edit,
     encode_episodes,
@@ -1013,7 +1014,7 @@ class PostgresStore(AsyncResource):
         message_episodes: Sequence[int] | None = None,
     ) -> list[StoredMessage]:
         """Record ``episodes`` and append ``messages`` in one statement, so one transaction."""
-        check_thread(thread)
+        check_write(thread)
         recording = await off_loop_if_heavy(
             messages, encode_recording, episodes, messages, tokens, message_episodes
         )
@@ -1021,7 +1022,7 @@ class PostgresStore(AsyncResource):
 
     async def _write_recording(self, thread: str, recording: Recording) -> list[StoredMessage]:
         """``record_and_append`` of a step checked and encoded already, in one statement."""
-        check_thread(thread)
+        check_write(thread)
         episodes, bodies, rows, links, _, _ = recording
         params: dict[str, Any] = {
             "thread": thread,
@@ -1212,7 +1213,7 @@ class PostgresStore(AsyncResource):
         tokens: Sequence[int],
     ) -> ThreadStats:
         """Atomically swap every message with ``seq <= through_seq`` for ``replacement``."""
-        check_thread(thread)
+        check_write(thread)
         check_replace(through_seq, expected_version)
         rows = await off_loop_if_heavy(
             replacement, partial(encode_messages, replacement, tokens, field="replacement")
@@ -1272,7 +1273,7 @@ class PostgresStore(AsyncResource):
         thread at ``expected_version``, holding ``through_seq``), so it either
         does all of them or none.
         """
-        check_thread(thread)
+        check_write(thread)
         check_replace(through_seq, expected_version)
         body = check_checkpoint(checkpoint)
         batch = await off_loop_if_heavy(
@@ -1308,7 +1309,7 @@ class PostgresStore(AsyncResource):
         stands_for: Sequence[int | None] | None = None,
     ) -> ThreadStats:
         """Record ``episodes`` and swap the prefix in one statement; on a conflict, write nothing."""
-        check_thread(thread)
+        check_write(thread)
         check_replace(through_seq, expected_version)
         recording, kept = await off_loop_if_heavy(
             replacement, encode_edit, episodes, replacement, tokens, message_episodes, stands_for
@@ -1472,7 +1473,7 @@ class PostgresStore(AsyncResource):
         thread's counters row stays, emptied and one version on, so a fold read
         before the erasure conflicts and seqs keep counting up.
         """
-        check_thread(thread)
+        check_write(thread)
         key = {"thread": thread}
         async with self._connection("forget", thread, write=True) as conn, conn.transaction():
             # The same lock order as every other writer: threads row, then counters row.

@@ -62,6 +62,7 @@ __all__ = [
     "check_text",
     "check_thread",
     "check_total",
+    "check_write",
     "decode_episode",
     "decode_message",
     "edit_links",
@@ -83,6 +84,7 @@ __all__ = [
     "utc",
     "version_conflict",
     "whole_days",
+    "writes_to",
 ]
 
 _T = TypeVar("_T")
@@ -211,6 +213,29 @@ def check_thread(thread: Any) -> str:
                 value=thread[:60] + "...",
             )
     return thread
+
+
+_WRITE_SLOTS = 4_096
+_writes = [0] * _WRITE_SLOTS
+"""Writes begun in this process to the working context of the threads hashed to each slot."""
+
+
+def check_write(thread: Any) -> str:
+    """``check_thread`` for a write to the thread's working context, which ``writes_to`` counts."""
+    checked = check_thread(thread)
+    _writes[hash(checked) % _WRITE_SLOTS] += 1
+    return checked
+
+
+def writes_to(thread: str) -> int:
+    """How many writes to ``thread``'s working context this process began, with any store object.
+
+    Threads that share a slot share the count: a count that moved may be
+    another thread's write, never a write missed. A compactor trusts the stats
+    its check read only while this count stays where it was (no other store
+    object of the process, a second worker say, wrote since).
+    """
+    return _writes[hash(thread) % _WRITE_SLOTS]
 
 
 def check_max_tokens(max_tokens: Any) -> int | None:

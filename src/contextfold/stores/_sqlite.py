@@ -147,6 +147,7 @@ from ._rows import (
     check_seconds,
     check_thread,
     check_total,
+    check_write,
     decode_episode,
     edit_links,
     encode_edit,
@@ -1630,7 +1631,7 @@ class SQLiteStore(AsyncResource):
     async def append(
         self, thread: str, messages: Sequence[Message], tokens: Sequence[int]
     ) -> list[StoredMessage]:
-        check_thread(thread)
+        check_write(thread)
 
         def run(conn: sqlite3.Connection, encoded: list[_Encoded]) -> int:
             with _transaction(conn, "IMMEDIATE"):
@@ -1717,7 +1718,7 @@ class SQLiteStore(AsyncResource):
         replacement: Sequence[Message],
         tokens: Sequence[int],
     ) -> ThreadStats:
-        check_thread(thread)
+        check_write(thread)
         check_replace(through_seq, expected_version)
 
         def swap(rows: list[tuple[str, int]]) -> Callable[[sqlite3.Connection, int | None], ThreadStats]:
@@ -1836,7 +1837,7 @@ class SQLiteStore(AsyncResource):
         *,
         message_episodes: Sequence[int] | None = None,
     ) -> list[StoredMessage]:
-        check_thread(thread)
+        check_write(thread)
         encode = partial(encode_recording, episodes, messages, tokens, message_episodes)
         if heavy_batch(messages):
             when = datetime.now(UTC)
@@ -1848,7 +1849,7 @@ class SQLiteStore(AsyncResource):
 
     async def _write_recording(self, thread: str, recording: Recording) -> list[StoredMessage]:
         """``record_and_append`` of a step checked and encoded already, in one transaction."""
-        check_thread(thread)
+        check_write(thread)
         encoded, shared = recording.rows, recording.shared
         size = sum(map(len, recording.bodies))
         for (body, _, _), share in zip(encoded, shared, strict=True):
@@ -1869,7 +1870,7 @@ class SQLiteStore(AsyncResource):
         replacement: Sequence[Message],
         tokens: Sequence[int],
     ) -> EpisodeRecord:
-        check_thread(thread)
+        check_write(thread)
         body = check_checkpoint(checkpoint)
         check_replace(through_seq, expected_version)
         when = datetime.now(UTC)
@@ -1918,7 +1919,7 @@ class SQLiteStore(AsyncResource):
         message_episodes: Sequence[int | None] | None = None,
         stands_for: Sequence[int | None] | None = None,
     ) -> ThreadStats:
-        check_thread(thread)
+        check_write(thread)
         check_replace(through_seq, expected_version)
         when = datetime.now(UTC)
 
@@ -1956,7 +1957,7 @@ class SQLiteStore(AsyncResource):
         return await self._swap_write(swap(encoded), size)
 
     async def forget(self, thread: str) -> Tombstone:
-        check_thread(thread)
+        check_write(thread)
         when = datetime.now(UTC)
 
         def run(conn: sqlite3.Connection) -> Tombstone:
