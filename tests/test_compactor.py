@@ -1204,6 +1204,38 @@ async def test_a_large_pinned_head_squeezes_the_summary_so_the_fold_ends_at_the_
     assert "protected recent turns" not in caplog.text
 
 
+async def test_a_large_pinned_head_squeezes_the_summary_beside_the_protected_turn(
+    store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Head 1,200 tokens, one protected turn of ~150, target 2,000: the summary takes the ~640 left.
+
+    The head left less than max_summary_tokens (1,000) beside the kept turn,
+    which was taken for protected turns too big to fit: the summary got the
+    head's whole room (~790), the fold ended at 2,150 tokens against 2,000,
+    and the log blamed "the protected recent turns".
+    """
+
+    async def full(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        return "fact " * (limit * 4 // 5)  # fills the room it is given
+
+    counter = ApproximateCounter()
+    settings = SummarizeOptions(trigger_token_budget=4_000, min_recent_turns=1, min_recent_messages=0)
+    compactor = Compactor(store, options=settings, summarizer=FunctionSummarizer(full), counter=counter)
+    head = Message.system("s " * 2_400)
+    await compactor.append(THREAD, [head])
+    for n in range(20):
+        await compactor.append(THREAD, [Message.user(f"q{n} " + "x " * 300)])
+    with caplog.at_level(logging.INFO, logger="contextfold"):
+        result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.compacted
+    context, tokens = await compactor.context_tokens(THREAD)
+    assert [m.text[:3] for m in context[::2]] == ["s s", "q19"] and context[1].is_summary
+    assert tokens == result.tokens_after <= 2_000
+    assert 500 < counter.count(context[1]) <= 2_000 - counter.count(head) - counter.count(context[2])
+    assert "the summary is cut to" in caplog.text
+    assert "protected recent turns" not in caplog.text
+
+
 @pytest.mark.parametrize("seed", range(24))
 async def test_with_nothing_protected_every_fold_ends_at_or_under_the_target(seed: int) -> None:
     """Random budgets, targets and heads, a summarizer writing up to 3x its limit: no fold ends over target.

@@ -1256,12 +1256,15 @@ class Compactor:
             if target is not None:
                 head_room = target - plan.pinned_tokens - overhead - framing
                 beside_tail = head_room - sum(kept_tokens)
-                # The summary gives way to end the fold at the target: the plan left it room for
-                # max_summary_tokens beside the kept turns, less its framing at most. When it kept
-                # more (the protected turns are too big), only the head squeezes the summary, and
-                # the next fold is held back instead (see _after_fold): history is not lost for them.
+                # The summary gives way to end the fold at the target: it takes what the head, the
+                # overhead and the kept turns leave, down to a quarter of its own room. A pinned head
+                # that leaves less than max_summary_tokens beside the turns squeezes it that way too.
+                # Only when the protected turns leave less than that quarter (they are too big) does
+                # the head alone squeeze it, the next fold being held back instead (see _after_fold):
+                # history is not lost for them.
                 whole = settings.max_summary_tokens - framing
-                fit = max(1, beside_tail if beside_tail >= whole else head_room)
+                least = min(whole, max(whole // 4, self._least_summary(settings)))
+                fit = max(1, beside_tail if beside_tail >= least else head_room)
                 if fit < room:
                     room = fit
                     logger.info(
@@ -1721,6 +1724,22 @@ class Compactor:
             )
         )
         return summary.model_copy(update={"degraded": True})
+
+    def _least_summary(self, settings: Settings) -> int:
+        """The least room a fold gives its summary: what the extractive summarizer needs, if it is asked.
+
+        Its section headings and as much again for lines (at less it fails, or
+        writes headings alone); 1 for any other summarizer.
+        """
+        from .summarizers import ExtractiveSummarizer
+
+        asked = (
+            [self.summarizer, self.fallback]
+            if settings.on_summarizer_error == "fallback"
+            else [self.summarizer]
+        )
+        needs = [2 * s.least_summary_tokens() for s in asked if isinstance(s, ExtractiveSummarizer)]
+        return max(needs, default=1)
 
     @staticmethod
     def _summary_frame(settings: Settings, text: str = "", metadata: dict[str, Any] | None = None) -> Message:
