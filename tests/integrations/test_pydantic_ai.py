@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from contextfold import Compactor, Message, RunOptions, SummarizeOptions, conversation
+from contextfold import Compactor, Message, Role, RunOptions, SummarizeOptions, conversation
 from contextfold.episodes import SummaryCheckpoint
 from contextfold.stores import MemoryStore, SQLiteStore
 
@@ -25,6 +26,7 @@ from .scenario import (
     record_text,
     text_of,
     transcript,
+    turn_of,
 )
 
 pytest.importorskip("pydantic_ai")
@@ -42,7 +44,7 @@ from pydantic_ai.messages import (
     ToolReturnPart,
     UserPromptPart,
 )
-from pydantic_ai.models.function import AgentInfo, FunctionModel
+from pydantic_ai.models.function import AgentInfo, DeltaToolCall, DeltaToolCalls, FunctionModel
 
 from contextfold.integrations.pydantic_ai import (
     CompactionCapability,
@@ -321,3 +323,136 @@ async def test_new_messages_after_a_fold_at_a_runs_first_request_are_the_runs_ow
 @dataclass
 class Answer:
     text: str
+
+
+class Structured:
+    """A FunctionModel body that looks the asked record up, then answers through the output tool.
+
+    Records what each request carried; ``stream`` plays the same model for ``run_stream``.
+    """
+
+    def __init__(self) -> None:
+        self.requests: list[list[Message]] = []
+
+    def __call__(self, messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        converted, _ = from_pydantic_ai(messages)
+        self.requests.append(converted)
+        last = converted[-1]
+        n = turn_of(last.text)
+        if last.role is Role.USER:
+            return ModelResponse(parts=[ToolCallPart("lookup", {"n": n}, tool_call_id=f"call_{n}")])
+        output = info.output_tools[0].name
+        return ModelResponse(parts=[ToolCallPart(output, {"text": f"code-{n:04d}"}, tool_call_id=f"out_{n}")])
+
+    async def stream(self, messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[DeltaToolCalls]:
+        [call] = self(messages, info).parts
+        assert isinstance(call, ToolCallPart)
+        yield {0: DeltaToolCall(call.tool_name, call.args_as_json_str(), tool_call_id=call.tool_call_id)}
+
+
+def structured_turn(n: int) -> list[str]:
+    return [question(n), f"call_{n}", record_text(n), f"out_{n}", "Final result processed."]
+
+
+@pytest.mark.parametrize("mode", ["run", "run-history", "run_stream-history"])
+async def test_the_output_tools_return_is_recorded(mode: str) -> None:
+    """A run that ends through the output tool records its return: the next run sends the call answered.
+
+    ``run_stream`` keeps that return out of the run's history, so it comes with the history passed back.
+    Before, the return pydantic-ai adds after the run's last model request was never recorded: a run
+    given no history sent every earlier output call as interrupted, and a fold later closed each one
+    as abandoned.
+    """
+    async with MemoryStore() as store:
+        script = Structured()
+        bot: Agent[None, Answer] = Agent(
+            FunctionModel(script, stream_function=script.stream),
+            output_type=Answer,
+            capabilities=[CompactionCapability(compactor(store))],
+        )
+
+        @bot.tool_plain
+        def lookup(n: int) -> str:
+            """Look a record up by its number."""
+            return record_text(n)
+
+        history: list[ModelMessage] = []
+        for n in range(3):
+            given = history if mode.endswith("-history") else None
+            if mode.startswith("run_stream"):
+                async with bot.run_stream(question(n), message_history=given, conversation_id="c") as stream:
+                    output = await stream.get_output()
+                history = stream.all_messages()
+            else:
+                result = await bot.run(question(n), message_history=given, conversation_id="c")
+                output, history = result.output, result.all_messages()
+            assert output == Answer(f"code-{n:04d}")
+        records = [r async for r in store.replay("c")]
+    expected = [*structured_turn(0), *structured_turn(1), question(2)]
+    assert [text_of(m) for m in script.requests[-2]] == expected
+    expected += ["call_2", record_text(2), "out_2"]
+    if mode != "run_stream-history":  # a stream's return is its result's only, until passed back
+        expected.append("Final result processed.")
+    assert [text_of(m) for m in conversation(records)] == expected
+    assert not {r.episode.kind for r in records} & {"messages_retracted", "history_cleared"}
+
+
+class Down(Exception):
+    """What the lookup of record 1 raises: its call is left without a result."""
+
+
+@pytest.mark.parametrize("keep", [8, 10], ids=["call-folded", "call-kept"])
+async def test_an_abandoned_calls_result_written_beside_a_new_prompt_records_nothing_twice(keep: int) -> None:
+    """A fold that closes an abandoned call records its result after the run's new prompt: nothing twice.
+
+    Before, the prompt and the reply before it were taken for new, recorded and sent again, and with
+    the call kept in the context, its error result too.
+    """
+    options = RunOptions(
+        max_history_tokens=4_000,
+        compaction=SummarizeOptions(
+            trigger_token_budget=1_400, min_recent_messages=keep, min_recent_turns=1, abandon_after_turns=2
+        ),
+    )
+    requests: list[list[Message]] = []
+
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        """Look the asked record up, then say it was noted."""
+        requests.append(from_pydantic_ai(messages)[0])
+        last = requests[-1][-1]
+        if last.role is Role.USER:
+            n = turn_of(last.text)
+            return ModelResponse(parts=[ToolCallPart("lookup", {"n": n}, tool_call_id=f"call_{n}")])
+        return ModelResponse(parts=[TextPart("noted")])
+
+    async with MemoryStore() as store:
+        c = Compactor(store, options=options, summarizer=codes_summarizer())
+        bot = Agent(FunctionModel(model), capabilities=[CompactionCapability(c)])
+
+        @bot.tool_plain
+        def lookup(n: int) -> str:
+            """Look a record up by its number."""
+            if n == 1:
+                raise Down
+            return f"record {n}"
+
+        prompts = [f"What does record {n} say? " + "please " * 300 for n in range(5)]
+        for n, prompt in enumerate(prompts):
+            if n == 1:
+                with pytest.raises(Down):
+                    await bot.run(prompt, conversation_id="c")
+            else:
+                await bot.run(prompt, conversation_id="c")
+        records = [r async for r in store.replay("c")]
+    texts = [text_of(m) for m in conversation(records)]
+    closed = texts[15]
+    assert closed.startswith("error: no result arrived for tool call 'call_1'")
+    turn = {n: [prompts[n], f"call_{n}", f"record {n}", "noted"] for n in (0, 2, 3, 4)}
+    assert texts == [*turn[0], prompts[1], "call_1", *turn[2], *turn[3], prompts[4], closed, *turn[4][1:]]
+    assert any(isinstance(r.episode, SummaryCheckpoint) for r in records)
+    # The fold came at the last run's first request: each of its two requests sends the prompt once.
+    first, second = ([text_of(m) for m in request] for request in requests[-2:])
+    assert requests[-2][0].is_summary
+    kept = ["call_1", closed, *turn[2]] if keep == 10 else turn[2][1:]
+    assert first[1:] == [*kept, *turn[3], prompts[4]]
+    assert second == [*first, "call_4", "record 4"]

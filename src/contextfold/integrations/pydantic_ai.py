@@ -11,7 +11,11 @@ thread, compacts when due, and after a fold replaces both the request's and
 the run's message history with the working context: the summary as a user
 prompt, then the kept turns. The thread is the run's ``conversation_id``
 unless ``thread=`` is given. The model's reply is recorded as soon as it
-arrives (``after_model_request``).
+arrives (``after_model_request``), and what the run adds after its last
+request (the output tool's return, say) as the run ends (``after_run``).
+``run_stream`` keeps the request holding its output tool's return out of the
+run's history (only its result's ``all_messages()`` holds it): the thread
+gets it when that history is passed back.
 
 The ``message_history`` an application passes is the conversation, and the
 thread follows edits made to it: earlier messages left out, a message
@@ -49,6 +53,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic_ai import AgentRunResult
 from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.messages import (
     ModelMessage,
@@ -508,6 +513,36 @@ def _unedited(
     return _occurs(expected, log.held(given, ids)[1])
 
 
+def _as_held(
+    context: Sequence[Message], messages: Sequence[Message], ids: Sequence[str | None]
+) -> list[str | None]:
+    """``ids``, each message of ``messages`` that is one of ``context``'s turns with that turn's key.
+
+    pydantic-ai's messages carry no keys, so a context handed to a run comes
+    back without the keys ``sync`` gave it, and ``sync`` matches its unkeyed
+    messages against the log's end. The log need not end as the context does:
+    a fold records the results of the calls it closed as abandoned after the
+    run's new prompt, and puts them after their calls in the context (or folds
+    them away with the calls). So the context's turns, when ``messages`` holds
+    them as one run and only once, are known by their keys (an abandoned
+    call's result, recorded without one, by its content); else ``ids`` stays.
+    """
+    turns = _turns(context)
+    listed = _turns(messages)
+    if not turns or len(turns) > len(listed):
+        return list(ids)
+    expected = [content_hash(_as_sent(context[n])) for n in turns]
+    needle, haystack = ",".join(expected), ",".join(content_hash(messages[n]) for n in listed)
+    found = haystack.find(needle)  # digests of one length: a match starts at a digest (see ``_occurs``)
+    if found < 0 or haystack.find(needle, found + 1) >= 0:
+        return list(ids)
+    start = found // (len(expected[0]) + 1)
+    out = list(ids)
+    for offset, n in enumerate(turns):
+        out[listed[start + offset]] = message_key(context[n])
+    return out
+
+
 def _turns(messages: Sequence[Message]) -> list[int]:
     """The positions of the messages of ``messages`` an edit counts for: no system prompt, no summary."""
     return [
@@ -722,9 +757,12 @@ class CompactionCapability(AbstractCapability[Any]):
 
         The system prompt the messages open with is left out (``_stand`` keeps
         it, before a request), and the prompts the log holds among their turns
-        are put back, so a changed prompt makes no turn new.
+        are put back, so a changed prompt makes no turn new. The working
+        context's turns they hold are known by their keys (``_as_held``).
         """
         head = _opening(messages)
+        held = await self.compactor.context(thread)
+        ids = await _off_loop(len(held) + len(messages), _as_held, held, messages, ids)
         async with self._reading(thread) as log:
             if compact:
                 await self._stand(thread, log, messages[:head])
@@ -761,3 +799,15 @@ class CompactionCapability(AbstractCapability[Any]):
         messages, ids = await _off_loop(len(given), from_pydantic_ai, given)
         await self._sync(self._thread(ctx), messages, ids, compact=False)
         return response
+
+    async def after_run(self, ctx: RunContext[Any], *, result: AgentRunResult[Any]) -> AgentRunResult[Any]:
+        # What the run added after its last model request: the output tool's return ("Final result
+        # processed."), the results of the calls a run that ends at a deferred call made. A run that
+        # made no request of its own went through no ``_follow``: its history is not recorded here.
+        given = result.all_messages()
+        tail = next((n for n in range(len(given) - 1, -1, -1) if isinstance(given[n], ModelResponse)), None)
+        if tail is None or tail == len(given) - 1 or given[tail].run_id not in (None, ctx.run_id):
+            return result
+        messages, ids = await _off_loop(len(given), from_pydantic_ai, given)
+        await self._sync(self._thread(ctx), messages, ids, compact=False)
+        return result
