@@ -1515,7 +1515,7 @@ async def test_a_second_abandoned_call_is_closed_after_the_first_numbered_a_row_
     await compactor.append(THREAD, [Message.assistant(None, tool_calls=[second])])
     await compactor.append(THREAD, [Message.user("u2 " + "x " * 1000)])
     await compactor.maybe_compact(THREAD)  # A is closed in place; B, one turn old, still waits
-    assert [row.seq for row in (await store.load(THREAD)).messages][0] == 0
+    assert (await store.load(THREAD)).messages[0].seq == 0
     await compactor.append(THREAD, [Message.user("u3")])
     await compactor.maybe_compact(THREAD)  # B's turn: two turns after it now
     await compactor.maybe_compact(THREAD)

@@ -261,7 +261,9 @@ async def test_a_step_whose_record_fails_leaves_nothing_of_it_stored() -> None:
 
 
 @pytest.mark.parametrize("backend", ["memory", "sqlite"])
-async def test_a_run_cancelled_as_its_last_tool_returns_records_the_step(backend: str, tmp_path: Path) -> None:
+async def test_a_run_cancelled_as_its_last_tool_returns_records_the_step(
+    backend: str, tmp_path: Path
+) -> None:
     """A cancellation that arrives once every tool ran waits for the step's record; it does not lose it.
 
     Only the path that caught the cancellation inside the tools was shielded.
