@@ -538,6 +538,39 @@ async def test_an_empty_summary_follows_the_summarizer_error_policy(store: Any) 
     assert stalled is not None and stalled.stalled
 
 
+@pytest.mark.parametrize("fails", ["blank", "raises"])
+async def test_a_fallback_that_fails_too_leaves_the_context_unfolded(store: Any, fails: str) -> None:
+    """The summarizer fails, then a fallback returns whitespace (or raises): the fold stalls, losing nothing.
+
+    Only the primary summarizer's summary was checked: a blank one from the
+    fallback was written as the summary of the 12 folded messages, which
+    kept nothing of them; a fallback's ``SummarizerError`` escaped the policy.
+    """
+
+    async def down(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        raise SummarizerError("provider down", status=503)
+
+    async def fallback(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        if fails == "raises":
+            raise SummarizerError("the fallback is down too")
+        return "  \n "
+
+    compactor = Compactor(
+        store,
+        options=options(),
+        summarizer=FunctionSummarizer(down),
+        fallback=FunctionSummarizer(fallback),
+        counter=ApproximateCounter(),
+    )
+    await grow(compactor, range(6), compact=False)
+    before = await store.load(THREAD)
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.stalled and not result.compacted
+    assert "provider down" in result.detail and "the fallback failed too" in result.detail
+    assert await store.load(THREAD) == before
+    assert await store.latest_checkpoint(THREAD) is None
+
+
 async def test_two_compactors_on_one_thread_apply_one_compaction(store: Any) -> None:
     """Two workers checking the same thread at once apply exactly one compaction."""
 

@@ -387,6 +387,14 @@ _running_job: ContextVar[_Background | None] = ContextVar("contextfold_backgroun
 """The background fold the current task computes (``None`` in a step): its summary is reported as one."""
 
 
+def _checked(summary: Summary, summarizer: Summarizer) -> Summary:
+    """``summary``, once known to hold text a store can keep; else the summarizer's ``SummarizerError``."""
+    if not summary.text.strip():
+        raise SummarizerError(f"summarizer {summarizer!r} returned an empty summary")
+    _check_storable(summary.text, summarizer)
+    return summary
+
+
 def _check_storable(text: str, summarizer: Summarizer) -> None:
     """Raise ``SummarizerError`` for a summary no store can hold: a lone surrogate, which JSON may carry.
 
@@ -1688,11 +1696,9 @@ class Compactor:
     ) -> Summary:
         previous = _summary_body(plan.previous_summary) if plan.previous_summary is not None else None
         try:
-            summary = await self._call_summarizer(self.summarizer, plan, previous, room)
-            if not summary.text.strip():
-                raise SummarizerError(f"summarizer {self.summarizer!r} returned an empty summary")
-            _check_storable(summary.text, self.summarizer)
-            return summary
+            return _checked(
+                await self._call_summarizer(self.summarizer, plan, previous, room), self.summarizer
+            )
         except (SummarizerError, TimeoutError) as exc:
             if settings.on_summarizer_error == "raise":
                 if isinstance(exc, SummarizerError):
@@ -1708,7 +1714,14 @@ class Compactor:
                 "summarizer %r raised an unexpected error; it is a bug to fix, not an outage", self.summarizer
             )
             raise
-        summary = await self._call_summarizer(self.fallback, plan, previous, room)
+        try:
+            summary = _checked(
+                await self._call_summarizer(self.fallback, plan, previous, room), self.fallback
+            )
+        except (SummarizerError, TimeoutError) as exc:  # no summary to fold into: the fold waits
+            raise _Skipped(
+                f"{type(failure).__name__}: {failure}; the fallback failed too: {type(exc).__name__}: {exc}"
+            ) from exc
         await self._emit(
             SummaryDegraded(
                 thread=thread,
