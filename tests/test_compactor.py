@@ -1531,6 +1531,38 @@ async def test_an_abandoned_calls_error_result_goes_right_after_the_call(store: 
     assert {row.episode_seq for row in kept} <= set(before.values())
 
 
+@pytest.mark.parametrize("stores", ["one", "two"])
+async def test_an_abandoned_call_is_closed_by_a_check_with_no_fold_to_make(store: Any, stores: str) -> None:
+    """Far under the budget, a call unanswered for ``abandon_after_turns`` turns gets its error result.
+
+    Abandoned calls were closed only inside a fold: under the trigger every
+    request went on carrying a call with no result (which providers refuse),
+    however many turns passed. With two stores (the log in its own) too.
+    """
+    from contextfold._compactor import ABANDONED_METADATA_KEY
+
+    settings = SummarizeOptions(trigger_token_budget=60_000, abandon_after_turns=2)
+    log = store if stores == "one" else MemoryStore()
+    compactor = Compactor(
+        short_term=store, episodic=log, options=settings, counter=ApproximateCounter(), log_events=False
+    )
+    lost = ToolCall(id="A", name="slow", arguments="{}")
+    await compactor.append(THREAD, [Message.user("go"), Message.assistant(None, tool_calls=[lost])])
+    texts = []
+    for n in range(3):
+        await compactor.append(THREAD, [Message.user(f"u{n}")])
+        assert await compactor.maybe_compact(THREAD) is None
+        context = await compactor.context(THREAD)
+        texts.append([m.tool_call_id or m.text for m in context])
+    assert texts[0] == ["go", "", "u0"]  # one turn after the call: it may still come
+    assert texts[1] == texts[2][:-1] == ["go", "", "A", "u0", "u1"]
+    assert context[2].metadata[ABANDONED_METADATA_KEY] is True
+    assert context == (await store.load(THREAD)).plain
+    assert await log.latest_checkpoint(THREAD) is None  # no fold was made
+    logged = conversation([record async for record in log.replay(THREAD)])
+    assert [m.tool_call_id for m in logged if m.role is Role.TOOL] == ["A"]
+
+
 async def test_a_second_abandoned_call_is_closed_after_the_first_numbered_a_row_0(store: Any) -> None:
     """Two calls abandoned one after the other on a never-folded thread: both get their result in place.
 

@@ -25,7 +25,7 @@ import bisect
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
@@ -516,6 +516,8 @@ class Compactor:
         was forgotten and started over, and the wait was for a context gone.
         """
         self._pending_since: dict[tuple[str, str], float] = {}
+        self._unanswered: dict[str, Counter[str]] = {}
+        """With two stores (no cached context): per thread, the calls this compactor appended unanswered."""
         self._background: dict[str, _Background] = {}
         self._task_group: TaskGroup | None = None
         self._counter_ready: TokenCounter | None = None
@@ -654,6 +656,7 @@ class Compactor:
                 for episode in episodes:
                     await self.episodic.record(thread, episode)
                 stored = await self.short_term.append(thread, sent, tokens)
+                self._track_unanswered(thread, sent)
         cache = self._cache.get(thread)
         if cache is not None and stored and stored[0].seq == cache.last_seq + 1:
             cache.extend(stored)
@@ -744,11 +747,9 @@ class Compactor:
         stats, episodic = await self._observe(thread, now, settings)
         tokens = stats.total_tokens + self._overhead.get(thread, 0)
         cache = self._cache.get(thread)
-        turns = (
-            cache.turns
-            if cache is not None and cache.version == stats.version and cache.last_seq == stats.last_seq
-            else stats.message_count
-        )
+        if cache is not None and (cache.version != stats.version or cache.last_seq != stats.last_seq):
+            cache = None  # behind the store: its turns and open calls may be stale
+        turns = cache.turns if cache is not None else stats.message_count
         reason = settings.config.trigger.reason(
             unchecked_pressure(turns, tokens, stats.message_count, episodic)
         )
@@ -760,6 +761,12 @@ class Compactor:
         ):  # the turns made it fire: the plan's own count of them decides
             reason = await self._turns_confirmed(thread, settings, stats, tokens, episodic)
         if reason is None:
+            # A call still unanswered: abandoned yet? (With no fold to make, no fold would close it.)
+            if cache is not None:
+                if cache.open_calls:
+                    await self._close_abandoned(thread, cache.snapshot(), cache.version, settings)
+            elif self._store is None and self._unanswered.get(thread):
+                await self._close_abandoned_loaded(thread, settings)
             if (
                 settings.background_at is not None
                 and running is None
@@ -1098,6 +1105,34 @@ class Compactor:
         if not await self._answer_in_place(thread, rows, version, closing):
             await self.append(thread, [result for _, result in closing])
         return True
+
+    async def _close_abandoned_loaded(self, thread: str, settings: Settings) -> None:
+        """``_close_abandoned`` on the context read whole: two stores keep no cached one.
+
+        Only while a call this compactor appended may be unanswered (see
+        ``_track_unanswered``); the read says which still are.
+        """
+        window = await self.short_term.load(thread)
+        rows = _Rows.of(window.messages)
+        unanswered = Counter(call.id for _, call in rows.unanswered())
+        if not unanswered:
+            self._unanswered.pop(thread, None)
+            return
+        self._unanswered[thread] = unanswered
+        await self._close_abandoned(thread, rows, window.version, settings)
+
+    def _track_unanswered(self, thread: str, messages: Sequence[Message]) -> None:
+        """Note the calls ``messages`` make and the results they give (two stores only)."""
+        calls = self._unanswered.get(thread)
+        for message in messages:
+            if message.tool_calls:
+                if calls is None:
+                    calls = self._unanswered[thread] = Counter()
+                calls.update(call.id for call in message.tool_calls)
+            elif message.role is _TOOL and calls and calls[message.tool_call_id or ""] > 0:
+                calls[message.tool_call_id or ""] -= 1
+        if calls is not None and not +calls:
+            del self._unanswered[thread]
 
     async def _answer_in_place(
         self, thread: str, rows: _Rows, version: int, closing: list[tuple[int, Message]]

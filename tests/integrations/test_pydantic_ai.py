@@ -403,7 +403,8 @@ class Down(Exception):
 
 @pytest.mark.parametrize("keep", [8, 10], ids=["call-folded", "call-kept"])
 async def test_an_abandoned_calls_result_written_beside_a_new_prompt_records_nothing_twice(keep: int) -> None:
-    """A fold that closes an abandoned call records its result after the run's new prompt: nothing twice.
+    """A check that closes an abandoned call at a run's first request records its result after the run's
+    new prompt (in the context it goes right after the call); then a fold: nothing is recorded twice.
 
     Before, the prompt and the reply before it were taken for new, recorded and sent again, and with
     the call kept in the context, its error result too.
@@ -411,7 +412,7 @@ async def test_an_abandoned_calls_result_written_beside_a_new_prompt_records_not
     options = RunOptions(
         max_history_tokens=4_000,
         compaction=SummarizeOptions(
-            trigger_token_budget=1_400, min_recent_messages=keep, min_recent_turns=1, abandon_after_turns=2
+            trigger_token_budget=1_400, min_recent_messages=keep, min_recent_turns=1, abandon_after_turns=3
         ),
     )
     requests: list[list[Message]] = []
@@ -445,10 +446,10 @@ async def test_an_abandoned_calls_result_written_beside_a_new_prompt_records_not
                 await bot.run(prompt, conversation_id="c")
         records = [r async for r in store.replay("c")]
     texts = [text_of(m) for m in conversation(records)]
-    closed = texts[15]
+    closed = texts[11]  # three turns after the call: at run 3's first request, beside its prompt
     assert closed.startswith("error: no result arrived for tool call 'call_1'")
     turn = {n: [prompts[n], f"call_{n}", f"record {n}", "noted"] for n in (0, 2, 3, 4)}
-    assert texts == [*turn[0], prompts[1], "call_1", *turn[2], *turn[3], prompts[4], closed, *turn[4][1:]]
+    assert texts == [*turn[0], prompts[1], "call_1", *turn[2], prompts[3], closed, *turn[3][1:], *turn[4]]
     assert any(isinstance(r.episode, SummaryCheckpoint) for r in records)
     # The fold came at the last run's first request: each of its two requests sends the prompt once.
     first, second = ([text_of(m) for m in request] for request in requests[-2:])
