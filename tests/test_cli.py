@@ -757,6 +757,50 @@ def test_a_sqlite_url_without_a_store_is_refused_too(tmp_path: Path) -> None:
     assert hashlib.sha256(db.read_bytes()).hexdigest() == before
 
 
+@pytest.mark.parametrize("form", ["path", "url"])
+def test_demo_refuses_a_db_that_is_not_a_sqlite_database_and_leaves_it_alone(
+    tmp_path: Path, form: str
+) -> None:
+    """demo --db on a text file exits 1 in one line naming --db, the value and the fix; the file is unchanged.
+
+    Before, it printed the store's "SQLite database 'notes.txt': file is not a
+    database", which names neither --db nor what to pass instead.
+    """
+    notes = tmp_path / "notes.txt"
+    foreign_db(notes, "text")
+    before = hashlib.sha256(notes.read_bytes()).hexdigest()
+    db = str(notes) if form == "path" else f"sqlite:///{notes}"
+    result = cli("demo", "--db", db, "--steps", "3", tmp=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.splitlines() == [
+        f"Error: --db {db} is not a SQLite database, so the demo cannot write its store there (the file is "
+        "left as it is); pass a new file, such as demo.db, or the SQLite file of an earlier demo, or leave "
+        "--db out for a new temporary file"
+    ]
+    assert hashlib.sha256(notes.read_bytes()).hexdigest() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_demo_refuses_a_db_that_is_a_folder_or_in_a_missing_one(tmp_path: Path) -> None:
+    """demo --db naming a folder, or a file in a missing folder, exits 1 in one line with the fix."""
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    result = cli("demo", "--db", str(folder), "--steps", "3", tmp=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.splitlines() == [
+        f"Error: --db {folder} is a folder; name a file in it, such as {folder / 'demo.db'} (created if "
+        "missing), or leave --db out for a new temporary file"
+    ]
+    assert list(folder.iterdir()) == []
+    missing = tmp_path / "nowhere" / "d.db"
+    result = cli("demo", "--db", str(missing), "--steps", "3", tmp=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.splitlines() == [
+        f"Error: --db {missing}: {missing.parent} does not exist; pass a file in a folder that exists"
+    ]
+    assert [p.name for p in tmp_path.iterdir()] == ["runs"]
+
+
 def test_a_store_of_a_newer_schema_gives_the_stores_own_error(thread_db: Path) -> None:
     """threads on a store a newer contextfold wrote names the schema version, not a missing store."""
     with sqlite3.connect(thread_db) as conn:

@@ -506,7 +506,7 @@ def test_an_episodic_context_trigger_at_or_below_the_target_is_refused() -> None
         (
             {"abandon_after_turns": 0},
             "compaction.abandon_after_turns=0: must be a whole number above 0, for example 8 (the default), "
-            "or None to abandon by time only",
+            "or None to abandon by time only, with abandon_after_seconds set",
         ),
         (
             {"abandon_after_seconds": 0},

@@ -83,7 +83,7 @@ def conversations(draw: st.DrawFn) -> Conversation:
 
 strategies_ = st.one_of(
     st.builds(SlidingWindow, st.integers(0, 6)),
-    st.builds(TokenBudget, st.integers(0, 300), st.integers(0, 4)),
+    st.builds(TokenBudget, st.integers(1, 300), st.integers(0, 4)),
     st.builds(ObservationMasking, st.integers(0, 6)),
 )
 triggers = st.one_of(
@@ -238,7 +238,7 @@ def test_nothing_changes_when_the_trigger_does_not_fire(
 
 
 @PROPERTY_SETTINGS
-@given(st.data(), conversations(), st.integers(0, 300), st.integers(0, 4), st.integers(0, 3))
+@given(st.data(), conversations(), st.integers(1, 300), st.integers(0, 4), st.integers(0, 3))
 def test_token_budget_keeps_exactly_the_newest_units_that_fit(
     data: st.DataObject, conversation: Conversation, budget: int, keep: int, floor: int
 ) -> None:
@@ -333,7 +333,7 @@ pipelines = st.builds(
         st.sampled_from(["[m]", "<{tool_call_id}>"]),
         clear_arguments=st.booleans(),
     ),
-    st.builds(TokenBudget, st.integers(0, 300), st.integers(0, 3)),
+    st.builds(TokenBudget, st.integers(1, 300), st.integers(0, 3)),
 )
 
 

@@ -326,7 +326,7 @@ def test_bad_strategy_settings_are_config_errors(build: object, key: str) -> Non
     [
         (
             lambda: TokenBudget(-1),
-            "TokenBudget.max_tokens=-1: must be a whole number >= 0, for example TokenBudget(4000)",
+            "TokenBudget.max_tokens=-1: must be a whole number >= 1, for example TokenBudget(4000)",
         ),
         (
             lambda: SlidingWindow(-2),

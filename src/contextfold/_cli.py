@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import secrets
+import sqlite3
 import statistics
 import tempfile
 import time
@@ -40,12 +41,13 @@ from ._episodes import (
     ToolCallEpisode,
     conversation,
 )
-from ._errors import ConfigError, ContextfoldError
+from ._errors import ConfigError, ContextfoldError, StoreError
 from ._loop import StepLoop
 from ._resource import AsyncResource
 from ._secrets import url_passwords
 from ._tokens import TiktokenCounter
 from .cli import open_store, redact_url
+from .stores import SQLiteStore
 from .stores._base import Store, StoredMessage
 from .summarizers import AnthropicSummarizer, ExtractiveSummarizer, OpenAICompatibleSummarizer, Summarizer
 
@@ -374,6 +376,8 @@ def demo(
     counter = TiktokenCounter()
     try:
         store = _store(db, create=True)  # opened, and a SQLite file created, only by the session
+        if not temporary and isinstance(store, SQLiteStore):
+            _require_demo_file(db, store.path)
         compactor = _compactor(store, budget, chosen, counter)
     except click.ClickException:
         if temporary:
@@ -391,7 +395,15 @@ def demo(
         async with AsyncExitStack() as stack:
             if isinstance(chosen, AsyncResource):  # the HTTP summarizers own a connection pool
                 await stack.enter_async_context(chosen)
-            await stack.enter_async_context(store)
+            try:
+                await stack.enter_async_context(store)
+            except StoreError as exc:  # what the check above cannot see, such as a file it may not write
+                if temporary or not isinstance(store, SQLiteStore):
+                    raise
+                raise click.ClickException(
+                    f"--db {db}: {exc}; pass a SQLite file you can write, or leave --db out for a new "
+                    "temporary file"
+                ) from None
             with Progress(
                 TextColumn("[bold]simulating"),
                 BarColumn(),
@@ -436,6 +448,42 @@ def demo(
         raise click.ClickException(
             f"every summary ({len(made)}) fell back to the offline summarizer: {_describe(chosen)} failed"
         )
+
+
+def _require_demo_file(db: str, path: Path) -> None:
+    """Fail before the demo runs when ``--db`` names no file a SQLite store can be written to.
+
+    The file is only read, so one that is refused is left as it was.
+    """
+    try:
+        folder_given = path.is_dir()
+    except OSError:  # a name too long, say: opening the store words it
+        return
+    if folder_given:
+        raise click.ClickException(
+            f"--db {db} is a folder; name a file in it, such as {path / 'demo.db'} (created if missing), "
+            "or leave --db out for a new temporary file"
+        )
+    folder = path.parent
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise click.ClickException(f"--db {db}: {folder} {what}; pass a file in a folder that exists")
+    if not path.is_file() or path.stat().st_size == 0:
+        return  # a new or empty file: the store creates its tables there
+    try:
+        conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=5)
+        try:
+            conn.execute("PRAGMA user_version").fetchone()  # reads the file's header
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        notadb = getattr(exc, "sqlite_errorname", "") == "SQLITE_NOTADB"
+        what = "is not a SQLite database" if notadb else f"cannot be read as a SQLite database ({exc})"
+        raise click.ClickException(
+            f"--db {db} {what}, so the demo cannot write its store there (the file is left as it is); "
+            "pass a new file, such as demo.db, or the SQLite file of an earlier demo, or leave --db out "
+            "for a new temporary file"
+        ) from None
 
 
 def _summaries(stats: DemoStats) -> list[CompactionResult]:

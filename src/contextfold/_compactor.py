@@ -451,6 +451,7 @@ class Compactor:
         log_events: bool = True,
         telemetry: Telemetry | None = None,
     ) -> None:
+        from ._config import check_summary_room
         from .summarizers import ExtractiveSummarizer
 
         short = short_term if short_term is not None else store
@@ -479,15 +480,10 @@ class Compactor:
             fallback if fallback is not None else ExtractiveSummarizer(counter=self.counter)
         )
         check_summarizers(summarizer=summarizer, fallback=fallback)
-        if self.settings is not None and self.settings.summarize:
-            from .summarizers import ChatSummarizer
-
-            asked = [summarizer if summarizer is not None else self.fallback]
-            if self.settings.on_summarizer_error == "fallback":  # the fallback is asked only then
-                asked.append(self.fallback)
-            for chosen in asked:  # a chat model knows its window, the extractive one its headings
-                if isinstance(chosen, ChatSummarizer | ExtractiveSummarizer):
-                    chosen.check_summary_room(self.settings.max_summary_tokens, key=_summary_key(options))
+        if self.settings is not None:  # a chat model knows its window, the extractive one its headings
+            check_summary_room(
+                self.settings, options, summarizer=summarizer, fallback=fallback, default=self.fallback
+            )
         self.summarizer: Summarizer = summarizer if summarizer is not None else self.fallback
         if callable(subscribers) or not_a_sequence(subscribers):
             raise ConfigError(
@@ -2044,13 +2040,6 @@ def _recording_writer(
     writes = next(cls for cls in mro if "_write_recording" in vars(cls))
     records = next(cls for cls in mro if "record_and_append" in vars(cls))
     return write if writes is records else None
-
-
-def _summary_key(options: object) -> str:
-    """Where ``max_summary_tokens`` was given, as its ``ConfigError`` names it."""
-    if isinstance(options, RunOptions):
-        return "compaction.max_summary_tokens"
-    return "max_summary_tokens"
 
 
 def _check_llm_call(model: object, usage: object, request_messages: object, request_tokens: object) -> None:

@@ -32,6 +32,8 @@ from ._strategies import CompactionConfig, ObservationMasking, Strategy, TokenBu
 if TYPE_CHECKING:
     from pydantic.config import ExtraValues
 
+    from .summarizers import ChatSummarizer, ExtractiveSummarizer, Summarizer
+
 __all__ = [
     "WINDOW_MULTIPLE_OF_TRIGGER",
     "CompactionMode",
@@ -39,6 +41,7 @@ __all__ = [
     "RunOptions",
     "Settings",
     "SummarizeOptions",
+    "check_summary_room",
     "resolve_settings",
 ]
 
@@ -233,7 +236,9 @@ class SummarizeOptions(_Options):
         ),
         "keep_first": "0 (the default), or 1 to pin the first user message",
         "max_tool_output_tokens": "2000, or None (the default) for no cap",
-        "abandon_after_turns": "8 (the default), or None to abandon by time only",
+        "abandon_after_turns": (
+            "8 (the default), or None to abandon by time only, with abandon_after_seconds set"
+        ),
         "abandon_after_seconds": "600, or None (the default) to abandon by turns only",
         "background_at": "0.8, or None (the default) to summarize within the step",
     }
@@ -375,6 +380,15 @@ class SummarizeOptions(_Options):
                 f"{self.effective_target_tokens}-token target a fold aims for, so it would fold again at "
                 f"once; use a fraction above {smallest:g}, for example 0.8",
                 value=self.background_at,
+            )
+        if self.abandon_after_turns is None and self.abandon_after_seconds is None:
+            raise ConfigError(
+                "compaction.abandon_after_turns",
+                "is None and so is abandon_after_seconds, so a tool call that never gets its result is "
+                "never abandoned: it stays pending and blocks every fold of its thread for good; keep "
+                "abandon_after_turns=8 (the default), or set abandon_after_seconds, for example 600, to "
+                "abandon by time only",
+                value=None,
             )
         if self.max_summary_tokens >= self.effective_target_tokens:
             raise ConfigError(
@@ -541,6 +555,80 @@ def _check_target_below_trigger(
     )
 
 
+def _summary_key(options: object) -> str:
+    """Where ``max_summary_tokens`` was given, as a ``ConfigError`` about it names it."""
+    return "compaction.max_summary_tokens" if isinstance(options, RunOptions) else "max_summary_tokens"
+
+
+def _preset_of(options: object) -> SummarizeOptions | None:
+    if isinstance(options, SummarizeOptions):
+        return options
+    return options.compaction if isinstance(options, RunOptions) else None
+
+
+def _summary_size_given(preset: SummarizeOptions) -> bool:
+    """Whether the caller set ``max_summary_tokens``, rather than leaving it derived from the budget."""
+    derived = _default_summary_tokens(preset.trigger_token_budget, preset.target_tokens)
+    return "max_summary_tokens" in preset.model_fields_set and preset.max_summary_tokens != derived
+
+
+def _with_target(config: CompactionConfig, target: int) -> str:
+    """The strategy aiming at ``target`` instead, with a trigger above it when the current one fires below.
+
+    A fold's target must stay below the tokens at which its trigger fires
+    (see ``_check_target_below_trigger``), so a larger target may need a
+    larger trigger too.
+    """
+    budgeted = [s for s in config.strategies if s.target() is not None and s.target() == config.target]
+    wider = (
+        repr(replace(budgeted[-1], max_tokens=target))
+        if budgeted and isinstance(budgeted[-1], TokenBudget)
+        else f"TokenBudget({target})"
+    )
+    found = _limit_source(config.trigger)
+    if found is None or found[0] > target:
+        return wider
+    above = 2 * target
+    source = found[1]
+    trigger = f"TokenCount({above})" if source.startswith("TokenCount") else f"trigger_context_tokens={above}"
+    return f"{wider} with a trigger above it, such as {trigger} in place of {source}"
+
+
+def _check_summary_below_target(
+    config: CompactionConfig, size: int, *, options: object, preset: SummarizeOptions | None
+) -> None:
+    """Refuse a summary as large as the fold's target: the fold would end over it, summary and all.
+
+    The preset checks its own pair; this checks the target a strategy given
+    beside the preset sets, and the one a strategy alone sets.
+    """
+    target = config.target
+    if target is None or size < target:
+        return
+    if preset is None:  # summaries get half the target: only a 1-token target leaves them no room
+        found = _limit_source(config.trigger)
+        aim = found[0] // 2 if found is not None and found[0] >= 4 else 4000
+        raise ConfigError(
+            "strategy",
+            f"aims a fold at {target} token, which leaves a summary no room below it (a summary gets half "
+            f"the target); use a target of at least 2, for example {_with_target(config, aim)}",
+            value=config.strategy,
+        )
+    unset = (
+        ""
+        if _summary_size_given(preset)
+        else " (unset, it is 1024 or half the preset's own target, whichever is smaller)"
+    )
+    raise ConfigError(
+        _summary_key(options),
+        f"must be below the {target}-token target of strategy={config.strategy!r}, which replaces the "
+        f"preset's target{unset}: a summary that large leaves the kept turns no room, so folds would end "
+        f"over the target; set max_summary_tokens to at most {target // 2}, or use a target above {size}, "
+        f"for example {_with_target(config, 2 * size)}",
+        value=size,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     """Everything a ``Compactor`` needs, resolved from a preset or from triggers and strategies."""
@@ -614,6 +702,8 @@ def resolve_settings(
         )
         if trigger is not None or strategy is not None:  # the preset checked its own pair
             _check_target_below_trigger(config, trigger=trigger, strategy=strategy, preset=preset)
+        if strategy is not None and preset.summarizes:  # the preset checked its summary against its target
+            _check_summary_below_target(config, preset.max_summary_tokens, options=options, preset=preset)
         hard = run.max_history_tokens if run is not None else None
         return Settings(
             config=config,
@@ -639,6 +729,8 @@ def resolve_settings(
     summarize = not all(s.masks for s in probe.strategies)
     config = CompactionConfig(trigger, strategy, summary_tokens=summary if summarize else 0)
     _check_target_below_trigger(config, trigger=trigger, strategy=strategy, preset=None)
+    if summarize:
+        _check_summary_below_target(config, max(1, summary), options=options, preset=None)
     budget = _token_limit(trigger)
     return Settings(
         config=config,
@@ -654,4 +746,158 @@ def resolve_settings(
         abandon_after_seconds=None,
         background_at=None,
         episodic=_needs_episodic(trigger),
+    )
+
+
+def check_summary_room(
+    settings: Settings,
+    options: object,
+    *,
+    summarizer: Summarizer | None,
+    fallback: Summarizer | None,
+    default: Summarizer,
+) -> None:
+    """Refuse a summary size that a summarizer the compactor may ask cannot write to.
+
+    The extractive summarizer needs room for its section headings; a chat
+    model needs its window to hold the summary beside the conversation. The
+    error says which summarizer cannot (the one asked for every summary, or
+    the fallback asked when it fails) and names what the caller set or can
+    set: ``max_summary_tokens`` under a preset; with triggers and strategies
+    alone, the strategy whose target the size is derived from, or the
+    fallback.
+    """
+    from .summarizers import ChatSummarizer, ExtractiveSummarizer
+
+    if not settings.summarize:
+        return
+    size = settings.max_summary_tokens
+    # (the argument holding it, or None for the default; what it serves as; the summarizer)
+    asked: list[tuple[str | None, str, Summarizer]] = [
+        (
+            "summarizer" if summarizer is not None else ("fallback" if fallback is not None else None),
+            "summarizer",
+            summarizer if summarizer is not None else default,
+        )
+    ]
+    if settings.on_summarizer_error == "fallback" and asked[0][2] is not default:
+        asked.append(("fallback" if fallback is not None else None, "fallback", default))
+    preset = _preset_of(options)
+    for given, serves, chosen in asked:
+        if isinstance(chosen, ExtractiveSummarizer):
+            if size < chosen.least_summary_tokens():
+                raise _headings_error(settings, options, preset, given, serves, chosen)
+        elif isinstance(chosen, ChatSummarizer):
+            if preset is not None:
+                chosen.check_summary_room(size, key=_summary_key(options))
+            else:
+                _check_window(settings, chosen, given or serves)
+
+
+def _headings_error(
+    settings: Settings,
+    options: object,
+    preset: SummarizeOptions | None,
+    given: str | None,
+    serves: str,
+    chosen: ExtractiveSummarizer,
+) -> ConfigError:
+    """The summary size is below the extractive summarizer's headings: say which one, and what to change."""
+    size = settings.max_summary_tokens
+    least, advised = chosen.least_summary_tokens(), chosen.advised_summary_tokens()
+    asks_fallback = settings.on_summarizer_error == "fallback"
+    if given is None and serves == "summarizer":
+        who = "the default summarizer, an ExtractiveSummarizer" + (
+            ", also the fallback," if asks_fallback else ""
+        )
+    elif given is None:
+        who = "the default fallback (an ExtractiveSummarizer, asked whenever the summarizer fails)"
+    else:
+        who = f"the ExtractiveSummarizer passed as {given}"
+        if given == "fallback" and serves == "summarizer":
+            who += " (with no summarizer given, it writes every summary)"
+    fails = (
+        "so every fold would fail"
+        if serves == "summarizer"
+        else "so every fold that falls back to it would fail"
+    )
+    short = "a summarizer that writes summaries that short, such as a FunctionSummarizer"
+    if given is None and serves == "summarizer":
+        swap = f"pass summarizer= {short}" + (", and fallback= one like it" if asks_fallback else "")
+    elif serves == "fallback":
+        swap = f"pass fallback= {short} (the summarizer you passed will do)"
+        if preset is not None:
+            swap += ", or on_summarizer_error='raise' or 'skip', which ask no fallback"
+    else:
+        swap = f"pass {given}= {short}"
+    if preset is not None:
+        unset = (
+            ""
+            if _summary_size_given(preset)
+            else " (unset, it is half of target_tokens, by default a quarter of trigger_token_budget: a "
+            f"budget of {4 * advised} or more)"
+        )
+        return ConfigError(
+            _summary_key(options),
+            f"is below the {least} tokens {who} needs for its section headings alone, {fails}; give it "
+            f"{advised} or more, room for a few lines beside them{unset}, or {swap}",
+            value=size,
+        )
+    # Without a preset the size is half the strategy's target: that target, or the fallback, is the fix.
+    config = settings.config
+    wider = _with_target(config, 2 * advised)
+    room = f"a target of {2 * advised} or more, for example {wider}"
+    if serves == "summarizer":
+        return ConfigError(
+            "strategy",
+            f"leaves summaries {size} tokens, half its {config.target}-token target, below the {least} "
+            f"tokens {who} needs for its section headings alone, {fails}; use {room}, or {swap}",
+            value=config.strategy,
+        )
+    reason = (
+        f"{'is unset, so it is ' if given is None else 'is '}an ExtractiveSummarizer, asked whenever the "
+        f"summarizer fails, which needs {least} tokens for its section headings alone; summaries get {size} "
+        f"here, half the {config.target}-token target of strategy={config.strategy!r}, {fails}; {swap}, or "
+        f"give summaries room with {room}"
+    )
+    return ConfigError("fallback", reason) if given is None else ConfigError("fallback", reason, value=chosen)
+
+
+def _check_window(settings: Settings, chosen: ChatSummarizer, key: str) -> None:
+    """Refuse a summary size the chat model's window cannot hold, naming the strategy's target as the fix."""
+    size = settings.max_summary_tokens
+
+    def fits(tokens: int) -> bool:
+        try:
+            chosen.check_summary_room(tokens)
+        except ConfigError:
+            return False
+        return True
+
+    if fits(size):
+        return
+    # The largest size the window holds: the check is cheap (no tokenizer) and monotonic in the size.
+    low, high = 0, size
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    target = settings.config.target
+    source = (
+        f"half the {target}-token target of strategy={settings.config.strategy!r}, at most "
+        f"{DEFAULT_MAX_SUMMARY_TOKENS}"
+        if target is not None
+        else f"{DEFAULT_MAX_SUMMARY_TOKENS}, as no TokenBudget in the strategy sets a target"
+    )
+    if low < 1:
+        fix = ""
+    elif target is not None:
+        fix = f"use a target of at most {2 * low}, for example {_with_target(settings.config, 2 * low)}, or "
+    else:
+        fix = f"end the strategy with a TokenBudget of at most {2 * low}, such as TokenBudget({2 * low}), or "
+    raise ConfigError(
+        key,
+        f"cannot hold a {size}-token summary beside the conversation in its context_window_tokens="
+        f"{chosen.context_window_tokens} (summaries get {source}); {fix}use a summarizer model with a "
+        "larger window",
+        value=chosen,
     )

@@ -207,9 +207,9 @@ def unanswered_calls(messages: Sequence[Message]) -> list[tuple[int, ToolCall]]:
     return sorted((entry for entries in open_calls.values() for entry in entries), key=lambda e: e[0])
 
 
-def _check_count(key: str, value: int, example: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(key, f"must be a whole number >= 0, for example {example}", value=value)
+def _check_count(key: str, value: int, example: str, *, least: int = 0) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(key, f"must be a whole number >= {least}, for example {example}", value=value)
 
 
 class Strategy(ABC):
@@ -263,7 +263,17 @@ class TokenBudget(Strategy):
     keep_recent_turns: int = 0
 
     def __post_init__(self) -> None:
-        _check_count("TokenBudget.max_tokens", self.max_tokens, "TokenBudget(4000)")
+        # 0 is a whole number this refuses: it gets its own reason, a negative the range >= 1.
+        if type(self.max_tokens) is int and self.max_tokens == 0:
+            raise ConfigError(
+                "TokenBudget.max_tokens",
+                "must be non-zero: the target covers the whole request, pinned head included, and no "
+                "request fits in 0 tokens, so every fold would stall; use a positive target such as "
+                "TokenBudget(4000), or SlidingWindow(0) to keep only the protected turns, instead of "
+                "a zero target",
+                value=0,
+            )
+        _check_count("TokenBudget.max_tokens", self.max_tokens, "TokenBudget(4000)", least=1)
         _check_count("TokenBudget.keep_recent_turns", self.keep_recent_turns, "2")
 
     def keep(

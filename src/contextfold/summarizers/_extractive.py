@@ -364,15 +364,22 @@ class ExtractiveSummarizer:
         """
         return -(-len(self._render([])) // _CHARS_PER_TOKEN)
 
+    def advised_summary_tokens(self) -> int:
+        """The least ``max_summary_tokens`` with room for a few lines beside the section headings."""
+        return self.least_summary_tokens() + _ROOM_FOR_LINES
+
     def check_summary_room(self, max_summary_tokens: int, *, key: str = "max_summary_tokens") -> None:
         """Refuse a summary size below :meth:`least_summary_tokens`, at which every fold would fail.
 
-        The ``Compactor`` calls this when it is built, with ``key`` naming the option as it was given.
+        ``key`` names the option as it was given. A ``Compactor`` makes the
+        same check when it is built, in words that fit how it was configured
+        (a preset's ``max_summary_tokens``, or a strategy's target or the
+        fallback when the size is derived from triggers and strategies).
         """
         least = self.least_summary_tokens()
         if max_summary_tokens >= least:
             return
-        advised = least + _ROOM_FOR_LINES
+        advised = self.advised_summary_tokens()
         raise ConfigError(
             key,
             f"is below the {least} tokens the extractive summarizer needs for its section headings alone, "
