@@ -1531,6 +1531,79 @@ async def test_an_abandoned_calls_error_result_goes_right_after_the_call(store: 
     assert {row.episode_seq for row in kept} <= set(before.values())
 
 
+async def test_a_result_that_arrives_after_other_messages_goes_right_after_its_call(store: Any) -> None:
+    """A pending call, the user's next message, then the result: the context puts it after the call.
+
+    It was appended at the end, so every later request held
+    ``assistant[A], user, tool A``, which OpenAI's and Anthropic's APIs refuse.
+    The log keeps the order things happened in.
+    """
+    settings = SummarizeOptions(trigger_token_budget=8_000)
+    compactor = Compactor(store, options=settings, counter=ApproximateCounter(), log_events=False)
+    calls = [ToolCall(id=i, name="slow", arguments="{}") for i in ("A", "B")]
+    await compactor.append(THREAD, [Message.user("run both"), Message.assistant(None, tool_calls=calls)])
+    await compactor.append(THREAD, [Message.tool("B", "B done")])
+    await compactor.append(THREAD, [Message.user("any news?")])
+    stored = await compactor.append(THREAD, [Message.tool("A", "A done")])
+    context = await compactor.context(THREAD)
+    assert [(m.role.value, m.tool_call_id or m.text) for m in context] == [
+        ("user", "run both"),
+        ("assistant", ""),
+        ("tool", "B"),
+        ("tool", "A"),
+        ("user", "any news?"),
+    ]
+    assert _calls_answered_in_place(context)
+    window = await store.load(THREAD)
+    assert window.plain == context
+    assert [(row.seq, row.message) for row in stored] == [
+        (window.messages[3].seq, Message.tool("A", "A done"))
+    ]
+    log = conversation([record async for record in store.replay(THREAD)])
+    assert [m.tool_call_id or m.text for m in log] == ["run both", "", "B", "any news?", "A"]
+    # The next turn's result for the newest reply is appended as usual.
+    await compactor.append(
+        THREAD, [Message.assistant(None, tool_calls=[ToolCall(id="C", name="f", arguments="{}")])]
+    )
+    await compactor.append(THREAD, [Message.tool("C", "C done")])
+    assert [m.tool_call_id or m.text for m in await compactor.context(THREAD)][-3:] == ["any news?", "", "C"]
+
+
+async def test_a_result_placed_after_its_call_starts_over_when_another_worker_folded_meanwhile(
+    store: Any,
+) -> None:
+    """Another worker's fold lands between the result's read of the context and its write: it is placed anew."""
+    settings = SummarizeOptions(trigger_token_budget=1_000, min_recent_messages=0, min_recent_turns=1)
+    compactor = Compactor(store, options=settings, counter=ApproximateCounter(), log_events=False)
+    other = Compactor(store, options=settings, counter=ApproximateCounter(), log_events=False)
+    for n in range(6):
+        await compactor.append(THREAD, [Message.user(f"{_words(60)} {n}"), Message.assistant(f"ok {n}")])
+    call = ToolCall(id="A", name="slow", arguments="{}")
+    await compactor.append(THREAD, [Message.assistant(None, tool_calls=[call])])
+    await compactor.append(THREAD, [Message.user("any news?")])
+    record_and_replace = store.record_and_replace
+    folds = []
+
+    async def fold_first(*args: Any, **kwargs: Any) -> Any:
+        if not folds:
+            folds.append(await other.compact_now(THREAD))
+        return await record_and_replace(*args, **kwargs)
+
+    store.record_and_replace = fold_first
+    try:
+        stored = await compactor.append(THREAD, [Message.tool("A", "A done")])
+    finally:
+        del store.record_and_replace
+    assert folds[0] is not None and folds[0].compacted
+    context = await compactor.context(THREAD)
+    assert context[0].is_summary
+    assert [m.tool_call_id or m.text for m in context[-3:]] == ["", "A", "any news?"]
+    assert context == (await store.load(THREAD)).plain
+    assert [row.message.text for row in stored] == ["A done"]
+    log = conversation([record async for record in store.replay(THREAD)])
+    assert [m.text for m in log if m.role is Role.TOOL] == ["A done"]
+
+
 @pytest.mark.parametrize("stores", ["one", "two"])
 async def test_an_abandoned_call_is_closed_by_a_check_with_no_fold_to_make(store: Any, stores: str) -> None:
     """Far under the budget, a call unanswered for ``abandon_after_turns`` turns gets its error result.

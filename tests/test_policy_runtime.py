@@ -293,7 +293,10 @@ async def test_a_pending_call_in_the_middle_is_kept_until_its_result_arrives(sto
     await compactor.append(THREAD, [Message.tool("slow", "job done")])
     context = await compactor.context(THREAD)
     no_orphans(context)
-    assert context[-1].tool_call_id == "slow"
+    # The result goes right after its call, ahead of what came meanwhile, as providers require.
+    at = next(index for index, m in enumerate(context) if slow in m.tool_calls)
+    assert context[at + 1].tool_call_id == "slow"
+    assert context[-1].text == "meanwhile 5"
 
 
 async def test_an_abandoned_call_gets_an_error_result_in_both_logs_and_a_late_result_becomes_a_note(

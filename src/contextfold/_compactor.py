@@ -387,6 +387,15 @@ _running_job: ContextVar[_Background | None] = ContextVar("contextfold_backgroun
 """The background fold the current task computes (``None`` in a step): its summary is reported as one."""
 
 
+def _away_from_the_newest_reply(context: list[Message], results: Sequence[Message]) -> bool:
+    """Whether some result answers a call other than the newest reply's (only results follow that reply)."""
+    end = len(context)
+    while end and context[end - 1].role is _TOOL:
+        end -= 1
+    newest = {call.id for call in context[end - 1].tool_calls} if end else set()
+    return any(result.tool_call_id not in newest for result in results)
+
+
 def _checked(summary: Summary, summarizer: Summarizer) -> Summary:
     """``summary``, once known to hold text a store can keep; else the summarizer's ``SummarizerError``."""
     if not summary.text.strip():
@@ -514,6 +523,8 @@ class Compactor:
         self._pending_since: dict[tuple[str, str], float] = {}
         self._unanswered: dict[str, Counter[str]] = {}
         """With two stores (no cached context): per thread, the calls this compactor appended unanswered."""
+        self._passed: dict[str, set[str]] = {}
+        """Those of them some other message followed: their results go in place (see ``_place_results``)."""
         self._background: dict[str, _Background] = {}
         self._task_group: TaskGroup | None = None
         self._counter_ready: TokenCounter | None = None
@@ -621,6 +632,16 @@ class Compactor:
         for message in messages:
             if message.role is _TOOL:  # only a tool result can be late
                 sent = await self._sent(thread, messages)
+                if (
+                    sent is messages
+                    and not (
+                        extra_episodes or started or model or usage or request_messages or request_tokens
+                    )
+                    and all(m.role is _TOOL for m in messages)
+                ):
+                    placed = await self._place_results(thread, messages)
+                    if placed is not None:
+                        return placed
                 break
         if self._counter_ready is not self.counter:  # checked here: a step pays no extra await
             await self._ready_counter()
@@ -759,7 +780,7 @@ class Compactor:
         if reason is None:
             # A call still unanswered: abandoned yet? (With no fold to make, no fold would close it.)
             if cache is not None:
-                if cache.open_calls:
+                if cache.open_calls or cache.reused_open_id:  # (then open_calls may miss one)
                     await self._close_abandoned(thread, cache.snapshot(), cache.version, settings)
             elif self._store is None and self._unanswered.get(thread):
                 await self._close_abandoned_loaded(thread, settings)
@@ -970,6 +991,51 @@ class Compactor:
             )
         return sent
 
+    async def _place_results(self, thread: str, results: list[Message]) -> list[StoredMessage] | None:
+        """Results whose calls have other messages after them, each put right after its call.
+
+        ``None``, with nothing written, when every result answers the newest
+        reply (the common step: they are appended). A result appended after the
+        user's next message leaves the call followed by it, which OpenAI's and
+        Anthropic's APIs refuse in every later request; so it goes in place as
+        an abandoned call's does, and the log records it as it came. With two
+        stores (no cached context) the context is read for it, and only for
+        calls this compactor saw followed by another message.
+        """
+        if self._store is None:
+            passed = self._passed.get(thread)
+            if not passed or not any(result.tool_call_id in passed for result in results):
+                return None
+            window = await self.short_term.load(thread)
+            self._reckon_unanswered(thread, window.messages)
+            cache: _Cache | None = _Cache.of(window)
+        else:
+            cache = self._cache.get(thread)  # brought up to date by _sent
+        if cache is None or cache.reused_open_id or not _away_from_the_newest_reply(cache.plain, results):
+            return None  # (with an id open twice, which call a result answers is the order's to say)
+        rows = cache.snapshot()
+        open_at = {call.id: index for index, call in rows.unanswered()}
+        ids = [result.tool_call_id or "" for result in results]
+        if len(set(ids)) < len(ids) or not all(id_ in open_at for id_ in ids):
+            return None
+        closing = [(open_at[id_], result) for id_, result in zip(ids, results, strict=True)]
+        try:
+            seqs = await self._answer_in_place(thread, rows, cache.version, closing)
+        except ConflictError:  # another worker folded meanwhile
+            if self._store is not None:  # nothing written: start over from its context
+                return await self.append(thread, results)
+            # Two stores: the log recorded them already (as append orders its writes); the context
+            # takes them at its end.
+            stored = await self.short_term.append(thread, results, self._counts(results))
+            self._track_unanswered(thread, results)
+            return stored
+        if seqs is None:
+            return None
+        if self._store is None:
+            self._track_unanswered(thread, results)
+        rows_now = {row.seq: row for row in (await self.short_term.load(thread)).messages}
+        return [rows_now[seq] for seq in seqs if seq in rows_now]
+
     async def _current_cache(self, thread: str) -> _Cache | None:
         """The cached context, brought up to date with the store's stats: one point read, rows only if new.
 
@@ -1098,7 +1164,11 @@ class Compactor:
         logger.warning(
             "thread %r: closed %d abandoned tool call(s) with an error result", thread, len(closing)
         )
-        if not await self._answer_in_place(thread, rows, version, closing):
+        try:
+            placed = await self._answer_in_place(thread, rows, version, closing)
+        except ConflictError:  # another worker folded meanwhile: the next fold closes what is left
+            return True
+        if placed is None:
             await self.append(thread, [result for _, result in closing])
         return True
 
@@ -1109,31 +1179,49 @@ class Compactor:
         ``_track_unanswered``); the read says which still are.
         """
         window = await self.short_term.load(thread)
-        rows = _Rows.of(window.messages)
-        unanswered = Counter(call.id for _, call in rows.unanswered())
-        if not unanswered:
-            self._unanswered.pop(thread, None)
-            return
-        self._unanswered[thread] = unanswered
-        await self._close_abandoned(thread, rows, window.version, settings)
+        rows = self._reckon_unanswered(thread, window.messages)
+        if thread in self._unanswered:
+            await self._close_abandoned(thread, rows, window.version, settings)
+
+    def _reckon_unanswered(self, thread: str, stored: Sequence[StoredMessage]) -> _Rows:
+        """The context's rows, its unanswered calls noted as ``_track_unanswered`` notes them (two stores)."""
+        rows = _Rows.of(stored)
+        self._unanswered.pop(thread, None)
+        self._passed.pop(thread, None)
+        messages = rows.messages
+        for index, call in rows.unanswered():
+            self._unanswered.setdefault(thread, Counter())[call.id] += 1
+            if any(m.role is not _TOOL for m in messages[index + 1 :]):
+                self._passed.setdefault(thread, set()).add(call.id)
+        return rows
 
     def _track_unanswered(self, thread: str, messages: Sequence[Message]) -> None:
-        """Note the calls ``messages`` make and the results they give (two stores only)."""
+        """Note the calls ``messages`` make, the results they give and what follows them (two stores only)."""
         calls = self._unanswered.get(thread)
         for message in messages:
+            if message.role is _TOOL:
+                id_ = message.tool_call_id or ""
+                if calls and calls[id_] > 0:
+                    calls[id_] -= 1
+                continue
+            if calls:  # a message after the calls still open: their results no longer come next
+                self._passed.setdefault(thread, set()).update(id_ for id_, n in calls.items() if n > 0)
             if message.tool_calls:
                 if calls is None:
                     calls = self._unanswered[thread] = Counter()
                 calls.update(call.id for call in message.tool_calls)
-            elif message.role is _TOOL and calls and calls[message.tool_call_id or ""] > 0:
-                calls[message.tool_call_id or ""] -= 1
         if calls is not None and not +calls:
             del self._unanswered[thread]
+            self._passed.pop(thread, None)
 
     async def _answer_in_place(
         self, thread: str, rows: _Rows, version: int, closing: list[tuple[int, Message]]
-    ) -> bool:
-        """Record each ``(call's row, result)`` and put the result right after its call; ``False`` to append.
+    ) -> list[int] | None:
+        """Record each ``(call's row, result)`` and put it right after its call: the results' new seqs.
+
+        ``None``, with nothing written, when every result goes at the end
+        anyway (the caller appends them); ``ConflictError`` when the context
+        moved past ``version``, nothing written either.
 
         An abandoned call has turns after it (that is how it was found): its
         result appended at the end would leave the call's message followed by
@@ -1154,7 +1242,7 @@ class Compactor:
                 end += 1
             at.setdefault(end, []).append(n)
         if list(at) == [len(messages)]:
-            return False
+            return None
         replacement: list[Message] = []
         tokens: list[int] = []
         stands_for: list[int | None] = []
@@ -1172,6 +1260,8 @@ class Compactor:
                 stands_for.append(rows.seqs[position])
                 recorded.append(None)
         episodes = [episode_for(result) for _, result in closing]
+        first = rows.seqs[-1] - len(replacement) + 1
+        seq_of = {n: first + position for position, n in enumerate(recorded) if n is not None}
         try:
             if store is not None:
                 await store.record_and_replace(
@@ -1194,11 +1284,10 @@ class Compactor:
                     replacement=replacement,
                     tokens=tokens,
                 )
-        except ConflictError:  # another worker folded meanwhile: the next fold closes what is left
-            pass
-        self._forget_cache(thread)
-        self._forget_seen(thread)
-        return True
+        finally:
+            self._forget_cache(thread)
+            self._forget_seen(thread)
+        return [seq_of[n] for n in range(len(closing))]
 
     async def _made_at(self, thread: str, seq: int | None) -> datetime | None:
         """When the log recorded episode ``seq`` of ``thread`` (``None`` without one)."""
