@@ -1572,7 +1572,7 @@ async def test_a_result_that_arrives_after_other_messages_goes_right_after_its_c
 async def test_a_result_placed_after_its_call_starts_over_when_another_worker_folded_meanwhile(
     store: Any,
 ) -> None:
-    """Another worker's fold lands between the result's read of the context and its write: it is placed anew."""
+    """Another worker's fold lands between the result's read of the context and its write: placed anew."""
     settings = SummarizeOptions(trigger_token_budget=1_000, min_recent_messages=0, min_recent_turns=1)
     compactor = Compactor(store, options=settings, counter=ApproximateCounter(), log_events=False)
     other = Compactor(store, options=settings, counter=ApproximateCounter(), log_events=False)
