@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -387,12 +387,29 @@ _running_job: ContextVar[_Background | None] = ContextVar("contextfold_backgroun
 """The background fold the current task computes (``None`` in a step): its summary is reported as one."""
 
 
-def _away_from_the_newest_reply(context: list[Message], results: Sequence[Message]) -> bool:
-    """Whether some result answers a call other than the newest reply's (only results follow that reply)."""
+def _newest_reply_calls(context: list[Message]) -> set[str]:
+    """The ids of the calls the newest reply made, when only results follow it (else none)."""
     end = len(context)
     while end and context[end - 1].role is _TOOL:
         end -= 1
-    newest = {call.id for call in context[end - 1].tool_calls} if end else set()
+    return {call.id for call in context[end - 1].tool_calls} if end else set()
+
+
+def _all_made_by_the_newest_reply(context: list[Message], calls: Mapping[str, ToolCall]) -> bool:
+    """Whether every one of the open ``calls`` was made by the newest reply, with only results after it."""
+    end = len(context)
+    while end and context[end - 1].role is _TOOL:
+        end -= 1
+    made = context[end - 1].tool_calls if end else ()
+    if len(made) == 1:  # the common step: one call, made by the reply just recorded
+        return len(calls) == 1 and made[0].id in calls
+    ids = {call.id for call in made}
+    return all(id_ in ids for id_ in calls)
+
+
+def _away_from_the_newest_reply(context: list[Message], results: Sequence[Message]) -> bool:
+    """Whether some result answers a call other than the newest reply's (only results follow that reply)."""
+    newest = _newest_reply_calls(context)
     return any(result.tool_call_id not in newest for result in results)
 
 
@@ -638,6 +655,7 @@ class Compactor:
                         extra_episodes or started or model or usage or request_messages or request_tokens
                     )
                     and all(m.role is _TOOL for m in messages)
+                    and self._may_place(thread, messages)
                 ):
                     placed = await self._place_results(thread, messages)
                     if placed is not None:
@@ -780,7 +798,11 @@ class Compactor:
         if reason is None:
             # A call still unanswered: abandoned yet? (With no fold to make, no fold would close it.)
             if cache is not None:
-                if cache.open_calls or cache.reused_open_id:  # (then open_calls may miss one)
+                if (cache.open_calls or cache.reused_open_id) and (  # (then open_calls may miss one)
+                    cache.reused_open_id
+                    or settings.abandon_after_seconds is not None
+                    or not _all_made_by_the_newest_reply(cache.plain, cache.open_calls)
+                ):  # (the newest reply's calls have no turn after them: none is abandoned by turns)
                     await self._close_abandoned(thread, cache.snapshot(), cache.version, settings)
             elif self._store is None and self._unanswered.get(thread):
                 await self._close_abandoned_loaded(thread, settings)
@@ -991,6 +1013,17 @@ class Compactor:
             )
         return sent
 
+    def _may_place(self, thread: str, results: list[Message]) -> bool:
+        """Whether some result may answer a call other messages followed (see ``_place_results``).
+
+        Asked first, without an await: a step's results answer its own reply's calls.
+        """
+        if self._store is None:
+            passed = self._passed.get(thread)
+            return passed is not None and any(result.tool_call_id in passed for result in results)
+        cache = self._cache.get(thread)  # brought up to date by _sent
+        return cache is not None and _away_from_the_newest_reply(cache.plain, results)
+
     async def _place_results(self, thread: str, results: list[Message]) -> list[StoredMessage] | None:
         """Results whose calls have other messages after them, each put right after its call.
 
@@ -1003,9 +1036,6 @@ class Compactor:
         calls this compactor saw followed by another message.
         """
         if self._store is None:
-            passed = self._passed.get(thread)
-            if not passed or not any(result.tool_call_id in passed for result in results):
-                return None
             window = await self.short_term.load(thread)
             self._reckon_unanswered(thread, window.messages)
             cache: _Cache | None = _Cache.of(window)

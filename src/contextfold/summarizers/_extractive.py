@@ -20,6 +20,7 @@ default summarizer and the fallback, and a large fold takes a while.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections import Counter
@@ -362,7 +363,7 @@ class ExtractiveSummarizer:
         first fold measures the headings exactly; a size below them is a
         :class:`SummarizerError` there.
         """
-        return -(-len(self._render([])) // _CHARS_PER_TOKEN)
+        return -(-_skeleton_chars() // _CHARS_PER_TOKEN)
 
     def advised_summary_tokens(self) -> int:
         """The least ``max_summary_tokens`` with room for a few lines beside the section headings."""
@@ -681,3 +682,9 @@ class ExtractiveSummarizer:
             )
             blocks.append(f"## {heading}\n{body}")
         return "\n\n".join(blocks)
+
+
+@functools.cache
+def _skeleton_chars() -> int:
+    """The length of a summary of no lines: its section headings (asked at every fold)."""
+    return len(ExtractiveSummarizer._render([]))
