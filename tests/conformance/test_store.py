@@ -533,12 +533,12 @@ async def test_forget_moves_the_version_on_only_for_a_thread_with_a_context(stor
     await store.record("log only", RunCompletedEpisode())
     await say(store, "both", "a")
     await store.append("appended", [Message.user("a")], [1])
-    for thread in ("log only", "both", "appended", "nobody"):
+    await store.append("appended nothing", [], [])  # the memory store made a context of it (version 1)
+    threads = ("log only", "both", "appended", "nobody", "appended nothing")
+    for thread in threads:
         await store.forget(thread)
-    versions = {
-        thread: (await store.stats(thread)).version for thread in ("log only", "both", "appended", "nobody")
-    }
-    assert versions == {"log only": 0, "both": 1, "appended": 1, "nobody": 0}
+    versions = {thread: (await store.stats(thread)).version for thread in threads}
+    assert versions == {"log only": 0, "both": 1, "appended": 1, "nobody": 0, "appended nothing": 0}
     assert (await store.load("log only")).version == 0
     await store.forget("appended")
     assert (await store.stats("appended")).version == 2

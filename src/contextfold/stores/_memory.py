@@ -520,9 +520,13 @@ class MemoryStore(AsyncResource):
             episodes=len(log.records) if log else 0,
         )
         if context is not None:
-            # The version and seq counter go on, so a cache of the forgotten context never matches.
+            # The version and seq counter go on, so a cache of the forgotten context never matches;
+            # a thread that never held a message nor was replaced had no context, and its version
+            # stays (as on SQLite and PostgreSQL, which keep no row for it).
+            stats = context.stats
+            held = stats.last_seq > 0 or stats.version > 0
             context.messages = []
-            context.stats = ThreadStats(version=context.stats.version + 1, last_seq=context.stats.last_seq)
+            context.stats = ThreadStats(version=stats.version + (1 if held else 0), last_seq=stats.last_seq)
         self._tombstones.setdefault(thread, []).append(tombstone)
         return tombstone
 
