@@ -1361,6 +1361,42 @@ async def test_a_context_after_another_workers_append_and_fold_is_what_the_store
         assert [m.text[:8] for m in context[-4:]] == [f"from B {n}" for n in range(4)]
 
 
+async def test_a_context_right_after_a_fold_holds_what_another_worker_appended_while_it_summarized(
+    store: Any,
+) -> None:
+    """Another worker appends while the summary is written: the step's context() after the fold has it.
+
+    The fold took the process's write count after the summarizer ran, so that
+    write was counted as seen and the folded cache sent without it.
+    """
+    settings = SummarizeOptions(trigger_token_budget=1_000, min_recent_turns=1, min_recent_messages=0)
+    async with contextlib.AsyncExitStack() as stack:
+        other_store = store
+        if isinstance(store, SQLiteStore):
+            other_store = await stack.enter_async_context(SQLiteStore(store.path))
+        other = Compactor(other_store, options=settings, counter=ApproximateCounter(), log_events=False)
+
+        async def summarize(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+            await other.append(THREAD, [Message.user("from the other worker")])
+            return "a summary"
+
+        worker = Compactor(
+            store,
+            options=settings,
+            summarizer=FunctionSummarizer(summarize),
+            counter=ApproximateCounter(),
+            log_events=False,
+        )
+        for n in range(8):
+            await worker.append(THREAD, [Message.user(f"q{n} " + "x " * 600), Message.assistant(f"a{n}")])
+        await worker.context(THREAD)
+        result = await worker.maybe_compact(THREAD)
+        assert result is not None and result.compacted
+        context = await worker.context(THREAD)
+        assert context == (await store.load(THREAD)).plain
+        assert context[-1].text == "from the other worker"
+
+
 async def test_a_context_long_after_the_check_sees_another_processs_append(tmp_path: Path) -> None:
     """Another process's write reaches no in-process count: a check's read stands for 10 ms at most."""
     path = tmp_path / "cf.db"

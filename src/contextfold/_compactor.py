@@ -361,6 +361,8 @@ class _Prepared:
     tokens_before: int
     summary: Summary | None
     started: float
+    writes: int
+    """``writes_to(thread)`` before the rows were read: a write since (while summarizing) is not in them."""
 
 
 @dataclass(slots=True)
@@ -1345,11 +1347,12 @@ class Compactor:
         # folded meanwhile: the thread's stats are read again (a point read, as the check's), and
         # the cache is read anew only if they moved, so no summary covers a folded prefix. (With
         # two stores the window below is loaded whole anyway.)
+        writes = writes_to(thread)  # before the rows are read: a write after it is not in them
         if self._store is not None:
-            writes = writes_to(thread)
             self._seen[thread] = await self.short_term.stats(thread), time.monotonic(), writes
         rows, version, total = await self._window(thread, settings)
         if not recovery and await self._close_abandoned(thread, rows, version, settings):
+            writes = writes_to(thread)
             rows, version, total = await self._window(thread, settings)
         messages, tokens, seqs = rows.messages, rows.tokens, rows.seqs
         overhead = self._overhead.get(thread, 0)
@@ -1505,6 +1508,7 @@ class Compactor:
             tokens_before=total,
             summary=summary,
             started=started,
+            writes=writes,
         )
 
     async def _apply(
@@ -1524,7 +1528,9 @@ class Compactor:
         """
         thread = prepared.thread
         appended = self._appended_since(prepared)
-        writes = writes_to(thread) + 1  # the fold's own write; any other one since voids the step's read
+        # The fold's own write; any other one since its rows were read (while it summarized, say)
+        # voids the step's read, and its context() reads what that write added.
+        writes = prepared.writes + 1
         try:
             with anyio.CancelScope(shield=True):
                 checkpoint_seq = await self._write_fold(prepared)
