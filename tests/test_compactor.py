@@ -1605,6 +1605,90 @@ async def test_a_result_that_arrives_after_other_messages_goes_right_after_its_c
     assert [m.tool_call_id or m.text for m in await compactor.context(THREAD)][-3:] == ["any news?", "", "C"]
 
 
+@pytest.mark.parametrize("how", ["started", "with the next message", "sync"])
+async def test_a_late_result_recorded_with_more_goes_right_after_its_call(store: Any, how: str) -> None:
+    """A late result recorded with ``started=``, batched with the user's next message, or through ``sync``.
+
+    Only a batch of bare results was placed: these went at the end, after the
+    user's message, and every later request was refused.
+    """
+    compactor = Compactor(
+        store,
+        options=SummarizeOptions(trigger_token_budget=8_000),
+        counter=ApproximateCounter(),
+        log_events=False,
+    )
+    call = ToolCall(id="A", name="slow", arguments="{}")
+    go, asked, news = (
+        Message.user("go"),
+        Message.assistant(None, tool_calls=[call]),
+        Message.user("any news?"),
+    )
+    done, more = Message.tool("A", "A done"), Message.user("and now?")
+    if how == "sync":
+        await compactor.sync(THREAD, [go, asked, news], compact=False)
+        await compactor.sync(THREAD, [go, asked, news, done, more], compact=False)
+        expected_log = ["go", "", "any news?", "A done", "and now?"]
+    else:
+        await compactor.append(THREAD, [go, asked])
+        await compactor.append(THREAD, [news])
+        if how == "started":
+            stored = await compactor.append(THREAD, [done], started=[call])
+            expected_log = ["go", "", "any news?", "A done"]
+        else:
+            stored = await compactor.append(THREAD, [done, more])
+            expected_log = ["go", "", "any news?", "A done", "and now?"]
+        rows = (await store.load(THREAD)).messages
+        assert [(row.seq, row.message) for row in stored] == [
+            (row.seq, row.message) for row in rows if row.message in (done, more)
+        ]
+    context = await compactor.context(THREAD)
+    assert [m.tool_call_id or m.text for m in context] == ["go", "", "A", "any news?", *expected_log[4:]]
+    assert context == (await store.load(THREAD)).plain
+    log = [record async for record in store.replay(THREAD)]
+    assert [m.text for m in conversation(log)] == expected_log
+    if how == "started":
+        assert [r.episode.kind for r in log][-2:] == ["tool_call", "tool_result"]
+
+
+async def test_a_result_that_another_workers_message_overtook_is_moved_right_after_its_call(
+    store: Any,
+) -> None:
+    """Another worker's user message commits between this worker's read of the context and its result's write.
+
+    The result, for the newest reply's call, was appended after that message:
+    ``assistant[A], user, tool A`` in every later request of both workers.
+    """
+    settings = SummarizeOptions(trigger_token_budget=8_000)
+    chat = Compactor(store, options=settings, counter=ApproximateCounter(), log_events=False)
+    write_recording = store._write_recording
+    armed: list[int] = []
+
+    async def overtaken(thread: str, recording: Any) -> Any:
+        if armed:
+            armed.clear()
+            await chat.append(THREAD, [Message.user("any news?")])
+        return await write_recording(thread, recording)
+
+    store._write_recording = overtaken  # the compactor built next writes through it
+    try:
+        tools = Compactor(store, options=settings, counter=ApproximateCounter(), log_events=False)
+        call = ToolCall(id="A", name="slow", arguments="{}")
+        await tools.append(THREAD, [Message.user("go"), Message.assistant(None, tool_calls=[call])])
+        await tools.context(THREAD)
+        armed.append(1)
+        stored = await tools.append(THREAD, [Message.tool("A", "A done")])
+    finally:
+        del store._write_recording
+    context = (await store.load(THREAD)).plain
+    assert [m.tool_call_id or m.text for m in context] == ["go", "", "A", "any news?"]
+    assert await tools.context(THREAD) == context == await chat.context(THREAD)
+    assert [row.message.text for row in stored] == ["A done"]
+    assert stored[0].seq == (await store.load(THREAD)).messages[2].seq
+    log = conversation([record async for record in store.replay(THREAD)])
+    assert [m.text for m in log] == ["go", "", "any news?", "A done"]
+
+
 async def test_a_result_placed_after_its_call_starts_over_when_another_worker_folded_meanwhile(
     store: Any,
 ) -> None:

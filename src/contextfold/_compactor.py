@@ -389,6 +389,47 @@ _running_job: ContextVar[_Background | None] = ContextVar("contextfold_backgroun
 """The background fold the current task computes (``None`` in a step): its summary is reported as one."""
 
 
+def _context_results(messages: Sequence[Message]) -> list[int]:
+    """The indexes of the tool results no call made earlier in the batch answers (see ``_answer``)."""
+    made: dict[str, int] = {}
+    found: list[int] = []
+    for index, message in enumerate(messages):
+        for made_call in message.tool_calls:
+            made[made_call.id] = made.get(made_call.id, 0) + 1
+        if message.role is _TOOL and not _answer(made, message):
+            found.append(index)
+    return found
+
+
+def _results_after_their_calls(context: list[Message], results: list[int]) -> list[int] | None:
+    """The context's order with each of ``results`` right after its call's results; ``None`` if none moves.
+
+    A result moves when a message other than a tool result lies between it and
+    the newest call before it with its id.
+    """
+    moving: dict[int, list[int]] = {}  # row after which a result goes -> the results
+    for index in sorted(results):
+        id_ = context[index].tool_call_id
+        at = next(
+            (i for i in range(index - 1, -1, -1) if any(c.id == id_ for c in context[i].tool_calls)), None
+        )
+        if at is None or all(m.role is _TOOL for m in context[at + 1 : index]):
+            continue
+        end = at + 1
+        while end < index and context[end].role is _TOOL:
+            end += 1
+        moving.setdefault(end, []).append(index)
+    if not moving:
+        return None
+    gone = {index for indexes in moving.values() for index in indexes}
+    order: list[int] = []
+    for position in range(len(context)):
+        order += moving.get(position, [])
+        if position not in gone:
+            order.append(position)
+    return order
+
+
 def _newest_reply_calls(context: list[Message]) -> set[str]:
     """The ids of the calls the newest reply made, when only results follow it (else none)."""
     end = len(context)
@@ -648,26 +689,34 @@ class Compactor:
                         "started", "must hold ToolCall objects only, e.g. reply.tool_calls", value=ran
                     )
         sent = messages
+        answering: list[int] = []  # the batch's results that answer calls of the context
         for message in messages:
             if message.role is _TOOL:  # only a tool result can be late
                 sent = await self._sent(thread, messages)
-                if (
-                    sent is messages
-                    and not (
-                        extra_episodes or started or model or usage or request_messages or request_tokens
-                    )
-                    and all(m.role is _TOOL for m in messages)
-                    and self._may_place(thread, messages)
-                ):
-                    placed = await self._place_results(thread, messages)
-                    if placed is not None:
-                        return placed
+                answering = _context_results(sent)
                 break
         if self._counter_ready is not self.counter:  # checked here: a step pays no extra await
             await self._ready_counter()
+        call = _LlmCall(model, usage, request_messages, request_tokens)
+        if answering and self._may_place(thread, sent, answering):
+            if self._store is not None:
+                placed = await self._append_in_place(
+                    thread, messages, sent, answering, extra_episodes, call, started
+                )
+            elif (
+                sent is messages
+                and len(answering) == len(messages)
+                and not (extra_episodes or started or call.model or call.usage)
+            ):
+                placed = await self._place_results(thread, messages)
+            else:
+                placed = None
+            if placed is not None:
+                if usage is not None and usage.input_tokens and request_tokens:
+                    self._overhead[thread] = max(0, usage.input_tokens - request_tokens)
+                return placed
         if self._turn is not None:  # in a crowded loop, the count below and the write are a turn each
             await self._turn()
-        call = _LlmCall(model, usage, request_messages, request_tokens)
         writer = self._writer
         # Counting a large batch, or a large tool result, would stall the loop: a worker thread does it.
         heavy = heavy_batch(messages)
@@ -699,6 +748,10 @@ class Compactor:
             cache.extend(stored)
         elif stored:
             self._forget_cache(thread)
+            if answering and cache is not None and self._store is not None:
+                # Another writer's rows came between the context this read and the write: a result
+                # may now follow someone's message instead of its call.
+                stored = await self._results_back_in_place(thread, stored, [stored[i] for i in answering])
         if usage is not None and usage.input_tokens and request_tokens:
             self._overhead[thread] = max(0, usage.input_tokens - request_tokens)
         return stored
@@ -1015,35 +1068,174 @@ class Compactor:
             )
         return sent
 
-    def _may_place(self, thread: str, results: list[Message]) -> bool:
-        """Whether some result may answer a call other messages followed (see ``_place_results``).
+    def _may_place(self, thread: str, sent: list[Message], answering: list[int]) -> bool:
+        """Whether a result of ``sent`` (at ``answering``) may answer a call other messages followed.
 
         Asked first, without an await: a step's results answer its own reply's calls.
         """
+        results = [sent[index] for index in answering]
         if self._store is None:
             passed = self._passed.get(thread)
             return passed is not None and any(result.tool_call_id in passed for result in results)
         cache = self._cache.get(thread)  # brought up to date by _sent
         return cache is not None and _away_from_the_newest_reply(cache.plain, results)
 
-    async def _place_results(self, thread: str, results: list[Message]) -> list[StoredMessage] | None:
-        """Results whose calls have other messages after them, each put right after its call.
+    async def _append_in_place(
+        self,
+        thread: str,
+        messages: list[Message],
+        sent: list[Message],
+        answering: list[int],
+        extra_episodes: Sequence[Episode],
+        call: _LlmCall,
+        started: Sequence[ToolCall],
+    ) -> list[StoredMessage] | None:
+        """``append`` with each result that answers a call of the context put right after that call.
 
-        ``None``, with nothing written, when every result answers the newest
-        reply (the common step: they are appended). A result appended after the
-        user's next message leaves the call followed by it, which OpenAI's and
-        Anthropic's APIs refuse in every later request; so it goes in place as
-        an abandoned call's does, and the log records it as it came. With two
-        stores (no cached context) the context is read for it, and only for
-        calls this compactor saw followed by another message.
+        A result appended after the user's next message leaves the call
+        followed by it, which OpenAI's and Anthropic's APIs refuse in every
+        later request. So the batch's results for calls of the context go right
+        after their calls (and the results there), as an abandoned call's error
+        result does, and the rest of the batch after everything, in one
+        ``record_and_replace``; the log records the batch as it came. ``None``,
+        with nothing written, when that cannot be done here (the caller
+        appends): no cached context, or an id open twice in it. A fold by
+        another worker meanwhile starts the append over.
         """
-        if self._store is None:
+        store = self._store
+        cache = self._cache.get(thread)  # brought up to date by _sent
+        if store is None or cache is None or cache.reused_open_id or not cache.seqs:
+            return None
+        rows = cache.snapshot()
+        open_at = {made.id: index for index, made in rows.unanswered()}
+        ids = [sent[index].tool_call_id or "" for index in answering]
+        if len(set(ids)) < len(ids) or not all(id_ in open_at for id_ in ids):
+            return None
+        old = rows.messages
+        after: dict[int, list[int]] = {}  # row after which results go -> their indexes in the batch
+        for index, id_ in zip(answering, ids, strict=True):
+            end = open_at[id_] + 1
+            while end < len(old) and old[end].role is _TOOL:
+                end += 1
+            after.setdefault(end, []).append(index)
+        placed = set(answering)
+        episodes, owners = _step_episodes(extra_episodes, messages, call, started)
+        counts = (
+            await anyio.to_thread.run_sync(self._counts, sent) if heavy_batch(sent) else self._counts(sent)
+        )
+        replacement: list[Message] = []
+        tokens: list[int] = []
+        links: list[int | None] = []
+        stands_for: list[int | None] = []
+        batch_rows: dict[int, int] = {}  # batch index -> its row in the replacement
+
+        def new_row(index: int) -> None:
+            batch_rows[index] = len(replacement)
+            replacement.append(sent[index])
+            tokens.append(counts[index])
+            links.append(owners[index])
+            stands_for.append(None)
+
+        for position in range(len(old) + 1):
+            for index in after.get(position, ()):
+                new_row(index)
+            if position < len(old):
+                replacement.append(old[position])
+                tokens.append(rows.tokens[position])
+                links.append(None)
+                stands_for.append(rows.seqs[position])
+        for index in range(len(sent)):
+            if index not in placed:
+                new_row(index)
+        through = rows.seqs[-1]
+        try:
+            await store.record_and_replace(
+                thread,
+                episodes,
+                through_seq=through,
+                expected_version=cache.version,
+                replacement=replacement,
+                tokens=tokens,
+                message_episodes=links,
+                stands_for=stands_for,
+            )
+        except ConflictError:  # another worker folded meanwhile: nothing written, start over
+            return await self.append(
+                thread,
+                messages,
+                model=call.model,
+                usage=call.usage,
+                request_messages=call.request_messages,
+                request_tokens=call.request_tokens,
+                extra_episodes=extra_episodes,
+                started=started,
+            )
+        finally:
+            self._forget_cache(thread)
+            self._forget_seen(thread)
+        first = through - len(replacement) + 1
+        return await self._rows_at(thread, [first + batch_rows[index] for index in range(len(sent))])
+
+    async def _rows_at(self, thread: str, seqs: list[int]) -> list[StoredMessage]:
+        """The stored rows with these seqs, read after a write that renumbered them.
+
+        Shielded: the write is done, and a cancellation here would tell the
+        caller it was not (a retry would record the batch twice).
+        """
+        with anyio.CancelScope(shield=True):
             window = await self.short_term.load(thread)
-            self._reckon_unanswered(thread, window.messages)
-            cache: _Cache | None = _Cache.of(window)
-        else:
-            cache = self._cache.get(thread)  # brought up to date by _sent
-        if cache is None or cache.reused_open_id or not _away_from_the_newest_reply(cache.plain, results):
+        found = {row.seq: row for row in window.messages}
+        return [found[seq] for seq in seqs if seq in found]
+
+    async def _results_back_in_place(
+        self, thread: str, stored: list[StoredMessage], results: list[StoredMessage]
+    ) -> list[StoredMessage]:
+        """After an append that another writer's rows overtook: each of ``results`` right after its call.
+
+        A fold meanwhile is tried again, a few times; the rows are returned as
+        they end up. Shielded as a whole: the batch is written already.
+        """
+        moved = {row.seq for row in results}
+        with anyio.CancelScope(shield=True):
+            for _ in range(3):
+                window = await self.short_term.load(thread)
+                rows = _Rows.of(window.messages)
+                order = _results_after_their_calls(
+                    rows.messages, [rows.seqs.index(s) for s in moved if s in rows.seqs]
+                )
+                if order is None:
+                    break
+                assert self._store is not None
+                try:
+                    await self._store.record_and_replace(
+                        thread,
+                        [],
+                        through_seq=rows.seqs[-1],
+                        expected_version=window.version,
+                        replacement=[rows.messages[i] for i in order],
+                        tokens=[rows.tokens[i] for i in order],
+                        stands_for=[rows.seqs[i] for i in order],
+                    )
+                except ConflictError:
+                    continue
+                first = rows.seqs[-1] - len(order) + 1
+                renumbered = {rows.seqs[i]: first + n for n, i in enumerate(order)}
+                self._forget_cache(thread)
+                self._forget_seen(thread)
+                return await self._rows_at(thread, [renumbered.get(row.seq, row.seq) for row in stored])
+        return stored
+
+    async def _place_results(self, thread: str, results: list[Message]) -> list[StoredMessage] | None:
+        """``_append_in_place`` of a batch of results alone, with two stores: the context is read for it.
+
+        Only for calls this compactor saw followed by another message. ``None``,
+        with nothing written, when every result answers the newest reply (they
+        are appended) or an id is open twice.
+        """
+        window = await self.short_term.load(thread)
+        self._reckon_unanswered(thread, window.messages)
+        cache = _Cache.of(window)
+        if cache.reused_open_id or not _away_from_the_newest_reply(cache.plain, results):
             return None  # (with an id open twice, which call a result answers is the order's to say)
         rows = cache.snapshot()
         open_at = {call.id: index for index, call in rows.unanswered()}
@@ -1053,20 +1245,15 @@ class Compactor:
         closing = [(open_at[id_], result) for id_, result in zip(ids, results, strict=True)]
         try:
             seqs = await self._answer_in_place(thread, rows, cache.version, closing)
-        except ConflictError:  # another worker folded meanwhile
-            if self._store is not None:  # nothing written: start over from its context
-                return await self.append(thread, results)
-            # Two stores: the log recorded them already (as append orders its writes); the context
-            # takes them at its end.
+        except ConflictError:  # another worker folded meanwhile: the log recorded them already (as
+            # append orders its writes), and the context takes them at its end
             stored = await self.short_term.append(thread, results, self._counts(results))
             self._track_unanswered(thread, results)
             return stored
         if seqs is None:
             return None
-        if self._store is None:
-            self._track_unanswered(thread, results)
-        rows_now = {row.seq: row for row in (await self.short_term.load(thread)).messages}
-        return [rows_now[seq] for seq in seqs if seq in rows_now]
+        self._track_unanswered(thread, results)
+        return await self._rows_at(thread, seqs)
 
     async def _current_cache(self, thread: str) -> _Cache | None:
         """The cached context, brought up to date with the store's stats: one point read, rows only if new.
