@@ -1689,6 +1689,79 @@ async def test_a_result_that_another_workers_message_overtook_is_moved_right_aft
     assert [m.text for m in log] == ["go", "", "any news?", "A done"]
 
 
+def two_stores(short_term: MemoryStore, episodic: MemoryStore, **options: Any) -> Compactor:
+    settings = SummarizeOptions(**{"trigger_token_budget": 8_000, **options})
+    return Compactor(
+        short_term=short_term,
+        episodic=episodic,
+        options=settings,
+        counter=ApproximateCounter(),
+        log_events=False,
+    )
+
+
+async def test_two_stores_a_restarted_compactor_places_a_late_result_and_closes_an_abandoned_call() -> None:
+    """With two stores a compactor reads a thread's open calls once: those made before it count too.
+
+    It knew only the calls it had appended itself, so after a restart a late
+    result went at the end and an abandoned call was never closed by a check.
+    """
+    calls = [ToolCall(id=i, name="slow", arguments="{}") for i in ("A", "B", "C")]
+    async with MemoryStore() as short_term, MemoryStore() as episodic:
+        before = two_stores(short_term, episodic, abandon_after_turns=2)
+        await before.append(THREAD, [Message.user("go"), Message.assistant(None, tool_calls=calls[:2])])
+        await before.append(THREAD, [Message.tool("B", "B done")])
+        await before.append(THREAD, [Message.user("any news?")])
+        await before.append(THREAD, [Message.assistant(None, tool_calls=calls[2:])])
+        restarted = two_stores(short_term, episodic, abandon_after_turns=2)
+        await restarted.append(THREAD, [Message.tool("A", "A done")])
+        context = [m.tool_call_id or m.text for m in (await short_term.load(THREAD)).plain]
+        assert context == ["go", "", "B", "A", "any news?", ""]
+        again = two_stores(short_term, episodic, abandon_after_turns=2)
+        for n in range(2):
+            await again.append(THREAD, [Message.user(f"u{n}")])
+            assert await again.maybe_compact(THREAD) is None
+        context = [m.tool_call_id or m.text for m in await again.context(THREAD)]
+        assert context == ["go", "", "B", "A", "any news?", "", "C", "u0", "u1"]
+        log = conversation([record async for record in episodic.replay(THREAD)])
+        assert [m.tool_call_id for m in log if m.role is Role.TOOL] == ["B", "A", "C"]
+
+
+async def test_two_stores_a_late_result_is_placed_after_another_workers_fold_meanwhile() -> None:
+    """A fold lands between the read and the replacement: the context is read again, the log written once."""
+    options = {"trigger_token_budget": 1_000, "min_recent_messages": 0, "min_recent_turns": 1}
+    async with MemoryStore() as short_term, MemoryStore() as episodic:
+        worker, other = (
+            two_stores(short_term, episodic, **options),
+            two_stores(short_term, episodic, **options),
+        )
+        for n in range(6):
+            await worker.append(THREAD, [Message.user(f"{_words(60)} {n}"), Message.assistant(f"ok {n}")])
+        call = ToolCall(id="A", name="slow", arguments="{}")
+        await worker.append(THREAD, [Message.assistant(None, tool_calls=[call])])
+        await worker.append(THREAD, [Message.user("any news?")])
+        replace_prefix = short_term.replace_prefix
+        folds: list[Any] = []
+
+        async def fold_first(*args: Any, **kwargs: Any) -> Any:
+            if not folds:  # (the other worker's own fold comes through here too)
+                folds.append(None)
+                folds[0] = await other.compact_now(THREAD)
+            return await replace_prefix(*args, **kwargs)
+
+        short_term.replace_prefix = fold_first  # type: ignore[method-assign]
+        try:
+            await worker.append(THREAD, [Message.tool("A", "A done")])
+        finally:
+            del short_term.replace_prefix
+        assert folds[0] is not None and folds[0].compacted
+        context = (await short_term.load(THREAD)).plain
+        assert context[0].is_summary
+        assert [m.tool_call_id or m.text for m in context[-3:]] == ["", "A", "any news?"]
+        log = conversation([record async for record in episodic.replay(THREAD)])
+        assert [m.text for m in log if m.role is Role.TOOL] == ["A done"]
+
+
 async def test_a_result_placed_after_its_call_starts_over_when_another_worker_folded_meanwhile(
     store: Any,
 ) -> None:

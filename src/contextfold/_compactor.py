@@ -583,6 +583,8 @@ class Compactor:
         self._pending_since: dict[tuple[str, str], float] = {}
         self._unanswered: dict[str, Counter[str]] = {}
         """With two stores (no cached context): per thread, the calls this compactor appended unanswered."""
+        self._reckoned: OrderedDict[str, None] = OrderedDict()
+        """With two stores: the threads whose unanswered calls were read once in this process."""
         self._passed: dict[str, set[str]] = {}
         """Those of them some other message followed: their results go in place (see ``_place_results``)."""
         self._background: dict[str, _Background] = {}
@@ -859,7 +861,7 @@ class Compactor:
                     or not _all_made_by_the_newest_reply(cache.plain, cache.open_calls)
                 ):  # (the newest reply's calls have no turn after them: none is abandoned by turns)
                     await self._close_abandoned(thread, cache.snapshot(), cache.version, settings)
-            elif self._store is None and self._unanswered.get(thread):
+            elif self._store is None and (self._unanswered.get(thread) or thread not in self._reckoned):
                 await self._close_abandoned_loaded(thread, settings)
             if (
                 settings.background_at is not None
@@ -1075,6 +1077,8 @@ class Compactor:
         """
         results = [sent[index] for index in answering]
         if self._store is None:
+            if thread not in self._reckoned:  # calls made before this compactor: read them once
+                return True
             passed = self._passed.get(thread)
             return passed is not None and any(result.tool_call_id in passed for result in results)
         cache = self._cache.get(thread)  # brought up to date by _sent
@@ -1228,32 +1232,40 @@ class Compactor:
     async def _place_results(self, thread: str, results: list[Message]) -> list[StoredMessage] | None:
         """``_append_in_place`` of a batch of results alone, with two stores: the context is read for it.
 
-        Only for calls this compactor saw followed by another message. ``None``,
-        with nothing written, when every result answers the newest reply (they
-        are appended) or an id is open twice.
+        Only for calls this compactor saw followed by another message, or on a
+        thread it has not read yet. ``None``, with nothing written, when every
+        result answers the newest reply (they are appended) or an id is open
+        twice. The log records the results first, as ``append`` orders its
+        writes; a fold by another worker meanwhile is met by reading the
+        context again (a few times, then the results go at its end).
         """
-        window = await self.short_term.load(thread)
-        self._reckon_unanswered(thread, window.messages)
-        cache = _Cache.of(window)
-        if cache.reused_open_id or not _away_from_the_newest_reply(cache.plain, results):
-            return None  # (with an id open twice, which call a result answers is the order's to say)
-        rows = cache.snapshot()
-        open_at = {call.id: index for index, call in rows.unanswered()}
-        ids = [result.tool_call_id or "" for result in results]
-        if len(set(ids)) < len(ids) or not all(id_ in open_at for id_ in ids):
-            return None
-        closing = [(open_at[id_], result) for id_, result in zip(ids, results, strict=True)]
-        try:
-            seqs = await self._answer_in_place(thread, rows, cache.version, closing)
-        except ConflictError:  # another worker folded meanwhile: the log recorded them already (as
-            # append orders its writes), and the context takes them at its end
-            stored = await self.short_term.append(thread, results, self._counts(results))
+        record = True
+        for _ in range(3):
+            window = await self.short_term.load(thread)
+            self._reckon_unanswered(thread, window.messages)
+            cache = _Cache.of(window)
+            if cache.reused_open_id or not _away_from_the_newest_reply(cache.plain, results):
+                break  # (with an id open twice, which call a result answers is the order's to say)
+            rows = cache.snapshot()
+            open_at = {call.id: index for index, call in rows.unanswered()}
+            ids = [result.tool_call_id or "" for result in results]
+            if len(set(ids)) < len(ids) or not all(id_ in open_at for id_ in ids):
+                break
+            closing = [(open_at[id_], result) for id_, result in zip(ids, results, strict=True)]
+            try:
+                seqs = await self._answer_in_place(thread, rows, cache.version, closing, record=record)
+            except ConflictError:
+                record = False  # the log holds them now
+                continue
+            if seqs is None:
+                break
             self._track_unanswered(thread, results)
-            return stored
-        if seqs is None:
-            return None
+            return await self._rows_at(thread, seqs)
+        if record:
+            return None  # nothing written: the caller appends
+        stored = await self.short_term.append(thread, results, self._counts(results))
         self._track_unanswered(thread, results)
-        return await self._rows_at(thread, seqs)
+        return stored
 
     async def _current_cache(self, thread: str) -> _Cache | None:
         """The cached context, brought up to date with the store's stats: one point read, rows only if new.
@@ -1394,8 +1406,10 @@ class Compactor:
     async def _close_abandoned_loaded(self, thread: str, settings: Settings) -> None:
         """``_close_abandoned`` on the context read whole: two stores keep no cached one.
 
-        Only while a call this compactor appended may be unanswered (see
-        ``_track_unanswered``); the read says which still are.
+        On a thread's first check in this process (calls may have been made
+        before it, or by another worker), then only while a call this compactor
+        appended may be unanswered (see ``_track_unanswered``); the read says
+        which still are.
         """
         window = await self.short_term.load(thread)
         rows = self._reckon_unanswered(thread, window.messages)
@@ -1407,6 +1421,10 @@ class Compactor:
         rows = _Rows.of(stored)
         self._unanswered.pop(thread, None)
         self._passed.pop(thread, None)
+        self._reckoned[thread] = None  # calls made before this process (or by others) are known now
+        self._reckoned.move_to_end(thread)
+        while len(self._reckoned) > _CACHED_THREADS:
+            self._reckoned.popitem(last=False)
         messages = rows.messages
         for index, call in rows.unanswered():
             self._unanswered.setdefault(thread, Counter())[call.id] += 1
@@ -1434,7 +1452,13 @@ class Compactor:
             self._passed.pop(thread, None)
 
     async def _answer_in_place(
-        self, thread: str, rows: _Rows, version: int, closing: list[tuple[int, Message]]
+        self,
+        thread: str,
+        rows: _Rows,
+        version: int,
+        closing: list[tuple[int, Message]],
+        *,
+        record: bool = True,
     ) -> list[int] | None:
         """Record each ``(call's row, result)`` and put it right after its call: the results' new seqs.
 
@@ -1493,8 +1517,8 @@ class Compactor:
                     message_episodes=recorded,
                     stands_for=stands_for,
                 )
-            else:
-                for episode in episodes:
+            else:  # (``record=False``: a retry of a replacement whose results the log holds already)
+                for episode in episodes if record else ():
                     await self.episodic.record(thread, episode)
                 await self.short_term.replace_prefix(
                     thread,
