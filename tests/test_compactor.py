@@ -1689,6 +1689,45 @@ async def test_a_result_that_another_workers_message_overtook_is_moved_right_aft
     assert [m.text for m in log] == ["go", "", "any news?", "A done"]
 
 
+@pytest.mark.parametrize("stores", ["one", "two"])
+async def test_late_results_for_an_id_a_later_reply_reused_while_open_each_follow_their_call(
+    store: Any, stores: str
+) -> None:
+    """Some models number calls per reply ("call_0"): two open calls share an id, their results come late.
+
+    With an id open twice the results were appended at the end: two calls
+    without results, two orphaned tool messages. Each result answers the
+    newest open call with its id, as ``unanswered_calls`` pairs them.
+    """
+    log = store if stores == "one" else MemoryStore()
+    compactor = Compactor(
+        short_term=store,
+        episodic=log,
+        options=SummarizeOptions(trigger_token_budget=8_000),
+        counter=ApproximateCounter(),
+        log_events=False,
+    )
+    call = ToolCall(id="call_0", name="slow", arguments="{}")
+    await compactor.append(THREAD, [Message.user("go"), Message.assistant(None, tool_calls=[call])])
+    await compactor.append(THREAD, [Message.user("any news?")])
+    await compactor.append(THREAD, [Message.assistant("again", tool_calls=[call])])
+    await compactor.append(THREAD, [Message.user("still waiting")])
+    await compactor.append(THREAD, [Message.tool("call_0", "second done")])
+    await compactor.append(THREAD, [Message.tool("call_0", "first done")])
+    context = await compactor.context(THREAD)
+    assert [m.text for m in context] == [
+        "go",
+        "",
+        "first done",
+        "any news?",
+        "again",
+        "second done",
+        "still waiting",
+    ]
+    assert _calls_answered_in_place(context)
+    assert context == (await store.load(THREAD)).plain
+
+
 def two_stores(short_term: MemoryStore, episodic: MemoryStore, **options: Any) -> Compactor:
     settings = SummarizeOptions(**{"trigger_token_budget": 8_000, **options})
     return Compactor(

@@ -389,6 +389,25 @@ _running_job: ContextVar[_Background | None] = ContextVar("contextfold_backgroun
 """The background fold the current task computes (``None`` in a step): its summary is reported as one."""
 
 
+def _answered_at(unanswered: list[tuple[int, ToolCall]], results: Sequence[Message]) -> list[int] | None:
+    """The row of the call each result answers, or ``None`` when one answers no open call.
+
+    As ``unanswered_calls`` pairs them: a result answers the newest open call
+    with its id, so results for an id a later reply reused while it was open
+    answer the newer call first, then the older.
+    """
+    open_by_id: dict[str, list[int]] = {}
+    for index, call in unanswered:  # in row order: the newest of an id is last
+        open_by_id.setdefault(call.id, []).append(index)
+    rows: list[int] = []
+    for result in results:
+        waiting = open_by_id.get(result.tool_call_id or "")
+        if not waiting:
+            return None
+        rows.append(waiting.pop())
+    return rows
+
+
 def _context_results(messages: Sequence[Message]) -> list[int]:
     """The indexes of the tool results no call made earlier in the batch answers (see ``_answer``)."""
     made: dict[str, int] = {}
@@ -1108,17 +1127,16 @@ class Compactor:
         """
         store = self._store
         cache = self._cache.get(thread)  # brought up to date by _sent
-        if store is None or cache is None or cache.reused_open_id or not cache.seqs:
+        if store is None or cache is None or not cache.seqs:
             return None
         rows = cache.snapshot()
-        open_at = {made.id: index for index, made in rows.unanswered()}
-        ids = [sent[index].tool_call_id or "" for index in answering]
-        if len(set(ids)) < len(ids) or not all(id_ in open_at for id_ in ids):
+        calls_at = _answered_at(rows.unanswered(), [sent[index] for index in answering])
+        if calls_at is None:
             return None
         old = rows.messages
         after: dict[int, list[int]] = {}  # row after which results go -> their indexes in the batch
-        for index, id_ in zip(answering, ids, strict=True):
-            end = open_at[id_] + 1
+        for index, call_at in zip(answering, calls_at, strict=True):
+            end = call_at + 1
             while end < len(old) and old[end].role is _TOOL:
                 end += 1
             after.setdefault(end, []).append(index)
@@ -1244,14 +1262,13 @@ class Compactor:
             window = await self.short_term.load(thread)
             self._reckon_unanswered(thread, window.messages)
             cache = _Cache.of(window)
-            if cache.reused_open_id or not _away_from_the_newest_reply(cache.plain, results):
-                break  # (with an id open twice, which call a result answers is the order's to say)
-            rows = cache.snapshot()
-            open_at = {call.id: index for index, call in rows.unanswered()}
-            ids = [result.tool_call_id or "" for result in results]
-            if len(set(ids)) < len(ids) or not all(id_ in open_at for id_ in ids):
+            if not _away_from_the_newest_reply(cache.plain, results):
                 break
-            closing = [(open_at[id_], result) for id_, result in zip(ids, results, strict=True)]
+            rows = cache.snapshot()
+            calls_at = _answered_at(rows.unanswered(), results)
+            if calls_at is None:
+                break
+            closing = list(zip(calls_at, results, strict=True))
             try:
                 seqs = await self._answer_in_place(thread, rows, cache.version, closing, record=record)
             except ConflictError:
