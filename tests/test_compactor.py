@@ -1728,6 +1728,111 @@ async def test_late_results_for_an_id_a_later_reply_reused_while_open_each_follo
     assert context == (await store.load(THREAD)).plain
 
 
+@pytest.mark.parametrize("stores", ["one", "two"])
+@pytest.mark.parametrize(
+    "shape", ["user then result", "sync", "with started", "with the next message", "with an unknown result"]
+)
+async def test_a_late_result_goes_after_its_call_in_every_batch_shape(
+    store: Any, stores: str, shape: str
+) -> None:
+    """The user wrote while a tool ran; the result comes in whatever batch a loop or framework makes.
+
+    A user message ahead of the result in its own batch (what a framework's
+    list holds), or, with two stores, any batch but results alone, appended
+    the result at the end: ``assistant[A], user, tool A`` in every request.
+    """
+    log = store if stores == "one" else MemoryStore()
+    compactor = Compactor(
+        short_term=store,
+        episodic=log,
+        options=SummarizeOptions(trigger_token_budget=8_000),
+        counter=ApproximateCounter(),
+        log_events=False,
+    )
+    call = ToolCall(id="A", name="slow", arguments="{}")
+    go, asked, news = (
+        Message.user("go"),
+        Message.assistant(None, tool_calls=[call]),
+        Message.user("any news?"),
+    )
+    done = Message.tool("A", "A done")
+    await compactor.append(THREAD, [go, asked])
+    if shape == "user then result":
+        await compactor.append(THREAD, [news, done])
+    elif shape == "sync":
+        await compactor.sync(THREAD, [go, asked, news, done], compact=False)
+    else:
+        await compactor.append(THREAD, [news])
+        if shape == "with started":
+            await compactor.append(THREAD, [done], started=[call])
+        elif shape == "with the next message":
+            await compactor.append(THREAD, [done, Message.user("and now?")])
+        else:
+            await compactor.append(THREAD, [done, Message.tool("Z", "from nowhere")])
+    context = [m.tool_call_id or m.text[:12] for m in await compactor.context(THREAD)]
+    tail = {"with the next message": ["and now?"], "with an unknown result": ["[a result ar"]}.get(shape, [])
+    assert context == ["go", "", "A", "any news?", *tail]
+    assert [m.tool_call_id or m.text[:12] for m in (await store.load(THREAD)).plain] == context
+    logged = [m.text for m in conversation([record async for record in log.replay(THREAD)])]
+    assert logged[:4] == ["go", "", "any news?", "A done"]
+
+
+async def test_a_result_for_an_older_call_whose_id_a_newer_reply_reused_goes_after_the_older_call(
+    store: Any,
+) -> None:
+    """The newer reply's call with the id is answered already: the next result is the older call's."""
+    compactor = Compactor(
+        store,
+        options=SummarizeOptions(trigger_token_budget=8_000),
+        counter=ApproximateCounter(),
+        log_events=False,
+    )
+    call = ToolCall(id="A", name="slow", arguments="{}")
+    await compactor.append(THREAD, [Message.user("go"), Message.assistant("first", tool_calls=[call])])
+    await compactor.append(THREAD, [Message.user("any news?")])
+    await compactor.append(THREAD, [Message.assistant("second", tool_calls=[call])])
+    await compactor.append(THREAD, [Message.tool("A", "newer A done")])
+    await compactor.append(THREAD, [Message.tool("A", "older A done")])
+    context = await compactor.context(THREAD)
+    assert [m.text for m in context] == ["go", "first", "older A done", "any news?", "second", "newer A done"]
+    assert _calls_answered_in_place(context)
+
+
+async def test_two_stores_a_cancellation_once_the_log_is_written_still_writes_the_context() -> None:
+    """Cancelled at the context write's first await, the log written: the context takes the batch too.
+
+    The log held the result, the context did not, and ``append`` raised
+    ``Cancelled``: a retry would record it twice.
+    """
+    call = ToolCall(id="A", name="slow", arguments="{}")
+    for late in (False, True):
+        async with MemoryStore() as short_term, MemoryStore() as episodic:
+            compactor = two_stores(short_term, episodic)
+            await compactor.append(THREAD, [Message.user("go"), Message.assistant(None, tool_calls=[call])])
+            if late:
+                await compactor.append(THREAD, [Message.user("any news?")])
+            scopes: list[anyio.CancelScope] = []
+            for name in ("append", "replace_prefix"):
+                write = getattr(short_term, name)
+
+                async def cancelling(
+                    *args: Any, _write: Any = write, _scopes: list[anyio.CancelScope] = scopes, **kwargs: Any
+                ) -> Any:
+                    if _scopes:
+                        _scopes.pop().cancel()
+                        await anyio.lowlevel.checkpoint()
+                    return await _write(*args, **kwargs)
+
+                setattr(short_term, name, cancelling)
+            returned = []
+            with anyio.CancelScope() as scope:
+                scopes.append(scope)
+                returned.append(await compactor.append(THREAD, [Message.tool("A", "A done")]))
+            logged = conversation([record async for record in episodic.replay(THREAD)])[-1].text == "A done"
+            held = any(m.role is Role.TOOL for m in (await short_term.load(THREAD)).plain)
+            assert (bool(returned), logged, held) == (True, True, True), late
+
+
 def two_stores(short_term: MemoryStore, episodic: MemoryStore, **options: Any) -> Compactor:
     settings = SummarizeOptions(**{"trigger_token_budget": 8_000, **options})
     return Compactor(

@@ -555,7 +555,15 @@ async def test_a_result_for_a_reused_open_call_id_reaches_the_context_as_a_tool_
                 await compactor.append(THREAD, step)
             contexts.append(await compactor.context(THREAD))
     cached, uncached = contexts
-    assert uncached[-1] == Message.tool("call_0", "contents of a.py")
+    # Each result right after the call it answers, as providers require.
+    assert [m.text for m in uncached] == [
+        "read a.py",
+        "",
+        "contents of a.py",
+        "and b.py too",
+        "",
+        "contents of b.py",
+    ]
     assert cached == uncached
     assert not any(LATE_RESULT_METADATA_KEY in m.metadata for m in cached)
 
@@ -574,7 +582,8 @@ async def test_a_batch_that_reuses_an_open_call_id_sends_both_of_its_results_as_
     a reply calls ``x`` again and two results for ``x`` follow: the first
     answers the batch's own call, the second the context's, which is still
     open. Both reach the context as tool results, with or without another
-    result ahead of them in the batch, and with one store or two.
+    result ahead of them in the batch, and with one store or two; the
+    context's goes right after its call, as providers require.
     """
     x_first = ToolCall(id="x", name="read_file", arguments='{"path": "a.py"}')
     y = ToolCall(id="y", name="read_file", arguments='{"path": "c.py"}')
@@ -592,7 +601,14 @@ async def test_a_batch_that_reuses_an_open_call_id_sends_both_of_its_results_as_
             await compactor.append(THREAD, [Message.assistant(None, tool_calls=[x_first, y])])
             await compactor.append(THREAD, batch)
             context = await compactor.context(THREAD)
-            assert context[-len(batch) :] == batch
+            assert [m.text for m in context] == [
+                "read a.py and c.py",
+                "",
+                *(m.text for m in batch[: len(batch_head)]),
+                "contents of a.py",
+                "",
+                "contents of b.py",
+            ]
             assert not any(LATE_RESULT_METADATA_KEY in m.metadata for m in context)
 
 

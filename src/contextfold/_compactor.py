@@ -389,6 +389,67 @@ _running_job: ContextVar[_Background | None] = ContextVar("contextfold_backgroun
 """The background fold the current task computes (``None`` in a step): its summary is reported as one."""
 
 
+def _placed(rows: _Rows, sent: Sequence[Message], answering: list[int]) -> dict[int, list[int]] | None:
+    """Where the batch's results at ``answering`` go: the row after which each goes -> their indexes.
+
+    Right after its call and the results there. ``None`` when one answers no
+    open call of ``rows``.
+    """
+    calls_at = _answered_at(rows.unanswered(), [sent[index] for index in answering])
+    if calls_at is None:
+        return None
+    old = rows.messages
+    after: dict[int, list[int]] = {}
+    for index, call_at in zip(answering, calls_at, strict=True):
+        end = call_at + 1
+        while end < len(old) and old[end].role is _TOOL:
+            end += 1
+        after.setdefault(end, []).append(index)
+    return after
+
+
+def _plan_indexes(plan: dict[int, list[int]]) -> list[int]:
+    """The batch indexes a placement puts in the context, in batch order."""
+    return sorted(index for indexes in plan.values() for index in indexes)
+
+
+def _replacement(
+    rows: _Rows,
+    plan: dict[int, list[int]],
+    sent: Sequence[Message],
+    counts: list[int],
+    owners: Sequence[int | None],
+) -> tuple[list[Message], list[int], list[int | None], list[int | None], dict[int, int]]:
+    """The context with the batch placed: messages, tokens, episode links, ``stands_for``, batch rows."""
+    replacement: list[Message] = []
+    tokens: list[int] = []
+    links: list[int | None] = []
+    stands_for: list[int | None] = []
+    batch_rows: dict[int, int] = {}  # batch index -> its row in the replacement
+
+    def new_row(index: int) -> None:
+        batch_rows[index] = len(replacement)
+        replacement.append(sent[index])
+        tokens.append(counts[index])
+        links.append(owners[index])
+        stands_for.append(None)
+
+    old = rows.messages
+    for position in range(len(old) + 1):
+        for index in plan.get(position, ()):
+            new_row(index)
+        if position < len(old):
+            replacement.append(old[position])
+            tokens.append(rows.tokens[position])
+            links.append(None)
+            stands_for.append(rows.seqs[position])
+    placed = set(_plan_indexes(plan))
+    for index in range(len(sent)):
+        if index not in placed:
+            new_row(index)
+    return replacement, tokens, links, stands_for, batch_rows
+
+
 def _answered_at(unanswered: list[tuple[int, ToolCall]], results: Sequence[Message]) -> list[int] | None:
     """The row of the call each result answers, or ``None`` when one answers no open call.
 
@@ -449,14 +510,6 @@ def _results_after_their_calls(context: list[Message], results: list[int]) -> li
     return order
 
 
-def _newest_reply_calls(context: list[Message]) -> set[str]:
-    """The ids of the calls the newest reply made, when only results follow it (else none)."""
-    end = len(context)
-    while end and context[end - 1].role is _TOOL:
-        end -= 1
-    return {call.id for call in context[end - 1].tool_calls} if end else set()
-
-
 def _all_made_by_the_newest_reply(context: list[Message], calls: Mapping[str, ToolCall]) -> bool:
     """Whether every one of the open ``calls`` was made by the newest reply, with only results after it."""
     end = len(context)
@@ -470,9 +523,19 @@ def _all_made_by_the_newest_reply(context: list[Message], calls: Mapping[str, To
 
 
 def _away_from_the_newest_reply(context: list[Message], results: Sequence[Message]) -> bool:
-    """Whether some result answers a call other than the newest reply's (only results follow that reply)."""
-    newest = _newest_reply_calls(context)
-    return any(result.tool_call_id not in newest for result in results)
+    """Whether a result answers a call other than an open one of the newest reply (only results follow it)."""
+    end = len(context)
+    while end and context[end - 1].role is _TOOL:
+        end -= 1
+    if not end:
+        return True
+    waiting: dict[str, int] = {}
+    for made in context[end - 1].tool_calls:
+        waiting[made.id] = waiting.get(made.id, 0) + 1
+    for answered in (*context[end:], *results):  # its results so far, then the batch's
+        if not _answer(waiting, answered):
+            return True
+    return False
 
 
 def _checked(summary: Summary, summarizer: Summarizer) -> Summary:
@@ -720,18 +783,9 @@ class Compactor:
             await self._ready_counter()
         call = _LlmCall(model, usage, request_messages, request_tokens)
         if answering and self._may_place(thread, sent, answering):
-            if self._store is not None:
-                placed = await self._append_in_place(
-                    thread, messages, sent, answering, extra_episodes, call, started
-                )
-            elif (
-                sent is messages
-                and len(answering) == len(messages)
-                and not (extra_episodes or started or call.model or call.usage)
-            ):
-                placed = await self._place_results(thread, messages)
-            else:
-                placed = None
+            placed = await self._append_in_place(
+                thread, messages, sent, answering, extra_episodes, call, started
+            )
             if placed is not None:
                 if usage is not None and usage.input_tokens and request_tokens:
                     self._overhead[thread] = max(0, usage.input_tokens - request_tokens)
@@ -760,9 +814,10 @@ class Compactor:
                     thread, episodes, sent, tokens, message_episodes=owners
                 )
             else:
-                for episode in episodes:
-                    await self.episodic.record(thread, episode)
-                stored = await self.short_term.append(thread, sent, tokens)
+                with anyio.CancelScope(shield=True):  # the log written, the context takes the batch too
+                    for episode in episodes:
+                        await self.episodic.record(thread, episode)
+                    stored = await self.short_term.append(thread, sent, tokens)
                 self._track_unanswered(thread, sent)
         cache = self._cache.get(thread)
         if cache is not None and stored and stored[0].seq == cache.last_seq + 1:
@@ -1094,6 +1149,8 @@ class Compactor:
 
         Asked first, without an await: a step's results answer its own reply's calls.
         """
+        if any(message.role is not _TOOL for message in sent[: answering[-1]]):
+            return True  # a message of the batch comes before a result: the user wrote while it ran
         results = [sent[index] for index in answering]
         if self._store is None:
             if thread not in self._reckoned:  # calls made before this compactor: read them once
@@ -1119,56 +1176,37 @@ class Compactor:
         followed by it, which OpenAI's and Anthropic's APIs refuse in every
         later request. So the batch's results for calls of the context go right
         after their calls (and the results there), as an abandoned call's error
-        result does, and the rest of the batch after everything, in one
-        ``record_and_replace``; the log records the batch as it came. ``None``,
-        with nothing written, when that cannot be done here (the caller
-        appends): no cached context, or an id open twice in it. A fold by
-        another worker meanwhile starts the append over.
+        result does, and the rest of the batch after everything; the log
+        records the batch as it came. On a ``Store`` that is one
+        ``record_and_replace``, and a fold by another worker meanwhile starts
+        the append over. With two stores the context is read for it, the log
+        records the batch first (as ``append`` orders its writes), and a fold
+        meanwhile is met by reading the context again, a few times, before the
+        batch goes at its end. ``None``, with nothing written, when a result
+        answers no open call (the caller appends).
         """
         store = self._store
-        cache = self._cache.get(thread)  # brought up to date by _sent
-        if store is None or cache is None or not cache.seqs:
+        if store is not None:
+            cache = self._cache.get(thread)  # brought up to date by _sent
+        else:
+            window = await self.short_term.load(thread)
+            self._reckon_unanswered(thread, window.messages)
+            cache = _Cache.of(window)
+        if cache is None or not cache.seqs:
             return None
         rows = cache.snapshot()
-        calls_at = _answered_at(rows.unanswered(), [sent[index] for index in answering])
-        if calls_at is None:
+        plan = _placed(rows, sent, answering)
+        if plan is None:
             return None
-        old = rows.messages
-        after: dict[int, list[int]] = {}  # row after which results go -> their indexes in the batch
-        for index, call_at in zip(answering, calls_at, strict=True):
-            end = call_at + 1
-            while end < len(old) and old[end].role is _TOOL:
-                end += 1
-            after.setdefault(end, []).append(index)
-        placed = set(answering)
         episodes, owners = _step_episodes(extra_episodes, messages, call, started)
         counts = (
             await anyio.to_thread.run_sync(self._counts, sent) if heavy_batch(sent) else self._counts(sent)
         )
-        replacement: list[Message] = []
-        tokens: list[int] = []
-        links: list[int | None] = []
-        stands_for: list[int | None] = []
-        batch_rows: dict[int, int] = {}  # batch index -> its row in the replacement
-
-        def new_row(index: int) -> None:
-            batch_rows[index] = len(replacement)
-            replacement.append(sent[index])
-            tokens.append(counts[index])
-            links.append(owners[index])
-            stands_for.append(None)
-
-        for position in range(len(old) + 1):
-            for index in after.get(position, ()):
-                new_row(index)
-            if position < len(old):
-                replacement.append(old[position])
-                tokens.append(rows.tokens[position])
-                links.append(None)
-                stands_for.append(rows.seqs[position])
-        for index in range(len(sent)):
-            if index not in placed:
-                new_row(index)
+        if store is None:
+            return await self._append_in_place_of_two(
+                thread, rows, cache.version, plan, sent, counts, episodes
+            )
+        replacement, tokens, links, stands_for, batch_rows = _replacement(rows, plan, sent, counts, owners)
         through = rows.seqs[-1]
         try:
             await store.record_and_replace(
@@ -1197,6 +1235,46 @@ class Compactor:
             self._forget_seen(thread)
         first = through - len(replacement) + 1
         return await self._rows_at(thread, [first + batch_rows[index] for index in range(len(sent))])
+
+    async def _append_in_place_of_two(
+        self,
+        thread: str,
+        rows: _Rows,
+        version: int,
+        plan: dict[int, list[int]],
+        sent: list[Message],
+        counts: list[int],
+        episodes: list[Episode],
+    ) -> list[StoredMessage]:
+        """``_append_in_place``'s writes with two stores: the log, then the context (both, or neither)."""
+        unlinked = [None] * len(sent)
+        with anyio.CancelScope(shield=True):  # the log is written: the context must take the batch too
+            for episode in episodes:
+                await self.episodic.record(thread, episode)
+            for _ in range(3):
+                replacement, tokens, _, _, batch_rows = _replacement(rows, plan, sent, counts, unlinked)
+                try:
+                    await self.short_term.replace_prefix(
+                        thread,
+                        through_seq=rows.seqs[-1],
+                        expected_version=version,
+                        replacement=replacement,
+                        tokens=tokens,
+                    )
+                except ConflictError:  # another worker folded: read the context again
+                    window = await self.short_term.load(thread)
+                    rows, version = _Rows.of(window.messages), window.version
+                    placed = _placed(rows, sent, list(_plan_indexes(plan))) if rows.seqs else None
+                    if placed is None:
+                        break
+                    plan = placed
+                    continue
+                self._track_unanswered(thread, sent)
+                first = rows.seqs[-1] - len(replacement) + 1
+                return await self._rows_at(thread, [first + batch_rows[index] for index in range(len(sent))])
+            stored = await self.short_term.append(thread, sent, counts)
+        self._track_unanswered(thread, sent)
+        return stored
 
     async def _rows_at(self, thread: str, seqs: list[int]) -> list[StoredMessage]:
         """The stored rows with these seqs, read after a write that renumbered them.
@@ -1245,43 +1323,6 @@ class Compactor:
                 self._forget_cache(thread)
                 self._forget_seen(thread)
                 return await self._rows_at(thread, [renumbered.get(row.seq, row.seq) for row in stored])
-        return stored
-
-    async def _place_results(self, thread: str, results: list[Message]) -> list[StoredMessage] | None:
-        """``_append_in_place`` of a batch of results alone, with two stores: the context is read for it.
-
-        Only for calls this compactor saw followed by another message, or on a
-        thread it has not read yet. ``None``, with nothing written, when every
-        result answers the newest reply (they are appended) or an id is open
-        twice. The log records the results first, as ``append`` orders its
-        writes; a fold by another worker meanwhile is met by reading the
-        context again (a few times, then the results go at its end).
-        """
-        record = True
-        for _ in range(3):
-            window = await self.short_term.load(thread)
-            self._reckon_unanswered(thread, window.messages)
-            cache = _Cache.of(window)
-            if not _away_from_the_newest_reply(cache.plain, results):
-                break
-            rows = cache.snapshot()
-            calls_at = _answered_at(rows.unanswered(), results)
-            if calls_at is None:
-                break
-            closing = list(zip(calls_at, results, strict=True))
-            try:
-                seqs = await self._answer_in_place(thread, rows, cache.version, closing, record=record)
-            except ConflictError:
-                record = False  # the log holds them now
-                continue
-            if seqs is None:
-                break
-            self._track_unanswered(thread, results)
-            return await self._rows_at(thread, seqs)
-        if record:
-            return None  # nothing written: the caller appends
-        stored = await self.short_term.append(thread, results, self._counts(results))
-        self._track_unanswered(thread, results)
         return stored
 
     async def _current_cache(self, thread: str) -> _Cache | None:
@@ -1474,8 +1515,6 @@ class Compactor:
         rows: _Rows,
         version: int,
         closing: list[tuple[int, Message]],
-        *,
-        record: bool = True,
     ) -> list[int] | None:
         """Record each ``(call's row, result)`` and put it right after its call: the results' new seqs.
 
@@ -1534,16 +1573,17 @@ class Compactor:
                     message_episodes=recorded,
                     stands_for=stands_for,
                 )
-            else:  # (``record=False``: a retry of a replacement whose results the log holds already)
-                for episode in episodes if record else ():
-                    await self.episodic.record(thread, episode)
-                await self.short_term.replace_prefix(
-                    thread,
-                    through_seq=rows.seqs[-1],
-                    expected_version=version,
-                    replacement=replacement,
-                    tokens=tokens,
-                )
+            else:
+                with anyio.CancelScope(shield=True):  # the log written, the context takes the results too
+                    for episode in episodes:
+                        await self.episodic.record(thread, episode)
+                    await self.short_term.replace_prefix(
+                        thread,
+                        through_seq=rows.seqs[-1],
+                        expected_version=version,
+                        replacement=replacement,
+                        tokens=tokens,
+                    )
         finally:
             self._forget_cache(thread)
             self._forget_seen(thread)
