@@ -417,6 +417,33 @@ def test_model_copy_derives_the_default_summary_size_again_for_a_new_budget() ->
     assert (info.value.key, info.value.value) == ("compaction.max_summary_tokens", 500)
 
 
+def test_a_summary_size_the_caller_gave_is_set_even_when_it_equals_the_derived_one() -> None:
+    """model_fields_set holds max_summary_tokens only when given; one given as 1024 is kept by model_copy.
+
+    Before, a given 1024 (the size 8000 derives) counted as unset: errors
+    called it unset and model_copy derived it again from a new budget.
+    """
+    derived = SummarizeOptions(trigger_token_budget=8000)
+    given = SummarizeOptions(trigger_token_budget=8000, max_summary_tokens=1024)
+    assert derived == given
+    assert "max_summary_tokens" not in derived.model_fields_set
+    assert "max_summary_tokens" in given.model_fields_set
+    assert (
+        "max_summary_tokens"
+        in SummarizeOptions.model_validate_json(
+            '{"trigger_token_budget": 8000, "max_summary_tokens": 1024}'
+        ).model_fields_set
+    )
+    assert (
+        "max_summary_tokens"
+        not in SummarizeOptions.model_validate_json('{"trigger_token_budget": 8000}').model_fields_set
+    )
+    assert given.model_copy(update={"trigger_token_budget": 9000}).max_summary_tokens == 1024
+    with pytest.raises(ConfigError) as info:
+        given.model_copy(update={"trigger_token_budget": 100})
+    assert (info.value.key, info.value.value) == ("compaction.max_summary_tokens", 1024)
+
+
 def test_own_rules_say_which_value_would_work() -> None:
     """The cross-field rules name a value that would be accepted."""
     with pytest.raises(ConfigError) as info:

@@ -3,7 +3,8 @@
 Each was accepted before: a preset's summary size against a smaller target a
 strategy set, a summary size the extractive fallback cannot write named by
 options the API does not take, ``TokenBudget(0)``, and a tool call never
-abandoned.
+abandoned. The fixes they suggest are accepted when followed: no value the
+caller never gave, no pair of errors that send the caller back and forth.
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ async def test_a_preset_summary_size_at_a_strategys_smaller_target_is_refused_an
         f"{key}=1024: must be below the 900-token target of strategy=TokenBudget(max_tokens=900, "
         "keep_recent_turns=0), which replaces the preset's target (unset, it is 1024 or half the "
         "preset's own target, whichever is smaller): a summary that large leaves the kept turns no room, "
-        "so folds would end over the target; set max_summary_tokens to at most 450, or use a target above "
-        "1024, for example TokenBudget(max_tokens=2048, keep_recent_turns=0)"
+        "so folds would end over the target; set max_summary_tokens to between 41 and 450 (the default "
+        "summarizer, an ExtractiveSummarizer, also the fallback, needs 41 for its section headings), or use "
+        "a target above 1024, for example TokenBudget(max_tokens=2048, keep_recent_turns=0)"
     )
     async with MemoryStore() as store:
         compactor = Compactor(
@@ -104,7 +106,8 @@ def test_a_summary_size_the_caller_set_is_named_as_set() -> None:
         Compactor(MemoryStore(), options=options, strategy=TokenBudget(900))
     assert caught.value.key == "max_summary_tokens" and caught.value.value == 1000
     assert "(unset" not in caught.value.reason
-    assert "set max_summary_tokens to at most 450, or use a target above 1000" in caught.value.reason
+    assert "set max_summary_tokens to between 41 and 450 (the default" in caught.value.reason
+    assert "or use a target above 1000" in caught.value.reason
 
 
 @pytest.mark.parametrize(
@@ -185,7 +188,11 @@ def test_a_preset_whose_fallback_cannot_fit_names_the_fallback_and_the_policy() 
     assert caught.value.key == "max_summary_tokens" and caught.value.value == 25
     reason = caught.value.reason
     assert "the default fallback (an ExtractiveSummarizer, asked whenever the summarizer fails)" in reason
-    assert "so every fold that falls back to it would fail; give it 105 or more" in reason
+    assert (
+        "so every fold that falls back to it would fail; give it between 41 and 49, all the 50-token "
+        "target allows (unset, it is half of target_tokens, by default a quarter of trigger_token_budget: "
+        "a budget of 420 or more)"
+    ) in reason
     assert reason.endswith(
         "pass fallback= a summarizer that writes summaries that short, such as a FunctionSummarizer (the "
         "summarizer you passed will do), or on_summarizer_error='raise' or 'skip', which ask no fallback"
@@ -271,3 +278,166 @@ def test_a_tool_call_that_can_never_be_abandoned_is_refused(build: Any) -> None:
     )
     timed = SummarizeOptions(trigger_token_budget=2000, abandon_after_turns=None, abandon_after_seconds=600)
     assert timed.abandon_after_turns is None and timed.abandon_after_seconds == 600
+
+
+def build_with_short_summaries(trigger: Any, strategy: Any) -> Compactor:
+    return Compactor(
+        MemoryStore(),
+        trigger=trigger,
+        strategy=strategy,
+        summarizer=FunctionSummarizer(short),
+        fallback=FunctionSummarizer(short),
+    )
+
+
+@pytest.mark.parametrize(
+    ("trigger", "strategy", "target", "wider"),
+    [
+        (TokenCount(1), TokenBudget(5), 5, TokenCount(10)),
+        (TokenCount(0), TokenBudget(5), 5, TokenCount(10)),
+        (TokenCount(1) | TurnCount(50), [TokenBudget(300, keep_recent_turns=2)], 300, TokenCount(600)),
+    ],
+    ids=["token-count-1", "token-count-0", "any-of"],
+)
+def test_a_target_above_a_trigger_of_one_token_or_none_names_the_strategy_and_only_a_trigger_fix(
+    trigger: Any, strategy: Any, target: int, wider: TokenCount
+) -> None:
+    """Below a 2-token trigger no target is accepted: keyed strategy, the error names only a larger trigger.
+
+    Before, building the suggestion TokenBudget(0) raised an error about
+    TokenBudget.max_tokens=0, a value the caller never gave.
+    """
+    with pytest.raises(ConfigError) as caught:
+        build_with_short_summaries(trigger, strategy)
+    assert caught.value.key == "strategy" and caught.value.value == strategy
+    assert caught.value.reason.startswith(f"aims a fold at {target} tokens, at or above the ")
+    assert caught.value.reason.endswith(
+        f"use a trigger above {target}, for example TokenCount({wider.limit})"
+    )
+    assert "target below" not in caught.value.reason
+    # Short summarizers: the extractive one's headings do not fit a 5-token target, another error.
+    build_with_short_summaries(wider, strategy)
+
+
+@pytest.mark.parametrize(
+    ("options", "trigger", "smaller"),
+    [
+        (None, TokenCount(3), TokenBudget(2)),
+        (
+            SummarizeOptions(trigger_token_budget=8000, max_summary_tokens=600),
+            TokenCount(1000),
+            TokenBudget(601),
+        ),
+    ],
+    ids=["strategy-alone", "preset-summary-size"],
+)
+def test_the_smaller_target_a_target_above_trigger_error_names_is_accepted(
+    options: Any, trigger: TokenCount, smaller: TokenBudget
+) -> None:
+    """The smaller target suggested leaves its summary room: 2 or more alone, above a preset's summary size.
+
+    Before, TokenBudget(1) and TokenBudget(500) were suggested, and refused when followed.
+    """
+    kwargs: dict[str, Any] = {"summarizer": FunctionSummarizer(short), "fallback": FunctionSummarizer(short)}
+    with pytest.raises(ConfigError) as caught:
+        Compactor(MemoryStore(), options=options, trigger=trigger, strategy=TokenBudget(2000), **kwargs)
+    assert caught.value.key == "strategy" and caught.value.value == TokenBudget(2000)
+    assert f"use a target below {trigger.limit}, for example {smaller!r}, or a trigger" in caught.value.reason
+    Compactor(MemoryStore(), options=options, trigger=trigger, strategy=smaller, **kwargs)
+
+
+def build_preset(strategy: TokenBudget, **preset: Any) -> Compactor:
+    return Compactor(
+        MemoryStore(),
+        options=SummarizeOptions(trigger_token_budget=8000, **preset),
+        strategy=strategy,
+        counter=ApproximateCounter(),
+    )
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        (
+            {},
+            "set max_summary_tokens to between 41 and 59 (the default summarizer, an ExtractiveSummarizer, ",
+        ),
+        (
+            {"max_summary_tokens": 30},
+            "would fail; give it between 41 and 59, all the 60-token target allows, or ",
+        ),
+        (
+            {"max_summary_tokens": 105},
+            "set max_summary_tokens to between 41 and 59 (the default summarizer, ",
+        ),
+        (
+            {"max_summary_tokens": 1024},
+            "set max_summary_tokens to between 41 and 59 (the default summarizer, ",
+        ),
+    ],
+    ids=["unset", "below-the-headings", "at-the-target", "given-as-the-derived-size"],
+)
+def test_a_preset_summary_size_suggested_against_a_small_strategy_target_holds_the_headings(
+    given: dict[str, int], says: str
+) -> None:
+    """Against TokenBudget(60), each error suggests 41 to 59: enough for the headings, below the target.
+
+    Before, one error said at most 30, the other 105 or more, each refused by
+    the other check: a loop, though 41 to 59 were accepted.
+    """
+    with pytest.raises(ConfigError) as caught:
+        build_preset(TokenBudget(60), **given)
+    assert caught.value.key == "max_summary_tokens"
+    assert caught.value.value == given.get("max_summary_tokens", 1024)
+    assert says in caught.value.reason
+    assert ("(unset" in caught.value.reason) == (not given)
+    for size in (41, 59):
+        build_preset(TokenBudget(60), max_summary_tokens=size)
+
+
+def test_a_strategy_target_below_the_headings_is_answered_with_a_larger_target_only() -> None:
+    """With no size below the target that holds the headings, a larger target is suggested (and a size)."""
+    with pytest.raises(ConfigError) as caught:
+        build_preset(TokenBudget(30))
+    assert (caught.value.key, caught.value.value) == ("max_summary_tokens", 1024)
+    assert caught.value.reason.endswith(
+        "over the target; use a target above 1024, for example "
+        "TokenBudget(max_tokens=2048, keep_recent_turns=0)"
+    )
+    build_preset(TokenBudget(2048))
+    with pytest.raises(ConfigError) as caught:
+        build_preset(TokenBudget(20), max_summary_tokens=30)
+    assert (caught.value.key, caught.value.value) == ("max_summary_tokens", 30)
+    assert caught.value.reason.endswith(
+        "over the target; set max_summary_tokens=105 and a strategy target above it, for example "
+        "TokenBudget(max_tokens=210, keep_recent_turns=0)"
+    )
+    build_preset(TokenBudget(210), max_summary_tokens=105)
+
+
+def test_a_preset_target_too_small_for_the_advised_size_is_told_sizes_below_it() -> None:
+    """A budget of 100 (a 50-token target) is told 41 to 49, or a budget of 420: each is accepted.
+
+    Before, it was told 105 or more, which its own 50-token target refuses.
+    """
+    with pytest.raises(ConfigError) as caught:
+        Compactor(MemoryStore(), options=SummarizeOptions(trigger_token_budget=100))
+    assert (caught.value.key, caught.value.value) == ("max_summary_tokens", 25)
+    assert (
+        "would fail; give it between 41 and 49, all the 50-token target allows (unset, it is half of "
+        "target_tokens, by default a quarter of trigger_token_budget: a budget of 420 or more), or "
+    ) in caught.value.reason
+    for options in (
+        SummarizeOptions(trigger_token_budget=100, max_summary_tokens=41),
+        SummarizeOptions(trigger_token_budget=100, max_summary_tokens=49),
+        SummarizeOptions(trigger_token_budget=420),
+    ):
+        Compactor(MemoryStore(), options=options)
+    with pytest.raises(ConfigError) as caught:  # a 20-token target: no size below it holds the headings
+        Compactor(MemoryStore(), options=SummarizeOptions(trigger_token_budget=40))
+    assert (caught.value.key, caught.value.value) == ("max_summary_tokens", 10)
+    assert (
+        "would fail; set max_summary_tokens=105 and trigger_token_budget=420 (the preset's"
+        in caught.value.reason
+    )
+    Compactor(MemoryStore(), options=SummarizeOptions(trigger_token_budget=420, max_summary_tokens=105))

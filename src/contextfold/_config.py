@@ -306,23 +306,19 @@ class SummarizeOptions(_Options):
             )
         return role
 
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _default_summary_size(cls, data: Any) -> Any:
+    def _default_summary_size(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
         # A fixed default would reject every small budget over a key the caller never set.
-        if isinstance(data, dict) and "max_summary_tokens" not in data:
+        derived = isinstance(data, dict) and "max_summary_tokens" not in data
+        if derived:
             size = _default_summary_tokens(data.get("trigger_token_budget"), data.get("target_tokens"))
             if size is not None:
                 data = {**data, "max_summary_tokens": size}
-        return data
-
-    def _given(self) -> dict[str, Any]:
-        given = super()._given()
-        if given.get("max_summary_tokens") == _default_summary_tokens(
-            self.trigger_token_budget, self.target_tokens
-        ):
-            del given["max_summary_tokens"]  # derived from the budget, so derived again from the new one
-        return given
+        options = handler(data)
+        if derived:  # not given, so model_copy derives it again from a new budget and errors call it unset
+            options.__pydantic_fields_set__.discard("max_summary_tokens")
+        return options
 
     def _check(self) -> None:
         budget = self.trigger_token_budget
@@ -526,16 +522,25 @@ def _check_target_below_trigger(
         fires = f"trigger={source}"
     else:
         fires = f"trigger={trigger!r} ({source})"
-    budgeted = [s for s in config.strategies if s.target() == target][-1]
-    smaller = (
-        repr(replace(budgeted, max_tokens=limit // 2))
-        if isinstance(budgeted, TokenBudget)
-        else f"TokenBudget({limit // 2})"
-    )
     above = max(target * 2, target + 1)
     wider = f"TokenCount({above})" if source.startswith("TokenCount") else f"trigger_context_tokens={above}"
     if strategy is not None:
-        lower = f"a target below {limit}, for example {smaller}, or " if limit >= 1 else ""
+        # The smallest target the summary check below accepts: above a preset's summary size, or 2
+        # when summaries get half the target.
+        if preset is not None:
+            least = preset.max_summary_tokens + 1 if preset.summarizes else 1
+        else:
+            least = 1 if all(s.masks for s in config.strategies) else 2
+        lower = ""
+        if least < limit:  # else no target below the trigger is accepted: name only the trigger
+            budgeted = [s for s in config.strategies if s.target() == target][-1]
+            aim = max(limit // 2, least)
+            smaller = (
+                repr(replace(budgeted, max_tokens=aim))
+                if isinstance(budgeted, TokenBudget)
+                else f"TokenBudget({aim})"
+            )
+            lower = f"a target below {limit}, for example {smaller}, or "
         raise ConfigError(
             "strategy",
             f"aims a fold at {target} tokens, at or above the {limit} tokens at which {fires} fires, "
@@ -544,7 +549,10 @@ def _check_target_below_trigger(
             value=strategy,
         )
     assert preset is not None  # a trigger alone is refused before this
-    lower = f", or compaction.target_tokens below {limit}, for example {limit // 2}" if limit >= 4 else ""
+    # target_tokens needs room for a summary below it: 2, or above a summary size the caller set.
+    least = preset.max_summary_tokens + 1 if _summary_size_given(preset) and preset.summarizes else 2
+    aim = max(limit // 2, least)
+    lower = f", or compaction.target_tokens below {limit}, for example {aim}" if aim < limit else ""
     raise ConfigError(
         "trigger",
         f"fires a fold at {limit} tokens ({source}), at or below the {target}-token target of the "
@@ -568,8 +576,7 @@ def _preset_of(options: object) -> SummarizeOptions | None:
 
 def _summary_size_given(preset: SummarizeOptions) -> bool:
     """Whether the caller set ``max_summary_tokens``, rather than leaving it derived from the budget."""
-    derived = _default_summary_tokens(preset.trigger_token_budget, preset.target_tokens)
-    return "max_summary_tokens" in preset.model_fields_set and preset.max_summary_tokens != derived
+    return "max_summary_tokens" in preset.model_fields_set
 
 
 def _with_target(config: CompactionConfig, target: int) -> str:
@@ -594,37 +601,63 @@ def _with_target(config: CompactionConfig, target: int) -> str:
     return f"{wider} with a trigger above it, such as {trigger} in place of {source}"
 
 
-def _check_summary_below_target(
-    config: CompactionConfig, size: int, *, options: object, preset: SummarizeOptions | None
-) -> None:
-    """Refuse a summary as large as the fold's target: the fold would end over it, summary and all.
+def _check_summary_below_target(config: CompactionConfig) -> None:
+    """Refuse a strategy alone whose target leaves a summary (half of it) no room: a 1-token target.
 
-    The preset checks its own pair; this checks the target a strategy given
-    beside the preset sets, and the one a strategy alone sets.
+    A preset's summary size against a strategy's target is checked with the
+    summarizers (``check_summary_room``), whose needs bound the size to suggest.
     """
     target = config.target
-    if target is None or size < target:
+    if target is None or target >= 2:
         return
-    if preset is None:  # summaries get half the target: only a 1-token target leaves them no room
-        found = _limit_source(config.trigger)
-        aim = found[0] // 2 if found is not None and found[0] >= 4 else 4000
-        raise ConfigError(
-            "strategy",
-            f"aims a fold at {target} token, which leaves a summary no room below it (a summary gets half "
-            f"the target); use a target of at least 2, for example {_with_target(config, aim)}",
-            value=config.strategy,
-        )
+    found = _limit_source(config.trigger)
+    aim = found[0] // 2 if found is not None and found[0] >= 4 else 4000
+    raise ConfigError(
+        "strategy",
+        f"aims a fold at {target} token, which leaves a summary no room below it (a summary gets half "
+        f"the target); use a target of at least 2, for example {_with_target(config, aim)}",
+        value=config.strategy,
+    )
+
+
+def _summary_above_target_error(
+    settings: Settings,
+    options: object,
+    preset: SummarizeOptions,
+    needs: tuple[ExtractiveSummarizer, str] | None,
+) -> ConfigError:
+    """A preset's summary size at or above a strategy's target, with only fixes the summarizers accept.
+
+    ``needs`` is the extractive summarizer asked that needs the most tokens for
+    its headings, and who it is in words; ``None`` when no summarizer asked has
+    a least size.
+    """
+    config, size = settings.config, settings.max_summary_tokens
+    target = config.target
+    assert target is not None
+    least = needs[0].least_summary_tokens() if needs is not None else 1
+    fixes: list[str] = []
+    if least <= target - 1:  # a size that both the target and the summarizer accept
+        most = target // 2 if target // 2 >= least else target - 1
+        if needs is None:
+            fixes.append(f"set max_summary_tokens to at most {most}")
+        else:
+            span = f"to {least}" if least == most else f"to between {least} and {most}"
+            fixes.append(f"set max_summary_tokens {span} ({needs[1]} needs {least} for its section headings)")
+    if size >= least:  # the summarizer takes this size: a target above it is enough
+        fixes.append(f"use a target above {size}, for example {_with_target(config, 2 * size)}")
+    elif needs is not None and not fixes:  # neither alone: a size the summarizer takes, and targets above it
+        fixes.append(f"set {_larger_targets(settings, preset, needs[0].advised_summary_tokens())}")
     unset = (
         ""
         if _summary_size_given(preset)
         else " (unset, it is 1024 or half the preset's own target, whichever is smaller)"
     )
-    raise ConfigError(
+    return ConfigError(
         _summary_key(options),
         f"must be below the {target}-token target of strategy={config.strategy!r}, which replaces the "
         f"preset's target{unset}: a summary that large leaves the kept turns no room, so folds would end "
-        f"over the target; set max_summary_tokens to at most {target // 2}, or use a target above {size}, "
-        f"for example {_with_target(config, 2 * size)}",
+        f"over the target; {', or '.join(fixes)}",
         value=size,
     )
 
@@ -702,8 +735,6 @@ def resolve_settings(
         )
         if trigger is not None or strategy is not None:  # the preset checked its own pair
             _check_target_below_trigger(config, trigger=trigger, strategy=strategy, preset=preset)
-        if strategy is not None and preset.summarizes:  # the preset checked its summary against its target
-            _check_summary_below_target(config, preset.max_summary_tokens, options=options, preset=preset)
         hard = run.max_history_tokens if run is not None else None
         return Settings(
             config=config,
@@ -730,7 +761,7 @@ def resolve_settings(
     config = CompactionConfig(trigger, strategy, summary_tokens=summary if summarize else 0)
     _check_target_below_trigger(config, trigger=trigger, strategy=strategy, preset=None)
     if summarize:
-        _check_summary_below_target(config, max(1, summary), options=options, preset=None)
+        _check_summary_below_target(config)
     budget = _token_limit(trigger)
     return Settings(
         config=config,
@@ -765,7 +796,8 @@ def check_summary_room(
     the fallback asked when it fails) and names what the caller set or can
     set: ``max_summary_tokens`` under a preset; with triggers and strategies
     alone, the strategy whose target the size is derived from, or the
-    fallback.
+    fallback. A preset's size at or above a strategy's target is refused here
+    too, since the size to suggest must also suit the summarizers.
     """
     from .summarizers import ChatSummarizer, ExtractiveSummarizer
 
@@ -783,6 +815,15 @@ def check_summary_room(
     if settings.on_summarizer_error == "fallback" and asked[0][2] is not default:
         asked.append(("fallback" if fallback is not None else None, "fallback", default))
     preset = _preset_of(options)
+    target = settings.config.target
+    if preset is not None and target is not None and size >= target:
+        extractive = [
+            (chosen, _who(settings, given, serves))
+            for given, serves, chosen in asked
+            if isinstance(chosen, ExtractiveSummarizer)
+        ]
+        needs = max(extractive, key=lambda pair: pair[0].least_summary_tokens(), default=None)
+        raise _summary_above_target_error(settings, options, preset, needs)
     for given, serves, chosen in asked:
         if isinstance(chosen, ExtractiveSummarizer):
             if size < chosen.least_summary_tokens():
@@ -792,6 +833,66 @@ def check_summary_room(
                 chosen.check_summary_room(size, key=_summary_key(options))
             else:
                 _check_window(settings, chosen, given or serves)
+
+
+def _who(settings: Settings, given: str | None, serves: str) -> str:
+    """The extractive summarizer asked, in words: the argument that holds it, or the default, and its role."""
+    if given is None and serves == "summarizer":
+        also = ", also the fallback," if settings.on_summarizer_error == "fallback" else ""
+        return f"the default summarizer, an ExtractiveSummarizer{also}"
+    if given is None:
+        return "the default fallback (an ExtractiveSummarizer, asked whenever the summarizer fails)"
+    who = f"the ExtractiveSummarizer passed as {given}"
+    if given == "fallback" and serves == "summarizer":
+        who += " (with no summarizer given, it writes every summary)"
+    return who
+
+
+def _summary_caps(settings: Settings, preset: SummarizeOptions) -> tuple[int, int | None]:
+    """The targets a preset's summary size must stay below: its own, and a strategy's that replaced it.
+
+    The preset checks its size against its own target when it is built, so a
+    strategy's target bounds the size only besides it.
+    """
+    own = preset.effective_target_tokens
+    target = settings.config.target
+    return own, (target if target is not None and target != own else None)
+
+
+def _larger_targets(settings: Settings, preset: SummarizeOptions, size: int) -> str:
+    """``max_summary_tokens={size}`` and the targets above it that it needs, as one fix."""
+    own, strategy = _summary_caps(settings, preset)
+    parts = [f"max_summary_tokens={size}"]
+    if strategy is not None and strategy <= size:
+        parts.append(f"a strategy target above it, for example {_with_target(settings.config, 2 * size)}")
+    if own <= size:
+        if preset.target_tokens is None:
+            parts.append(f"trigger_token_budget={4 * size} (the preset's own target is half of it)")
+        else:
+            parts.append(f"target_tokens={2 * size}")
+            if preset.trigger_token_budget <= 2 * size:
+                parts.append(f"trigger_token_budget={4 * size}")
+    return f"{', '.join(parts[:-1])} and {parts[-1]}" if len(parts) > 1 else parts[0]
+
+
+def _preset_size_fixes(settings: Settings, preset: SummarizeOptions, chosen: ExtractiveSummarizer) -> str:
+    """Sizes that hold the extractive headings and stay below the targets, or the larger targets they need."""
+    least, advised = chosen.least_summary_tokens(), chosen.advised_summary_tokens()
+    own, strategy = _summary_caps(settings, preset)
+    cap = min(own, strategy) if strategy is not None else own
+    if _summary_size_given(preset):
+        unset = ""
+    elif strategy is None:
+        unset = " (unset, it is half of target_tokens, by default a quarter of trigger_token_budget"
+        unset += f": a budget of {4 * advised} or more)" if preset.target_tokens is None else ")"
+    else:
+        unset = " (unset, it is 1024 or half the preset's own target, whichever is smaller)"
+    if advised < cap:
+        room = f"room for a few lines beside them below the {cap}-token target"
+        return f"give it {advised} to {cap - 1}, {room}{unset}"
+    if least < cap:
+        return f"give it between {least} and {cap - 1}, all the {cap}-token target allows{unset}"
+    return f"set {_larger_targets(settings, preset, advised)}"
 
 
 def _headings_error(
@@ -806,16 +907,7 @@ def _headings_error(
     size = settings.max_summary_tokens
     least, advised = chosen.least_summary_tokens(), chosen.advised_summary_tokens()
     asks_fallback = settings.on_summarizer_error == "fallback"
-    if given is None and serves == "summarizer":
-        who = "the default summarizer, an ExtractiveSummarizer" + (
-            ", also the fallback," if asks_fallback else ""
-        )
-    elif given is None:
-        who = "the default fallback (an ExtractiveSummarizer, asked whenever the summarizer fails)"
-    else:
-        who = f"the ExtractiveSummarizer passed as {given}"
-        if given == "fallback" and serves == "summarizer":
-            who += " (with no summarizer given, it writes every summary)"
+    who = _who(settings, given, serves)
     fails = (
         "so every fold would fail"
         if serves == "summarizer"
@@ -831,16 +923,10 @@ def _headings_error(
     else:
         swap = f"pass {given}= {short}"
     if preset is not None:
-        unset = (
-            ""
-            if _summary_size_given(preset)
-            else " (unset, it is half of target_tokens, by default a quarter of trigger_token_budget: a "
-            f"budget of {4 * advised} or more)"
-        )
         return ConfigError(
             _summary_key(options),
-            f"is below the {least} tokens {who} needs for its section headings alone, {fails}; give it "
-            f"{advised} or more, room for a few lines beside them{unset}, or {swap}",
+            f"is below the {least} tokens {who} needs for its section headings alone, {fails}; "
+            f"{_preset_size_fixes(settings, preset, chosen)}, or {swap}",
             value=size,
         )
     # Without a preset the size is half the strategy's target: that target, or the fallback, is the fix.
