@@ -1567,6 +1567,24 @@ async def test_an_abandoned_calls_error_result_goes_right_after_the_call(store: 
     assert {row.episode_seq for row in kept} <= set(before.values())
 
 
+def pending_call() -> tuple[ToolCall, Message, Message, Message]:
+    """A slow call ``A``, and the user's question, the reply making the call, the user's next message."""
+    call = ToolCall(id="A", name="slow", arguments="{}")
+    return call, Message.user("go"), Message.assistant(None, tool_calls=[call]), Message.user("any news?")
+
+
+def compactor_on(short_term: Any, episodic: Any = None, **options: Any) -> Compactor:
+    """A compactor on one store, or on two when ``episodic`` is another: an 8,000-token budget by default."""
+    settings = SummarizeOptions(**{"trigger_token_budget": 8_000, **options})
+    return Compactor(
+        short_term=short_term,
+        episodic=short_term if episodic is None else episodic,
+        options=settings,
+        counter=ApproximateCounter(),
+        log_events=False,
+    )
+
+
 async def test_a_result_that_arrives_after_other_messages_goes_right_after_its_call(store: Any) -> None:
     """A pending call, the user's next message, then the result: the context puts it after the call.
 
@@ -1574,8 +1592,7 @@ async def test_a_result_that_arrives_after_other_messages_goes_right_after_its_c
     ``assistant[A], user, tool A``, which OpenAI's and Anthropic's APIs refuse.
     The log keeps the order things happened in.
     """
-    settings = SummarizeOptions(trigger_token_budget=8_000)
-    compactor = Compactor(store, options=settings, counter=ApproximateCounter(), log_events=False)
+    compactor = compactor_on(store)
     calls = [ToolCall(id=i, name="slow", arguments="{}") for i in ("A", "B")]
     await compactor.append(THREAD, [Message.user("run both"), Message.assistant(None, tool_calls=calls)])
     await compactor.append(THREAD, [Message.tool("B", "B done")])
@@ -1612,18 +1629,8 @@ async def test_a_late_result_recorded_with_more_goes_right_after_its_call(store:
     Only a batch of bare results was placed: these went at the end, after the
     user's message, and every later request was refused.
     """
-    compactor = Compactor(
-        store,
-        options=SummarizeOptions(trigger_token_budget=8_000),
-        counter=ApproximateCounter(),
-        log_events=False,
-    )
-    call = ToolCall(id="A", name="slow", arguments="{}")
-    go, asked, news = (
-        Message.user("go"),
-        Message.assistant(None, tool_calls=[call]),
-        Message.user("any news?"),
-    )
+    compactor = compactor_on(store)
+    call, go, asked, news = pending_call()
     done, more = Message.tool("A", "A done"), Message.user("and now?")
     if how == "sync":
         await compactor.sync(THREAD, [go, asked, news], compact=False)
@@ -1700,13 +1707,7 @@ async def test_late_results_for_an_id_a_later_reply_reused_while_open_each_follo
     newest open call with its id, as ``unanswered_calls`` pairs them.
     """
     log = store if stores == "one" else MemoryStore()
-    compactor = Compactor(
-        short_term=store,
-        episodic=log,
-        options=SummarizeOptions(trigger_token_budget=8_000),
-        counter=ApproximateCounter(),
-        log_events=False,
-    )
+    compactor = compactor_on(store, log)
     call = ToolCall(id="call_0", name="slow", arguments="{}")
     await compactor.append(THREAD, [Message.user("go"), Message.assistant(None, tool_calls=[call])])
     await compactor.append(THREAD, [Message.user("any news?")])
@@ -1742,19 +1743,8 @@ async def test_a_late_result_goes_after_its_call_in_every_batch_shape(
     the result at the end: ``assistant[A], user, tool A`` in every request.
     """
     log = store if stores == "one" else MemoryStore()
-    compactor = Compactor(
-        short_term=store,
-        episodic=log,
-        options=SummarizeOptions(trigger_token_budget=8_000),
-        counter=ApproximateCounter(),
-        log_events=False,
-    )
-    call = ToolCall(id="A", name="slow", arguments="{}")
-    go, asked, news = (
-        Message.user("go"),
-        Message.assistant(None, tool_calls=[call]),
-        Message.user("any news?"),
-    )
+    compactor = compactor_on(store, log)
+    call, go, asked, news = pending_call()
     done = Message.tool("A", "A done")
     await compactor.append(THREAD, [go, asked])
     if shape == "user then result":
@@ -1781,12 +1771,7 @@ async def test_a_result_for_an_older_call_whose_id_a_newer_reply_reused_goes_aft
     store: Any,
 ) -> None:
     """The newer reply's call with the id is answered already: the next result is the older call's."""
-    compactor = Compactor(
-        store,
-        options=SummarizeOptions(trigger_token_budget=8_000),
-        counter=ApproximateCounter(),
-        log_events=False,
-    )
+    compactor = compactor_on(store)
     call = ToolCall(id="A", name="slow", arguments="{}")
     await compactor.append(THREAD, [Message.user("go"), Message.assistant("first", tool_calls=[call])])
     await compactor.append(THREAD, [Message.user("any news?")])
@@ -1807,7 +1792,7 @@ async def test_two_stores_a_cancellation_once_the_log_is_written_still_writes_th
     call = ToolCall(id="A", name="slow", arguments="{}")
     for late in (False, True):
         async with MemoryStore() as short_term, MemoryStore() as episodic:
-            compactor = two_stores(short_term, episodic)
+            compactor = compactor_on(short_term, episodic)
             await compactor.append(THREAD, [Message.user("go"), Message.assistant(None, tool_calls=[call])])
             if late:
                 await compactor.append(THREAD, [Message.user("any news?")])
@@ -1833,17 +1818,6 @@ async def test_two_stores_a_cancellation_once_the_log_is_written_still_writes_th
             assert (bool(returned), logged, held) == (True, True, True), late
 
 
-def two_stores(short_term: MemoryStore, episodic: MemoryStore, **options: Any) -> Compactor:
-    settings = SummarizeOptions(**{"trigger_token_budget": 8_000, **options})
-    return Compactor(
-        short_term=short_term,
-        episodic=episodic,
-        options=settings,
-        counter=ApproximateCounter(),
-        log_events=False,
-    )
-
-
 async def test_two_stores_a_restarted_compactor_places_a_late_result_and_closes_an_abandoned_call() -> None:
     """With two stores a compactor reads a thread's open calls once: those made before it count too.
 
@@ -1852,16 +1826,16 @@ async def test_two_stores_a_restarted_compactor_places_a_late_result_and_closes_
     """
     calls = [ToolCall(id=i, name="slow", arguments="{}") for i in ("A", "B", "C")]
     async with MemoryStore() as short_term, MemoryStore() as episodic:
-        before = two_stores(short_term, episodic, abandon_after_turns=2)
+        before = compactor_on(short_term, episodic, abandon_after_turns=2)
         await before.append(THREAD, [Message.user("go"), Message.assistant(None, tool_calls=calls[:2])])
         await before.append(THREAD, [Message.tool("B", "B done")])
         await before.append(THREAD, [Message.user("any news?")])
         await before.append(THREAD, [Message.assistant(None, tool_calls=calls[2:])])
-        restarted = two_stores(short_term, episodic, abandon_after_turns=2)
+        restarted = compactor_on(short_term, episodic, abandon_after_turns=2)
         await restarted.append(THREAD, [Message.tool("A", "A done")])
         context = [m.tool_call_id or m.text for m in (await short_term.load(THREAD)).plain]
         assert context == ["go", "", "B", "A", "any news?", ""]
-        again = two_stores(short_term, episodic, abandon_after_turns=2)
+        again = compactor_on(short_term, episodic, abandon_after_turns=2)
         for n in range(2):
             await again.append(THREAD, [Message.user(f"u{n}")])
             assert await again.maybe_compact(THREAD) is None
@@ -1876,8 +1850,8 @@ async def test_two_stores_a_late_result_is_placed_after_another_workers_fold_mea
     options = {"trigger_token_budget": 1_000, "min_recent_messages": 0, "min_recent_turns": 1}
     async with MemoryStore() as short_term, MemoryStore() as episodic:
         worker, other = (
-            two_stores(short_term, episodic, **options),
-            two_stores(short_term, episodic, **options),
+            compactor_on(short_term, episodic, **options),
+            compactor_on(short_term, episodic, **options),
         )
         for n in range(6):
             await worker.append(THREAD, [Message.user(f"{_words(60)} {n}"), Message.assistant(f"ok {n}")])
@@ -1951,11 +1925,8 @@ async def test_an_abandoned_call_is_closed_by_a_check_with_no_fold_to_make(store
     """
     from contextfold._compactor import ABANDONED_METADATA_KEY
 
-    settings = SummarizeOptions(trigger_token_budget=60_000, abandon_after_turns=2)
     log = store if stores == "one" else MemoryStore()
-    compactor = Compactor(
-        short_term=store, episodic=log, options=settings, counter=ApproximateCounter(), log_events=False
-    )
+    compactor = compactor_on(store, log, trigger_token_budget=60_000, abandon_after_turns=2)
     lost = ToolCall(id="A", name="slow", arguments="{}")
     await compactor.append(THREAD, [Message.user("go"), Message.assistant(None, tool_calls=[lost])])
     texts = []

@@ -396,13 +396,15 @@ def _placed(rows: _Rows, sent: Sequence[Message], answering: list[int]) -> dict[
     open call of ``rows``.
     """
     calls_at = _answered_at(rows.unanswered(), [sent[index] for index in answering])
-    if calls_at is None:
-        return None
-    old = rows.messages
+    return None if calls_at is None else _after_calls(rows.messages, calls_at, answering)
+
+
+def _after_calls(context: list[Message], calls_at: list[int], indexes: list[int]) -> dict[int, list[int]]:
+    """Where each result goes, right after its call and the results there: that row -> ``indexes``."""
     after: dict[int, list[int]] = {}
-    for index, call_at in zip(answering, calls_at, strict=True):
+    for index, call_at in zip(indexes, calls_at, strict=True):
         end = call_at + 1
-        while end < len(old) and old[end].role is _TOOL:
+        while end < len(context) and context[end].role is _TOOL:
             end += 1
         after.setdefault(end, []).append(index)
     return after
@@ -487,21 +489,20 @@ def _results_after_their_calls(context: list[Message], results: list[int]) -> li
     A result moves when a message other than a tool result lies between it and
     the newest call before it with its id.
     """
-    moving: dict[int, list[int]] = {}  # row after which a result goes -> the results
+    calls_at: list[int] = []
+    moved: list[int] = []
     for index in sorted(results):
         id_ = context[index].tool_call_id
         at = next(
             (i for i in range(index - 1, -1, -1) if any(c.id == id_ for c in context[i].tool_calls)), None
         )
-        if at is None or all(m.role is _TOOL for m in context[at + 1 : index]):
-            continue
-        end = at + 1
-        while end < index and context[end].role is _TOOL:
-            end += 1
-        moving.setdefault(end, []).append(index)
-    if not moving:
+        if at is not None and not all(m.role is _TOOL for m in context[at + 1 : index]):
+            calls_at.append(at)
+            moved.append(index)
+    if not moved:
         return None
-    gone = {index for indexes in moving.values() for index in indexes}
+    moving = _after_calls(context, calls_at, moved)  # (a message lies before each one: it stops there)
+    gone = set(moved)
     order: list[int] = []
     for position in range(len(context)):
         order += moving.get(position, [])
@@ -510,11 +511,29 @@ def _results_after_their_calls(context: list[Message], results: list[int]) -> li
     return order
 
 
-def _all_made_by_the_newest_reply(context: list[Message], calls: Mapping[str, ToolCall]) -> bool:
-    """Whether every one of the open ``calls`` was made by the newest reply, with only results after it."""
+def _newest_reply(context: list[Message]) -> int:
+    """The row just after the newest message that is not a tool result (0 if there is none)."""
     end = len(context)
     while end and context[end - 1].role is _TOOL:
         end -= 1
+    return end
+
+
+def _may_be_abandoned(cache: _Cache, settings: Settings) -> bool:
+    """Whether a call open in the cached context may be abandoned by now (read without copying it)."""
+    if cache.reused_open_id:  # its open_calls may miss one
+        return True
+    if not cache.open_calls:
+        return False
+    # The newest reply's calls have no turn after them: none of those is abandoned by turns yet.
+    return settings.abandon_after_seconds is not None or not _all_made_by_the_newest_reply(
+        cache.plain, cache.open_calls
+    )
+
+
+def _all_made_by_the_newest_reply(context: list[Message], calls: Mapping[str, ToolCall]) -> bool:
+    """Whether every one of the open ``calls`` was made by the newest reply, with only results after it."""
+    end = _newest_reply(context)
     made = context[end - 1].tool_calls if end else ()
     if len(made) == 1:  # the common step: one call, made by the reply just recorded
         return len(calls) == 1 and made[0].id in calls
@@ -524,9 +543,7 @@ def _all_made_by_the_newest_reply(context: list[Message], calls: Mapping[str, To
 
 def _away_from_the_newest_reply(context: list[Message], results: Sequence[Message]) -> bool:
     """Whether a result answers a call other than an open one of the newest reply (only results follow it)."""
-    end = len(context)
-    while end and context[end - 1].role is _TOOL:
-        end -= 1
+    end = _newest_reply(context)
     if not end:
         return True
     waiting: dict[str, int] = {}
@@ -929,11 +946,7 @@ class Compactor:
         if reason is None:
             # A call still unanswered: abandoned yet? (With no fold to make, no fold would close it.)
             if cache is not None:
-                if (cache.open_calls or cache.reused_open_id) and (  # (then open_calls may miss one)
-                    cache.reused_open_id
-                    or settings.abandon_after_seconds is not None
-                    or not _all_made_by_the_newest_reply(cache.plain, cache.open_calls)
-                ):  # (the newest reply's calls have no turn after them: none is abandoned by turns)
+                if _may_be_abandoned(cache, settings):
                     await self._close_abandoned(thread, cache.snapshot(), cache.version, settings)
             elif self._store is None and (self._unanswered.get(thread) or thread not in self._reckoned):
                 await self._close_abandoned_loaded(thread, settings)
@@ -1457,7 +1470,7 @@ class Compactor:
             placed = await self._answer_in_place(thread, rows, version, closing)
         except ConflictError:  # another worker folded meanwhile: the next fold closes what is left
             return True
-        if placed is None:
+        if not placed:
             await self.append(thread, [result for _, result in closing])
         return True
 
@@ -1510,17 +1523,13 @@ class Compactor:
             self._passed.pop(thread, None)
 
     async def _answer_in_place(
-        self,
-        thread: str,
-        rows: _Rows,
-        version: int,
-        closing: list[tuple[int, Message]],
-    ) -> list[int] | None:
-        """Record each ``(call's row, result)`` and put it right after its call: the results' new seqs.
+        self, thread: str, rows: _Rows, version: int, closing: list[tuple[int, Message]]
+    ) -> bool:
+        """Record each ``(call's row, result)`` and put it right after its call; ``False`` to append them.
 
-        ``None``, with nothing written, when every result goes at the end
-        anyway (the caller appends them); ``ConflictError`` when the context
-        moved past ``version``, nothing written either.
+        ``False``, with nothing written, when every result goes at the end
+        anyway; ``ConflictError`` when the context moved past ``version``,
+        nothing written either.
 
         An abandoned call has turns after it (that is how it was found): its
         result appended at the end would leave the call's message followed by
@@ -1529,38 +1538,18 @@ class Compactor:
         are recorded and the context rewritten with them in place in one
         transaction (``record_and_replace``; every other row keeps its link).
         With two stores the log records them first, then the context is
-        rewritten, as ``append`` orders its two writes. When only tool results
-        follow the calls, they are appended.
+        rewritten, as ``append`` orders its two writes.
         """
+        results = [result for _, result in closing]
+        indexes = list(range(len(results)))
+        plan = _after_calls(rows.messages, [index for index, _ in closing], indexes)
+        if list(plan) == [len(rows.messages)]:
+            return False
+        replacement, tokens, recorded, stands_for, _ = _replacement(
+            rows, plan, results, self._counts(results), indexes
+        )
+        episodes = [episode_for(result) for result in results]
         store = self._store
-        messages, tool = rows.messages, Role.TOOL
-        at: dict[int, list[int]] = {}  # row after which results go -> their indexes in closing
-        for n, (index, _) in enumerate(closing):
-            end = index + 1
-            while end < len(messages) and messages[end].role is tool:
-                end += 1
-            at.setdefault(end, []).append(n)
-        if list(at) == [len(messages)]:
-            return None
-        replacement: list[Message] = []
-        tokens: list[int] = []
-        stands_for: list[int | None] = []
-        recorded: list[int | None] = []
-        for position in range(len(messages) + 1):
-            for n in at.get(position, ()):
-                result = closing[n][1]
-                replacement.append(result)
-                tokens.append(self.counter.count(result))
-                stands_for.append(None)
-                recorded.append(n)
-            if position < len(messages):
-                replacement.append(messages[position])
-                tokens.append(rows.tokens[position])
-                stands_for.append(rows.seqs[position])
-                recorded.append(None)
-        episodes = [episode_for(result) for _, result in closing]
-        first = rows.seqs[-1] - len(replacement) + 1
-        seq_of = {n: first + position for position, n in enumerate(recorded) if n is not None}
         try:
             if store is not None:
                 await store.record_and_replace(
@@ -1587,7 +1576,7 @@ class Compactor:
         finally:
             self._forget_cache(thread)
             self._forget_seen(thread)
-        return [seq_of[n] for n in range(len(closing))]
+        return True
 
     async def _made_at(self, thread: str, seq: int | None) -> datetime | None:
         """When the log recorded episode ``seq`` of ``thread`` (``None`` without one)."""
