@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import pytest
 
+import contextfold._compactor as compactor_module
 from contextfold import (
     Compactor,
     ConfigError,
@@ -122,22 +123,31 @@ def counted_reads(store: Any) -> list[str]:
     return reads
 
 
-async def test_a_step_reads_from_the_store_only_its_check(store: Any) -> None:
-    """Check, context, then append a call with its result: one stats() read, no tail or load.
+@pytest.mark.parametrize("right_after", [False, True], ids=["check-reads", "write-read"])
+async def test_a_step_reads_from_the_store_only_its_check(
+    store: Any, right_after: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Check, context, then append a call with its result: one stats() read at most, no tail or load.
 
     A batch that makes a tool call and answers it used to re-read the thread's
-    tail to find the call open, on every tool step.
+    tail to find the call open, on every tool step. Right after the step's own
+    write (within ``_SEEN_STANDS_FOR``) the write's read of the thread stands
+    for the check's, and the step reads nothing.
     """
+    monkeypatch.setattr(compactor_module, "_SEEN_STANDS_FOR", 60.0 if right_after else 0.05)
     compactor = Compactor(store, options=options(budget=100_000), counter=ApproximateCounter())
     await grow(compactor, range(3))
     await compactor.context(THREAD)
     reads = counted_reads(store)
     for n in range(3, 8):
+        if not right_after:
+            await anyio.sleep(0.06)  # a model call: the write's read no longer stands for the check
         reads.clear()
         assert await compactor.maybe_compact(THREAD) is None
         context = await compactor.context(THREAD)
         await compactor.append(THREAD, turn(n))
-        assert reads == ["stats"], f"step {n} read {reads}"
+        # (The first check comes after the context(), which took what the last write read.)
+        assert reads == ([] if right_after and n > 3 else ["stats"]), f"step {n} read {reads}"
         assert [m.metadata["n"] for m in context[-3:]] == [f"u{n - 1}", f"a{n - 1}", f"r{n - 1}"]
     assert [m.metadata["n"] for m in await compactor.context(THREAD)][-3:] == ["u7", "a7", "r7"]
 
@@ -152,14 +162,20 @@ async def test_a_naive_now_is_refused_whether_or_not_the_check_reads_the_log(sto
     assert await compactor.maybe_compact(THREAD, now=datetime(2026, 1, 1, tzinfo=UTC)) is None
 
 
-async def test_a_step_that_folds_sends_the_folded_context_without_reading_it_back(store: Any) -> None:
+@pytest.mark.parametrize("right_after", [False, True], ids=["check-reads", "write-read"])
+async def test_a_step_that_folds_sends_the_folded_context_without_reading_it_back(
+    store: Any, right_after: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """After a fold, the step's context() is the folded context: no read after the fold.
 
     The fold consumed the step's check, so context() used to read the thread's
     tail once more (finding no new rows) after every fold. A folding step reads
     the stats once more, under the lease and before the summary (another worker
-    may have folded since the check), and nothing after.
+    may have folded since the check), and nothing after. The check itself
+    reads nothing when the step's own write read the thread a moment before.
     """
+    monkeypatch.setattr(compactor_module, "_SEEN_STANDS_FOR", 60.0 if right_after else 0.05)
+    check = [] if right_after else ["stats"]
     compactor = Compactor(store, options=options(budget=1_500), counter=ApproximateCounter())
     reads = counted_reads(store)
     await compactor.append(THREAD, turn(0))
@@ -167,11 +183,13 @@ async def test_a_step_that_folds_sends_the_folded_context_without_reading_it_bac
     folds = 0
     for n in range(1, 30):
         await compactor.append(THREAD, turn(n))
+        if not right_after:
+            await anyio.sleep(0.06)  # a model call: the write's read no longer stands for the check
         reads.clear()
         result = await compactor.maybe_compact(THREAD)
         context = await compactor.context(THREAD)
         folded = result is not None and result.compacted
-        assert reads == (["stats", "stats"] if folded else ["stats"]), f"step {n} read {reads}"
+        assert reads == ([*check, "stats"] if folded else check), f"step {n} read {reads}"
         if folded:
             folds += 1
             stored = (await store.load(THREAD)).plain

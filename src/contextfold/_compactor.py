@@ -112,12 +112,17 @@ _MAX_BACKOFF_SKIPS = 32
 _CACHED_THREADS = 1024
 
 _SEEN_STANDS_FOR = 0.01
-"""Seconds the stats a check read stand for the thread's state: a ``context()`` that soon after reads nothing.
+"""Seconds a read of a thread's stats stands for its state, while no store object of the process wrote it.
 
-The step's check and the context it sends come a few microseconds apart; a
-``before_request`` hook that waits on I/O between them, or a ``context()``
-long after the check, reads the store again rather than send what another
-worker has since appended or folded.
+Two reads: a check's, which the ``context()`` right after it uses, and the
+one a step's write makes of the threads row it updates (returned with the
+rows), which the next check uses. Each is as fresh as a read right after the
+commit. A step's write, check and context come a few microseconds apart; a
+``before_request`` hook that waits on I/O between them, or a check or
+``context()`` long after, reads the store again rather than send what
+another worker has since appended or folded. A write by another process
+within that time is seen at the next read, as one landing right after the
+check's read would be.
 """
 
 
@@ -671,7 +676,11 @@ class Compactor:
         self._backoff: dict[str, _Backoff] = {}
         self._cache: OrderedDict[str, _Cache] = OrderedDict()
         self._seen: dict[str, tuple[ThreadStats, float, int]] = {}
-        """Per thread: the stats last read, when, and ``writes_to(thread)`` before the read."""
+        """Per thread: the stats last read, when, and ``writes_to(thread)`` before the read.
+
+        Read by a check, or by the step's own write (then the count includes
+        that write); see ``_SEEN_STANDS_FOR``.
+        """
         self._overhead: dict[str, int] = {}
         self._next_fold_at: dict[str, tuple[int, int]] = {}
         """Per thread, the version a fold left and the tokens the next token fold waits for on it.
@@ -819,7 +828,10 @@ class Compactor:
                 recording = await anyio.to_thread.run_sync(self._recording, messages, call)
             else:
                 recording = self._recording(messages, call)
-            stored = await writer(thread, recording)
+            writes, at = writes_to(thread), time.monotonic()
+            stored, written = await writer(thread, recording)
+            if written is not None:  # the write read the thread back: the next check need not
+                self._seen[thread] = written, at, writes + 1
         else:
             episodes, owners = _step_episodes(extra_episodes, messages, call, started)
             if heavy:
@@ -1047,6 +1059,10 @@ class Compactor:
         if now is not None:
             utc(now, "now")  # refused whether or not a read takes it
         writes = writes_to(thread)
+        if not settings.episodic:
+            seen = self._seen.get(thread)
+            if seen is not None and seen[2] == writes and time.monotonic() - seen[1] <= _SEEN_STANDS_FOR:
+                return seen[0], None  # read by the step's own write (see ``_seen``), a moment ago
         if self._store is not None and settings.episodic:  # both in one read
             state = await self._store.state(thread, now=now)
             stats, episodic = state.stats, state.pressure
@@ -2408,12 +2424,14 @@ class Compactor:
 
 def _recording_writer(
     store: Store | None,
-) -> Callable[[str, Recording], Awaitable[list[StoredMessage]]] | None:
+) -> Callable[[str, Recording], Awaitable[tuple[list[StoredMessage], ThreadStats | None]]] | None:
     """The store's write of a step ``append`` encoded, if its ``record_and_append`` is the one beside it.
 
     A bundled store writes such a recording as its own ``record_and_append``
-    would have; a subclass or an instance that replaces ``record_and_append``
-    (a wrapper, a spy) gets every step through it instead.
+    would have, and returns the rows and the thread's stats as the write left
+    them (``None`` when it did not read them); a subclass or an instance that
+    replaces ``record_and_append`` (a wrapper, a spy) gets every step through
+    it instead.
     """
     write = getattr(store, "_write_recording", None)
     if write is None or "record_and_append" in vars(store):

@@ -92,5 +92,9 @@ async def test_a_new_run_of_a_checkpointed_agent_reads_no_more_than_the_one_befo
             await graph.ainvoke({"messages": [HumanMessage(f"question {n}")]}, CONFIG)
             per_run.append((dict(store.reads), dict(work)))
         # Each run: before the model call and after the agent, the log read for what is new (twice
-        # each), and the context read once after the final answer is recorded (no check refreshed it).
-        assert per_run[1:] == [({"replay": 4, "tail": 1}, {"from_langchain": 2})] * (TURNS - 1)
+        # each). The context after the final answer is recorded is the cache: the answer's write
+        # read the thread back, which stands for it for 10 ms; a slower machine reads the tail once.
+        for reads, converted in per_run[1:]:
+            assert converted == {"from_langchain": 2}
+            assert reads.pop("replay") == 4
+            assert reads in ({}, {"tail": 1})

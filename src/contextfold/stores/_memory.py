@@ -412,13 +412,18 @@ class MemoryStore(AsyncResource):
         recording = await off_loop_if_heavy(
             messages, encode_recording, episodes, messages, tokens, message_episodes
         )
-        return await self._write_recording(thread, recording)
+        return (await self._write_recording(thread, recording))[0]
 
     _KEEPS_EPISODES = True
     """``_write_recording`` takes a step recorded with ``encode=False`` (see ``record_messages``)."""
 
-    async def _write_recording(self, thread: str, recording: Recording) -> list[StoredMessage]:
-        """``record_and_append`` of a step checked and encoded already: nothing is written unless all is."""
+    async def _write_recording(
+        self, thread: str, recording: Recording
+    ) -> tuple[list[StoredMessage], ThreadStats | None]:
+        """``record_and_append`` of a step checked and encoded already: nothing is written unless all is.
+
+        Also the thread's stats once it is written, as ``stats`` would read them.
+        """
         await self._enter()
         check_write(thread)
         rows = recording.rows
@@ -431,7 +436,8 @@ class MemoryStore(AsyncResource):
             links: list[int | None] = []
             for link in recording.links:
                 links.append(None if link is None else seqs[link])
-            return self._append_rows(thread, rows, links, total)
+            stored = self._append_rows(thread, rows, links, total)
+            return stored, self._contexts[thread].stats
 
     async def fold(
         self,

@@ -487,7 +487,7 @@ _THREADS_CTE = """
             message_count = t.message_count + EXCLUDED.message_count,
             total_tokens = t.total_tokens + EXCLUDED.total_tokens,
             last_seq = t.last_seq + EXCLUDED.last_seq
-        RETURNING last_seq)
+        RETURNING last_seq, message_count, total_tokens, version)
 """
 _ADDED_CTE = """
     added AS (
@@ -1018,10 +1018,16 @@ class PostgresStore(AsyncResource):
         recording = await off_loop_if_heavy(
             messages, encode_recording, episodes, messages, tokens, message_episodes
         )
-        return await self._write_recording(thread, recording)
+        return (await self._write_recording(thread, recording))[0]
 
-    async def _write_recording(self, thread: str, recording: Recording) -> list[StoredMessage]:
-        """``record_and_append`` of a step checked and encoded already, in one statement."""
+    async def _write_recording(
+        self, thread: str, recording: Recording
+    ) -> tuple[list[StoredMessage], ThreadStats | None]:
+        """``record_and_append`` of a step checked and encoded already, in one statement.
+
+        Also the thread's stats as the statement left them (the threads row it
+        updated, locked until the commit): a read right after the commit.
+        """
         check_write(thread)
         episodes, bodies, rows, links, _, _ = recording
         params: dict[str, Any] = {
@@ -1036,7 +1042,7 @@ class PostgresStore(AsyncResource):
                 await self._record_batch(thread, params)
             else:
                 self._require_open("record_and_append")
-            return []
+            return [], None
         query = self._append_query(recording=bool(episodes))
         async with self._connection("record_and_append", thread, write=True) as conn:
             cur = await conn.execute(query, params)
@@ -1045,8 +1051,15 @@ class PostgresStore(AsyncResource):
         first = int(row[0]) - params["m_n"] + 1
         # The episodes took the seqs up to the counters' new last_seq.
         first_episode = None if row[1] is None else int(row[1]) - len(episodes) + 1
+        stats = trusted(
+            ThreadStats,
+            message_count=int(row[2]),
+            total_tokens=int(row[3]),
+            version=int(row[4]),
+            last_seq=int(row[0]),
+        )
         # Each row holds the copy its JSON reads back, never the caller's message.
-        return [
+        stored = [
             trusted(
                 StoredMessage,
                 seq=first + n,
@@ -1056,6 +1069,7 @@ class PostgresStore(AsyncResource):
             )
             for n, ((_, count, copy), link) in enumerate(zip(rows, links, strict=True))
         ]
+        return stored, stats
 
     def _append_query(self, *, recording: bool) -> sql.Composed:
         return self._composed(f"append recording={recording}", lambda: self._build_append(recording))
@@ -1066,15 +1080,18 @@ class PostgresStore(AsyncResource):
             added = sql.SQL(_ADDED_CTE).format(
                 s=self._s, episodes=sql.SQL(""), episode_seq=sql.SQL("NULL::bigint")
             )
-            return sql.SQL("WITH {}, {} SELECT (SELECT last_seq FROM t), NULL").format(threads, added)
+            return sql.SQL(
+                "WITH {}, {} SELECT last_seq, NULL, message_count, total_tokens, version FROM t"
+            ).format(threads, added)
         # The counters upsert reads ``t``, so the threads row is locked first.
         record = sql.SQL(_RECORD_CTES).format(s=self._s, source=sql.SQL("FROM t"))
         added = sql.SQL(_ADDED_CTE).format(
             s=self._s, episodes=sql.SQL("e,"), episode_seq=sql.SQL("e.last_seq - %(e_n)s + 1 + u.episode")
         )
-        return sql.SQL("WITH {}, {}, {} SELECT (SELECT last_seq FROM t), (SELECT last_seq FROM e)").format(
-            threads, record, added
-        )
+        return sql.SQL(
+            "WITH {}, {}, {} SELECT t.last_seq, (SELECT last_seq FROM e),"
+            " t.message_count, t.total_tokens, t.version FROM t"
+        ).format(threads, record, added)
 
     async def _record_batch(self, thread: str, params: dict[str, Any]) -> tuple[int, datetime]:
         """Record the batch ``params`` holds; the seq and time of its newest episode."""

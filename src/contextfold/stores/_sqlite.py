@@ -552,28 +552,30 @@ def _record_step(
     links: Sequence[int | None],
     shared: Sequence[bool],
     ends: _Ends,
-) -> tuple[int, list[int | None]]:
-    """Record the episodes and append the rows linked to them: the first row's seq and each row's link.
+) -> _Written:
+    """Record the episodes and append the rows linked to them (see ``_Written``).
 
     A step of message episodes on a sound threads row updates its counters and
     its stats in one statement (see ``_count_step`` for ``ends``); anything
-    else goes the long way, by the parts.
+    else goes the long way, by the parts, and does not tell the row it left.
     """
     counted = _count_step(conn, thread, episodes, len(rows), sum([count for _, count in rows]), ends)
     if counted is None:
         seqs = _record_rows(conn, thread, episodes, bodies, when)
         linked = [None if link is None else seqs[link] for link in links]
         first = _append_rows(conn, thread, rows, linked, shared)
-        if seqs and rows:  # the row is sound now, and ends there
-            _left_at(ends, thread, seqs[-1], first + len(rows) - 1)
-        return first, linked
-    last_episode, last_row = counted
+        end = _one(conn, _END_QUERY, (thread,)) if seqs and rows else None  # the row is sound now
+        if end is None or not all(type(value) is int for value in end):
+            ends.pop(thread, None)  # the next step reads the row back (RETURNING)
+            return first, linked, None
+        return first, linked, _left_at(ends, thread, (end[0], end[1], end[2], end[3], end[4]))
+    last_episode, last_row = counted[:2]
     seqs = _seqs_through(last_episode, len(episodes))
     _insert_episodes(conn, thread, seqs, episodes, bodies, when)
     linked = [None if link is None else seqs[link] for link in links]
     first = last_row - len(rows) + 1
     _insert_messages(conn, thread, first, rows, linked, shared)
-    return first, linked
+    return first, linked, counted
 
 
 def _record_own_messages(
@@ -582,7 +584,7 @@ def _record_own_messages(
     recording: Recording,
     at: str,
     ends: _Ends,
-) -> tuple[int, list[int | None]] | None:
+) -> _Written | None:
     """A step of messages each recorded by its own episode, in three statements; ``None`` if not that step.
 
     What ``Compactor.append`` records (see ``record_messages``): episode ``i``
@@ -600,7 +602,7 @@ def _record_own_messages(
     counted = _count_step(conn, thread, episodes, n, sum([count for _, count, _ in rows]), ends)
     if counted is None:
         return None
-    last_episode, last_row = counted
+    last_episode, last_row = counted[:2]
     first_episode, first_row = last_episode - n + 1, last_row - n + 1
     _insert(
         conn,
@@ -618,7 +620,7 @@ def _record_own_messages(
             for i, (body, count, _) in enumerate(rows)
         ],
     )
-    return first_row, list(range(first_episode, last_episode + 1))
+    return first_row, list(range(first_episode, last_episode + 1)), counted
 
 
 _COUNTERS_SOUND = """typeof(last_episode_seq) = 'integer' AND typeof(total_user_messages) = 'integer'
@@ -656,21 +658,34 @@ _STEP_UPDATE = f"UPDATE threads SET {_ADD_MESSAGE_EPISODES}, {_ADD_ROWS} WHERE t
 _STEP_ROW_FITS = f"{_COUNTERS_SOUND} AND {_STATS_SOUND} AND {_EPISODES_IN_RANGE} AND {_ROWS_IN_RANGE}"
 
 _COUNT_STEP = f"""{_STEP_UPDATE} AND {_STEP_ROW_FITS}
-RETURNING last_episode_seq, last_seq"""
+RETURNING last_episode_seq, last_seq, version, message_count, total_tokens"""
 """Both updates of a recorded step in one statement: ``_COUNT_MESSAGES`` and ``_COUNT_ROWS`` at once."""
 
-_COUNT_STEP_FROM = f"{_STEP_UPDATE} AND last_episode_seq = ? AND last_seq = ? AND {_STEP_ROW_FITS}"
-"""``_COUNT_STEP`` on a row that ends at the given seqs: the new ones are those plus the step's.
+_COUNT_STEP_FROM = f"""{_STEP_UPDATE} AND last_episode_seq = ? AND last_seq = ?
+    AND version = ? AND message_count = ? AND total_tokens = ? AND {_STEP_ROW_FITS}"""
+"""``_COUNT_STEP`` on a row that holds the given values: the new ones are those plus the step's.
 
 Without ``RETURNING``, which SQLite runs as a trigger filling a temporary
 table: about 40% of the statement's cost (7.7 µs against 4.4 in a tight loop).
 """
 
-_Ends = dict[str, tuple[int, int]]
-"""Per thread, the ``last_episode_seq`` and ``last_seq`` a store's last step left on its row."""
+_End = tuple[int, int, int, int, int]
+"""A threads row as a step left it: ``last_episode_seq``, ``last_seq``, ``version``, ``message_count``
+and ``total_tokens``."""
+
+_Ends = dict[str, _End]
+"""Per thread, the row a store's last step left (see ``_count_step``)."""
+
+_Written = tuple[int, list[int | None], _End | None]
+"""What a step's write returns: the first row's seq, each row's episode seq, and the threads
+row as the transaction left it (``None`` when the write did not learn it; see ``_count_step``)."""
+
+_END_QUERY = (
+    "SELECT last_episode_seq, last_seq, version, message_count, total_tokens FROM threads WHERE thread = ?"
+)
 
 _ENDS_KEPT = 1_024
-"""The threads whose last written seqs a store keeps (see ``_count_step``); past that it starts over."""
+"""The threads whose last written rows a store keeps (see ``_count_step``); past that it starts over."""
 
 _STEP_EPISODES = frozenset(
     {UserMessageEpisode, SystemMessageEpisode, ToolResultEpisode, LlmCallEpisode, ToolCallEpisode}
@@ -726,16 +741,18 @@ def _count_step(
     m: int,
     tokens: int,
     ends: _Ends,
-) -> tuple[int, int] | None:
-    """``_COUNT_STEP`` for ``m`` rows of ``tokens``: the new ``last_episode_seq`` and ``last_seq``.
+) -> _End | None:
+    """``_COUNT_STEP`` for ``m`` rows of ``tokens``: the threads row as the step leaves it (an ``_End``).
 
     ``None``, with nothing written, unless every episode is a step's (by exact
     type, see ``_STEP_EPISODES``), and the threads row is sound and stays in range.
-    ``ends`` holds the seqs this store's last step left on each thread's row: a
-    row still ending there takes ``_COUNT_STEP_FROM``, which needs no
+    ``ends`` holds the row this store's last step left on each thread: a row
+    that still holds it takes ``_COUNT_STEP_FROM``, which needs no
     ``RETURNING``. The row itself says whether it does (another writer, a
-    fold or a record moved them, or the step rolled back), so a stale entry
-    costs one statement that changes nothing, never a wrong seq.
+    fold or a record changed it, or the step rolled back), so a stale entry
+    costs one statement that changes nothing, never a wrong value. Either way
+    the result is the row as this transaction wrote it: what a read right
+    after the commit would return, unless another writer came in between.
     """
     adds = _message_episodes(episodes)
     if adds is None or not m or tokens > INT64_MAX:
@@ -744,20 +761,22 @@ def _count_step(
     limits = (*_episode_limits(n, users), *_row_limits(m, tokens))
     known = ends.get(thread)
     if known is not None:
-        episode_seq, seq = known
-        params = (n, users, users, users, m, tokens, m, thread, episode_seq, seq, *limits)
+        episode_seq, seq, version, count, total = known
+        params = (n, users, users, users, m, tokens, m, thread, *known, *limits)
         if conn.execute(_COUNT_STEP_FROM, params).rowcount == 1:
-            return _left_at(ends, thread, episode_seq + n, seq + m)
+            return _left_at(ends, thread, (episode_seq + n, seq + m, version, count + m, total + tokens))
     row = _one(conn, _COUNT_STEP, (n, users, users, users, m, tokens, m, thread, *limits))
-    return None if row is None else _left_at(ends, thread, int(row[0]), int(row[1]))
+    if row is None:
+        return None
+    return _left_at(ends, thread, (int(row[0]), int(row[1]), int(row[2]), int(row[3]), int(row[4])))
 
 
-def _left_at(ends: _Ends, thread: str, episode_seq: int, seq: int) -> tuple[int, int]:
-    """Note in ``ends`` that a step left ``thread``'s row at these seqs, and return them."""
+def _left_at(ends: _Ends, thread: str, end: _End) -> _End:
+    """Note in ``ends`` that a step left ``thread``'s row as ``end``, and return it."""
     if thread not in ends and len(ends) >= _ENDS_KEPT:
         ends.clear()
-    ends[thread] = (episode_seq, seq)
-    return episode_seq, seq
+    ends[thread] = end
+    return end
 
 
 def _append_rows(
@@ -876,8 +895,8 @@ def _write_step(
     recording: Recording,
     when: datetime,
     ends: _Ends,
-) -> tuple[int, list[int | None]]:
-    """A recorded step's one transaction: the first row's seq and each row's episode seq."""
+) -> _Written:
+    """A recorded step's one transaction (see ``_Written``)."""
     with _transaction(conn, "IMMEDIATE"):
         own = _record_own_messages(conn, thread, recording, when.isoformat(), ends)
         if own is not None:
@@ -1234,7 +1253,7 @@ class SQLiteStore(AsyncResource):
         # since kept them from copying it all (the thread's).
         self._calls_left_over = 0
         self._checkpoint_posted = False  # set by the loop, cleared by the thread
-        # Per thread, the last_episode_seq and last_seq this store's last step left (see _count_step).
+        # Per thread, the threads row this store's last step left (see _count_step).
         self._ends: _Ends = {}
 
     def __repr__(self) -> str:
@@ -1841,24 +1860,37 @@ class SQLiteStore(AsyncResource):
         encode = partial(encode_recording, episodes, messages, tokens, message_episodes)
         if heavy_batch(messages):
             when = datetime.now(UTC)
-            recording, (first, linked) = await self._encoded_in_thread(
+            recording, (first, linked, _) = await self._encoded_in_thread(
                 encode, lambda conn, recording: _write_step(conn, thread, recording, when, self._ends)
             )
             return _stored(first, recording.rows, linked)
-        return await self._write_recording(thread, encode())
+        return (await self._write_recording(thread, encode()))[0]
 
-    async def _write_recording(self, thread: str, recording: Recording) -> list[StoredMessage]:
-        """``record_and_append`` of a step checked and encoded already, in one transaction."""
+    async def _write_recording(
+        self, thread: str, recording: Recording
+    ) -> tuple[list[StoredMessage], ThreadStats | None]:
+        """``record_and_append`` of a step checked and encoded already, in one transaction.
+
+        Also the thread's stats as the transaction left them, when its write
+        learned them (see ``_count_step``): a read right after the commit.
+        """
         check_write(thread)
         encoded, shared = recording.rows, recording.shared
         size = sum(map(len, recording.bodies))
         for (body, _, _), share in zip(encoded, shared, strict=True):
             size += 0 if share else len(body)
-        first, linked = await self._write(
+        first, linked, end = await self._write(
             partial(_write_step, thread=thread, recording=recording, when=datetime.now(UTC), ends=self._ends),
             size,
         )
-        return _stored(first, encoded, linked)
+        stats = (
+            None
+            if end is None
+            else trusted(
+                ThreadStats, message_count=end[3], total_tokens=end[4], version=end[2], last_seq=end[1]
+            )
+        )
+        return _stored(first, encoded, linked), stats
 
     async def fold(
         self,
