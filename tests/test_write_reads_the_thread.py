@@ -221,3 +221,32 @@ async def test_another_processs_prefix_swap_before_a_steps_write_is_seen_by_the_
             "after the swap",
         ]
         assert reads["stats"] == 0  # the write's read, not the check's, saw the swap
+
+
+@pytest.mark.parametrize("right_after", [True, False], ids=["right-after", "after-a-pause"])
+async def test_a_tool_result_right_after_the_steps_context_reads_nothing_before_its_write(
+    store: Any, right_after: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A result for a call of the context is checked against the store first (another worker may have
+    closed the call): the check's read, or the write's, stands for that read a moment later.
+
+    After a pause longer than that the stats are read once, before the write.
+    """
+    monkeypatch.setattr(compactor_module, "_SEEN_STANDS_FOR", 60.0 if right_after else 0.05)
+    compactor = Compactor(store, options=settings(), counter=ApproximateCounter(), log_events=False)
+    for n in range(3):
+        user, reply, (result, answer) = step(n)
+        await compactor.append(THREAD, user + reply)
+        assert await compactor.maybe_compact(THREAD) is None
+        await compactor.context(THREAD)
+        if not right_after:
+            await anyio.sleep(0.06)  # the tool ran a while
+        reads = counted(store)
+        await compactor.append(THREAD, [result])
+        assert reads == ({} if right_after else {"stats": 1})
+        for name in READS:  # the store's own methods again
+            vars(store).pop(name)
+        await compactor.append(THREAD, [answer])
+    context = await compactor.context(THREAD)
+    assert context == (await store.load(THREAD)).plain
+    assert [m.role.value for m in context] == ["user", "assistant", "tool", "assistant"] * 3

@@ -114,15 +114,16 @@ _CACHED_THREADS = 1024
 _SEEN_STANDS_FOR = 0.01
 """Seconds a read of a thread's stats stands for its state, while no store object of the process wrote it.
 
-Two reads: a check's, which the ``context()`` right after it uses, and the
-one a step's write makes of the threads row it updates (returned with the
-rows), which the next check uses. Each is as fresh as a read right after the
-commit. A step's write, check and context come a few microseconds apart; a
-``before_request`` hook that waits on I/O between them, or a check or
-``context()`` long after, reads the store again rather than send what
-another worker has since appended or folded. A write by another process
-within that time is seen at the next read, as one landing right after the
-check's read would be.
+The read is a check's, or the one a bundled store's step write makes of the
+threads row it updates (returned with the rows): each is as fresh as a read
+right after the commit. It serves the next check, ``context()``, and the
+look a tool result takes at the store before its write (another worker may
+have closed its call). A step's write, check, context and results come
+microseconds apart; a ``before_request`` hook that waits on I/O, or a model
+call, between them makes the next of them read the store again rather than
+miss what another worker has since appended or folded. A write by another
+process within that time is seen at the next read, as one landing right
+after the read would be.
 """
 
 
@@ -892,11 +893,11 @@ class Compactor:
     async def context(self, thread: str) -> list[Message]:
         """The working context the next request is built from (only rows not seen before are read).
 
-        Right after a ``maybe_compact`` that folded nothing (within
-        ``_SEEN_STANDS_FOR``, 10 ms, and with no write to the thread by any
-        store object of the process since) the check's read stands for it and
-        nothing is read; else the rows appended since are read, or the whole
-        context if it was folded.
+        Right after a ``maybe_compact``, or a step's ``append`` on a bundled
+        store (within ``_SEEN_STANDS_FOR``, 10 ms, and with no write to the
+        thread by any store object of the process since), that read stands
+        for it and nothing is read; else the rows appended since are read, or
+        the whole context if it was folded.
         """
         cache = await self._fresh_cache(thread)
         if cache is not None:
@@ -1002,10 +1003,7 @@ class Compactor:
         declines. Only a check that the turns alone make fire pays for this:
         a turn trigger near its limit (a context of about that many turns).
         """
-        seen = self._seen.get(thread)
         cache = await self._fresh_cache(thread)
-        if seen is not None:  # as current as before: the step's context() needs no read
-            self._seen[thread] = seen
         messages = cache.messages if cache is not None else (await self.short_term.load(thread)).plain
         pinned, previous = split_head(messages, settings.config.keep_first)
         turns = len(_bounds(messages[pinned + (previous is not None) :]).starts)
@@ -1058,11 +1056,11 @@ class Compactor:
         episodic: EpisodicCompactionPressure | None
         if now is not None:
             utc(now, "now")  # refused whether or not a read takes it
+        if not settings.episodic and self._writer is not None:  # a bundled store counts every write
+            seen = self._seen_stats(thread)
+            if seen is not None:
+                return seen, None  # read by the step's own write, or by a check, a moment ago
         writes = writes_to(thread)
-        if not settings.episodic:
-            seen = self._seen.get(thread)
-            if seen is not None and seen[2] == writes and time.monotonic() - seen[1] <= _SEEN_STANDS_FOR:
-                return seen[0], None  # read by the step's own write (see ``_seen``), a moment ago
         if self._store is not None and settings.episodic:  # both in one read
             state = await self._store.state(thread, now=now)
             stats, episodic = state.stats, state.pressure
@@ -1080,24 +1078,27 @@ class Compactor:
         """Drop the stats the last check saw: the caller wrote to the store past this compactor."""
         self._seen.pop(thread, None)
 
+    def _seen_stats(self, thread: str) -> ThreadStats | None:
+        """The thread's stats as last read, while the read stands for its state (``_SEEN_STANDS_FOR``)."""
+        seen = self._seen.get(thread)
+        if seen is None:
+            return None
+        stats, at, writes = seen
+        if writes != writes_to(thread) or time.monotonic() - at > _SEEN_STANDS_FOR:
+            return None
+        return stats
+
     async def _fresh_cache(self, thread: str) -> _Cache | None:
         """The thread's cached context brought up to date; ``None`` without a ``Store``."""
         store = self._store
         if store is None:
             return None
         cache = self._cache.get(thread)
-        seen = self._seen.pop(thread, None)
-        if cache is not None and seen is not None:
-            stats, at, writes = seen
-            if (
-                stats.version == cache.version
-                and stats.last_seq == cache.last_seq
-                and writes == writes_to(thread)
-                and time.monotonic() - at <= _SEEN_STANDS_FOR
-            ):
+        if cache is not None:
+            seen = self._seen_stats(thread)
+            if seen is not None and seen.version == cache.version and seen.last_seq == cache.last_seq:
                 self._cache.move_to_end(thread)
                 return cache
-        if cache is not None:
             window = await store.tail(thread, after_seq=cache.last_seq)
             if window.version == cache.version:
                 cache.extend(window.messages)
@@ -1363,8 +1364,9 @@ class Compactor:
         """
         if self._store is None:
             return None
-        writes = writes_to(thread)
-        self._seen[thread] = await self._store.stats(thread), time.monotonic(), writes
+        if self._writer is None or self._seen_stats(thread) is None:  # else read a moment ago
+            writes = writes_to(thread)
+            self._seen[thread] = await self._store.stats(thread), time.monotonic(), writes
         return await self._fresh_cache(thread)
 
     async def _open_calls(self, thread: str, wanted: set[str], cache: _Cache | None) -> dict[str, int]:
