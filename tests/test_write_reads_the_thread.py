@@ -14,7 +14,7 @@ import json
 import sys
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,8 @@ import pytest
 
 import contextfold._compactor as compactor_module
 from contextfold import Compactor, Message, RunOptions, SummarizeOptions, ToolCall
-from contextfold.stores import MemoryStore, SQLiteStore
+from contextfold.stores import ContextWindow, MemoryStore, SQLiteStore, StoredMessage, ThreadStats
+from contextfold.stores._rows import writes_to
 from contextfold.tokens import ApproximateCounter
 
 THREAD = "t-1"
@@ -73,11 +74,15 @@ def counted(store: Any) -> Counter[str]:
     return reads
 
 
-def settings(budget: int = 100_000) -> RunOptions:
+def settings(budget: int = 100_000, **extra: Any) -> RunOptions:
     return RunOptions(
         max_history_tokens=budget * 2,
         compaction=SummarizeOptions(
-            trigger_token_budget=budget, max_summary_tokens=60, min_recent_messages=2, min_recent_turns=1
+            trigger_token_budget=budget,
+            max_summary_tokens=60,
+            min_recent_messages=2,
+            min_recent_turns=1,
+            **extra,
         ),
     )
 
@@ -250,3 +255,296 @@ async def test_a_tool_result_right_after_the_steps_context_reads_nothing_before_
     context = await compactor.context(THREAD)
     assert context == (await store.load(THREAD)).plain
     assert [m.role.value for m in context] == ["user", "assistant", "tool", "assistant"] * 3
+
+
+class DictShortTerm:
+    """A user's own ShortTermStore (the protocol contextfold.stores exports), e.g. one over Redis.
+
+    It knows nothing of contextfold's private per-process write counter.
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[StoredMessage]] = {}
+        self.version: dict[str, int] = {}
+        self.last: dict[str, int] = {}
+
+    async def __aenter__(self) -> DictShortTerm:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+    def _stats(self, thread: str) -> ThreadStats:
+        rows = self.rows.get(thread, [])
+        return ThreadStats(
+            message_count=len(rows),
+            total_tokens=sum(r.tokens for r in rows),
+            version=self.version.get(thread, 0),
+            last_seq=self.last.get(thread, 0),
+        )
+
+    async def append(
+        self, thread: str, messages: Sequence[Message], tokens: Sequence[int]
+    ) -> list[StoredMessage]:
+        rows = self.rows.setdefault(thread, [])
+        out = []
+        for message, count in zip(messages, tokens, strict=True):
+            self.last[thread] = self.last.get(thread, 0) + 1
+            stored = StoredMessage(seq=self.last[thread], message=message, tokens=count)
+            rows.append(stored)
+            out.append(stored)
+        return out
+
+    async def load(self, thread: str, *, max_tokens: int | None = None) -> ContextWindow:
+        rows = list(self.rows.get(thread, []))
+        complete = True
+        if max_tokens is not None:
+            kept: list[StoredMessage] = []
+            used = 0
+            for row in reversed(rows):
+                if used + row.tokens > max_tokens:
+                    complete = False
+                    break
+                kept.append(row)
+                used += row.tokens
+            rows = kept[::-1]
+        stats = self._stats(thread)
+        return ContextWindow(
+            thread=thread,
+            messages=tuple(rows),
+            version=stats.version,
+            total_tokens=stats.total_tokens,
+            complete=complete,
+            last_seq=stats.last_seq,
+        )
+
+    async def stats(self, thread: str) -> ThreadStats:
+        return self._stats(thread)
+
+    async def replace_prefix(
+        self,
+        thread: str,
+        *,
+        through_seq: int,
+        expected_version: int,
+        replacement: Sequence[Message],
+        tokens: Sequence[int],
+    ) -> ThreadStats:
+        from contextfold import ConflictError
+
+        if self.version.get(thread, 0) != expected_version:
+            raise ConflictError(f"{thread}: version moved")
+        rows = self.rows.get(thread, [])
+        if through_seq not in {r.seq for r in rows}:
+            raise ConflictError(f"{thread}: no seq {through_seq}")
+        kept = [r for r in rows if r.seq > through_seq]
+        first = through_seq - len(replacement) + 1
+        new = [
+            StoredMessage(seq=first + i, message=m, tokens=t)
+            for i, (m, t) in enumerate(zip(replacement, tokens, strict=True))
+        ]
+        self.rows[thread] = new + kept
+        self.version[thread] = self.version.get(thread, 0) + 1
+        return self._stats(thread)
+
+    @contextlib.asynccontextmanager
+    async def compaction_lock(self, thread: str) -> AsyncIterator[bool]:
+        yield True
+
+
+async def test_a_user_short_term_store_append_is_seen_by_the_next_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a user's own ShortTermStore, whose writes no count sees, every check reads the store.
+
+    Append, check, context, append a paste far over the trigger, check: the
+    second check folds. It was handed the first check's read (no count had
+    moved), and sent a context over the budget.
+    """
+    monkeypatch.setattr(compactor_module, "_SEEN_STANDS_FOR", 60.0)
+    short = DictShortTerm()
+    async with MemoryStore() as log:
+        compactor = Compactor(
+            short_term=short,
+            episodic=log,
+            options=settings(400),
+            counter=ApproximateCounter(),
+            log_events=False,
+        )
+        for n in range(3):
+            await compactor.append(THREAD, [Message.user(f"question {n}")])
+            await compactor.append(THREAD, [Message.assistant(f"answer {n}")])
+        assert await compactor.maybe_compact(THREAD) is None  # small: no fold, and it read the stats
+        await compactor.context(THREAD)
+        await compactor.append(THREAD, [Message.user("paste: " + "word " * 1200)])  # ~1500 tokens
+        assert (await short.stats(THREAD)).total_tokens > 800  # over budget and max_history_tokens
+        result = await compactor.maybe_compact(THREAD)
+        assert result is not None and result.compacted, "the check used stats read before the append"
+
+
+async def test_another_store_objects_write_committed_after_ours_is_seen_by_the_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two workers of one process, each with its own SQLiteStore on one file.
+
+    B's large batch is under way (encoded in its worker thread) when A's step
+    write begins; A commits first, B next, and then A checks. A write under
+    way when a read is made may commit after it, so that read stands for
+    nothing: A's check and context have B's row. The count was taken after B's
+    write began and never moved again, so A sent its context without B's row.
+    """
+    from contextfold.episodes import UserMessageEpisode
+
+    monkeypatch.setattr(compactor_module, "_SEEN_STANDS_FOR", 60.0)
+    path = tmp_path / "cf.db"
+    async with SQLiteStore(path) as a, SQLiteStore(path) as b:
+        worker = Compactor(a, options=settings(1_000_000), counter=ApproximateCounter(), log_events=False)
+        for n in range(3):
+            await worker.append(THREAD, [Message.user(f"message {n}")])
+            assert await worker.maybe_compact(THREAD) is None
+            await worker.context(THREAD)
+        big = Message.user("pasted " + "x" * 30_000_000)  # heavy: B encodes it in its worker thread
+        before = writes_to(THREAD)
+        done = anyio.Event()
+
+        async def other_worker() -> None:
+            await b.record_and_append(
+                THREAD, [UserMessageEpisode(message=big)], [big], [7], message_episodes=[0]
+            )
+            done.set()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(other_worker)
+            while writes_to(THREAD) == before:  # B began its write (the count moved)
+                await anyio.sleep(0)
+            await worker.append(THREAD, [Message.user("from A")])
+            assert not done.is_set(), "setup: B must still be encoding when A commits"
+        assert done.is_set()  # B committed, before A's check below
+        stored = (await a.load(THREAD)).plain
+        assert [m.text[:7] for m in stored][-2:] == ["from A", "pasted "]
+        assert await worker.maybe_compact(THREAD) is None
+        context = await worker.context(THREAD)
+        assert [m.text[:7] for m in context] == [m.text[:7] for m in stored], "B's committed row is missing"
+
+
+@pytest.mark.postgres
+async def test_another_compactors_postgres_write_committed_after_ours_is_seen_by_the_check(
+    monkeypatch: pytest.MonkeyPatch, postgres_url: str
+) -> None:
+    """Two compactors of one process on PostgreSQL, each with its own PostgresStore (B's pool idle at 0).
+
+    B's step write begins and waits for a connection; A's step write begins
+    after it and commits first; B commits next, both before A's check. A's
+    check and context show B's message.
+    """
+    from contextfold.stores import PostgresStore
+
+    monkeypatch.setattr(compactor_module, "_SEEN_STANDS_FOR", 60.0)
+    async with (
+        scratch_schema(postgres_url) as schema,
+        PostgresStore(postgres_url, schema=schema) as a,
+        PostgresStore(postgres_url, schema=schema, min_size=0) as b,
+    ):
+        worker_a = Compactor(a, options=settings(1_000_000), counter=ApproximateCounter(), log_events=False)
+        worker_b = Compactor(b, options=settings(1_000_000), counter=ApproximateCounter(), log_events=False)
+        for n in range(3):
+            await worker_a.append(THREAD, [Message.user(f"message {n}")])
+            assert await worker_a.maybe_compact(THREAD) is None
+            await worker_a.context(THREAD)
+        before = writes_to(THREAD)
+        done = anyio.Event()
+
+        async def other_worker() -> None:
+            await worker_b.append(THREAD, [Message.user("from B")])
+            done.set()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(other_worker)
+            while writes_to(THREAD) == before:
+                await anyio.sleep(0)
+            await worker_a.append(THREAD, [Message.user("from A")])
+            assert not done.is_set(), "setup: B must still be connecting when A commits"
+        stored = [m.text for m in (await a.load(THREAD)).plain]
+        assert stored[-2:] == ["from A", "from B"]
+        assert await worker_a.maybe_compact(THREAD) is None
+        context = await worker_a.context(THREAD)
+        assert [m.text for m in context] == stored, "B's committed row is missing from A's context"
+
+
+def held_summarizer(started: anyio.Event, release: anyio.Event) -> Any:
+    """A summarizer that says it started, then waits to be released."""
+    from contextfold.summarizers import FunctionSummarizer, Summary
+
+    async def fn(messages: Any, previous: Any, limit: int) -> Summary:
+        started.set()
+        await release.wait()
+        return Summary(text="summary", model="s")
+
+    return FunctionSummarizer(fn)
+
+
+async def test_the_compactors_own_background_fold_is_seen_by_the_next_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A check whose read fell while this compactor's own background fold was being written.
+
+    The fold's ``store.fold`` begins, and commits a moment later (SQLite's
+    pacer yields in between). A check in that gap reads the row before the
+    fold; the check after the commit must not be handed that read again (it
+    was: the old version, token total and message count). Observed through
+    the stats the check is handed (``_observe`` wrapped on the instance).
+    """
+    monkeypatch.setattr(compactor_module, "_SEEN_STANDS_FOR", 60.0)
+    async with SQLiteStore(tmp_path / "cf.db") as store:
+        for trial in range(10):
+            thread = f"t{trial}"
+            started, release = anyio.Event(), anyio.Event()
+
+            opts = settings(1000, background_at=0.6)
+            compactor = Compactor(
+                store,
+                options=opts,
+                summarizer=held_summarizer(started, release),
+                counter=ApproximateCounter(),
+                log_events=False,
+            )
+            handed: list[ThreadStats] = []
+            observe = compactor._observe
+
+            async def spy(*args: Any, _observe: Any = observe, _handed: Any = handed) -> Any:
+                stats, episodic = await _observe(*args)
+                _handed.append(stats)
+                return stats, episodic
+
+            compactor._observe = spy  # type: ignore[method-assign]
+            async with compactor:
+                n = 0
+                while not started.is_set():  # grow until the background summary starts
+                    await compactor.append(thread, [Message.user(f"q{n} " + "w " * 40)])
+                    await compactor.append(thread, [Message.assistant(f"a{n} " + "w " * 40)])
+                    assert await compactor.maybe_compact(thread) is None
+                    await compactor.context(thread)
+                    n += 1
+                    await anyio.sleep(0)
+                version = (await store.stats(thread)).version
+                before = writes_to(thread)
+                release.set()
+                while writes_to(thread) == before:  # the background fold's write began
+                    await anyio.sleep(0)
+                if (await store.stats(thread)).version != version:
+                    continue  # it committed at once: not the interleaving looked for
+                await compactor.maybe_compact(thread)  # reads the row while the fold is in flight
+                for _ in range(1000):
+                    if (await store.stats(thread)).version != version:
+                        break
+                    await anyio.sleep(0)
+                else:
+                    continue
+                handed.clear()
+                await compactor.maybe_compact(thread)  # the fold has committed: this check must know it
+                assert handed == [await store.stats(thread)], "the check was handed the row before the fold"
+                return
+    pytest.skip("the interleaving did not occur")

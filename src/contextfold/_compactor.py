@@ -114,6 +114,11 @@ _CACHED_THREADS = 1024
 _SEEN_STANDS_FOR = 0.01
 """Seconds a read of a thread's stats stands for its state, while no store object of the process wrote it.
 
+"Wrote" counts every write of the thread begun in the process by a bundled
+store, and any such write under way at the read (it may commit after it):
+see ``stores._rows.writes_to``. A custom store's writes reach no count, so
+with one the check always reads.
+
 The read is a check's, or the one a bundled store's step write makes of the
 threads row it updates (returned with the rows): each is as fresh as a read
 right after the commit. It serves the next check, ``context()``, and the
@@ -367,7 +372,7 @@ class _Prepared:
     tokens_before: int
     summary: Summary | None
     started: float
-    writes: int
+    writes: int | None
     """``writes_to(thread)`` before the rows were read: a write since (while summarizing) is not in them."""
 
 
@@ -676,7 +681,7 @@ class Compactor:
             self.events.subscribe(self.telemetry.record_event)
         self._backoff: dict[str, _Backoff] = {}
         self._cache: OrderedDict[str, _Cache] = OrderedDict()
-        self._seen: dict[str, tuple[ThreadStats, float, int]] = {}
+        self._seen: dict[str, tuple[ThreadStats, float, int | None]] = {}
         """Per thread: the stats last read, when, and ``writes_to(thread)`` before the read.
 
         Read by a check, or by the step's own write (then the count includes
@@ -831,8 +836,8 @@ class Compactor:
                 recording = self._recording(messages, call)
             writes, at = writes_to(thread), time.monotonic()
             stored, written = await writer(thread, recording)
-            if written is not None:  # the write read the thread back: the next check need not
-                self._seen[thread] = written, at, writes + 1
+            if written is not None and writes is not None:  # the write read the thread back
+                self._seen[thread] = written, at, writes + 1  # and stands for the next check's read
         else:
             episodes, owners = _step_episodes(extra_episodes, messages, call, started)
             if heavy:
@@ -1084,8 +1089,8 @@ class Compactor:
         if seen is None:
             return None
         stats, at, writes = seen
-        if writes != writes_to(thread) or time.monotonic() - at > _SEEN_STANDS_FOR:
-            return None
+        if writes is None or writes != writes_to(thread) or time.monotonic() - at > _SEEN_STANDS_FOR:
+            return None  # a write was under way at the read, or one began since, or it is too old
         return stats
 
     async def _fresh_cache(self, thread: str) -> _Cache | None:
@@ -1805,7 +1810,7 @@ class Compactor:
         appended = self._appended_since(prepared)
         # The fold's own write; any other one since its rows were read (while it summarized, say)
         # voids the step's read, and its context() reads what that write added.
-        writes = prepared.writes + 1
+        writes = None if prepared.writes is None else prepared.writes + 1
         try:
             with anyio.CancelScope(shield=True):
                 checkpoint_seq = await self._write_fold(prepared)
@@ -1949,7 +1954,7 @@ class Compactor:
         *,
         background: bool,
         checkpoint_seq: int | None,
-        writes: int,
+        writes: int | None,
     ) -> None:
         """Bring the cache to the folded state and set when the next token fold may fire."""
         cache = self._cache.get(thread)

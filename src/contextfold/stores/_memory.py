@@ -47,6 +47,7 @@ from ._base import ContextWindow, StoredMessage, ThreadInfo, ThreadState, Thread
 from ._rows import (
     PressureCounters,
     Recording,
+    begin_write,
     by_activity,
     check_after_seq,
     check_checkpoint,
@@ -55,13 +56,14 @@ from ._rows import (
     check_replace,
     check_thread,
     check_total,
-    check_write,
+    counted_write,
     decode_episode,
     edit_links,
     encode_edit,
     encode_episode,
     encode_recording,
     encode_rows,
+    end_write,
     fold_links,
     missing_seq_conflict,
     off_loop_if_heavy,
@@ -228,11 +230,12 @@ class MemoryStore(AsyncResource):
 
     # short-term -----------------------------------------------------------
 
+    @counted_write
     async def append(
         self, thread: str, messages: Sequence[Message], tokens: Sequence[int]
     ) -> list[StoredMessage]:
         await self._enter()
-        check_write(thread)
+        check_thread(thread)
         rows = await off_loop_if_heavy(messages, encode_rows, messages, tokens)
         self._check_open()  # a large batch was encoded in a thread: the store may have closed meanwhile
         with self._lock:
@@ -319,6 +322,7 @@ class MemoryStore(AsyncResource):
         context.messages = new + context.messages[cut:]
         context.stats = stats
 
+    @counted_write
     async def replace_prefix(
         self,
         thread: str,
@@ -329,7 +333,7 @@ class MemoryStore(AsyncResource):
         tokens: Sequence[int],
     ) -> ThreadStats:
         await self._enter()
-        check_write(thread)
+        check_thread(thread)
         check_replace(through_seq, expected_version)
         rows = await off_loop_if_heavy(
             replacement, partial(encode_rows, replacement, tokens, field="replacement")
@@ -399,6 +403,7 @@ class MemoryStore(AsyncResource):
 
     # both memories --------------------------------------------------------
 
+    @counted_write
     async def record_and_append(
         self,
         thread: str,
@@ -408,7 +413,7 @@ class MemoryStore(AsyncResource):
         *,
         message_episodes: Sequence[int] | None = None,
     ) -> list[StoredMessage]:
-        check_write(thread)
+        check_thread(thread)
         recording = await off_loop_if_heavy(
             messages, encode_recording, episodes, messages, tokens, message_episodes
         )
@@ -425,20 +430,25 @@ class MemoryStore(AsyncResource):
         Also the thread's stats once it is written, as ``stats`` would read them.
         """
         await self._enter()
-        check_write(thread)
-        rows = recording.rows
-        when = datetime.now(UTC)
-        # A step ``Compactor.append`` checked without encoding it: each episode's JSON is made when read.
-        unencoded = None if recording.encoded else rows
-        with self._lock:
-            total = self._total_after(thread, rows)  # before anything is written
-            seqs = self._record_bodies(thread, recording.episodes, recording.bodies, when, unencoded)
-            links: list[int | None] = []
-            for link in recording.links:
-                links.append(None if link is None else seqs[link])
-            stored = self._append_rows(thread, rows, links, total)
-            return stored, self._contexts[thread].stats
+        check_thread(thread)
+        slot = begin_write(thread)
+        try:
+            rows = recording.rows
+            when = datetime.now(UTC)
+            # A step ``Compactor.append`` checked without encoding it: each episode's JSON is made when read.
+            unencoded = None if recording.encoded else rows
+            with self._lock:
+                total = self._total_after(thread, rows)  # before anything is written
+                seqs = self._record_bodies(thread, recording.episodes, recording.bodies, when, unencoded)
+                links: list[int | None] = []
+                for link in recording.links:
+                    links.append(None if link is None else seqs[link])
+                stored = self._append_rows(thread, rows, links, total)
+                return stored, self._contexts[thread].stats
+        finally:
+            end_write(slot)
 
+    @counted_write
     async def fold(
         self,
         thread: str,
@@ -450,7 +460,7 @@ class MemoryStore(AsyncResource):
         tokens: Sequence[int],
     ) -> EpisodeRecord:
         await self._enter()
-        check_write(thread)
+        check_thread(thread)
         body = check_checkpoint(checkpoint)
         check_replace(through_seq, expected_version)
         rows = await off_loop_if_heavy(
@@ -476,6 +486,7 @@ class MemoryStore(AsyncResource):
             self._apply(context, cut, stats, through_seq, rows, links)
         return record
 
+    @counted_write
     async def record_and_replace(
         self,
         thread: str,
@@ -489,7 +500,7 @@ class MemoryStore(AsyncResource):
         stands_for: Sequence[int | None] | None = None,
     ) -> ThreadStats:
         await self._enter()
-        check_write(thread)
+        check_thread(thread)
         check_replace(through_seq, expected_version)
         recording, kept = await off_loop_if_heavy(
             replacement, encode_edit, episodes, replacement, tokens, message_episodes, stands_for
@@ -510,9 +521,10 @@ class MemoryStore(AsyncResource):
             self._apply(context, cut, stats, through_seq, rows, links)
         return stats
 
+    @counted_write
     async def forget(self, thread: str) -> Tombstone:
         await self._enter()
-        check_write(thread)
+        check_thread(thread)
         with self._lock:
             return self._forget(thread)
 

@@ -72,6 +72,7 @@ from ._rows import (
     PressureCounters,
     Recording,
     Window,
+    begin_write,
     check_after_seq,
     check_checkpoint,
     check_from_seq,
@@ -81,12 +82,13 @@ from ._rows import (
     check_text,
     check_thread,
     check_total,
-    check_write,
+    counted_write,
     decode_episode,
     encode_edit,
     encode_episodes,
     encode_messages,
     encode_recording,
+    end_write,
     missing_seq_conflict,
     off_loop_if_heavy,
     stored_message,
@@ -1004,6 +1006,7 @@ class PostgresStore(AsyncResource):
         """Append messages (with their token counts) after the newest one; return them stored."""
         return await self.record_and_append(thread, [], messages, tokens)
 
+    @counted_write
     async def record_and_append(
         self,
         thread: str,
@@ -1014,7 +1017,7 @@ class PostgresStore(AsyncResource):
         message_episodes: Sequence[int] | None = None,
     ) -> list[StoredMessage]:
         """Record ``episodes`` and append ``messages`` in one statement, so one transaction."""
-        check_write(thread)
+        check_thread(thread)
         recording = await off_loop_if_heavy(
             messages, encode_recording, episodes, messages, tokens, message_episodes
         )
@@ -1028,48 +1031,52 @@ class PostgresStore(AsyncResource):
         Also the thread's stats as the statement left them (the threads row it
         updated, locked until the commit): a read right after the commit.
         """
-        check_write(thread)
-        episodes, bodies, rows, links, _, _ = recording
-        params: dict[str, Any] = {
-            "thread": thread,
-            "at": None,
-            **_row_params(thread, [(body, count) for body, count, _ in rows]),
-            **_batch(episodes, bodies),
-            "m_episodes": links,
-        }
-        if not params["m_n"]:
-            if episodes:
-                await self._record_batch(thread, params)
-            else:
-                self._require_open("record_and_append")
-            return [], None
-        query = self._append_query(recording=bool(episodes))
-        async with self._connection("record_and_append", thread, write=True) as conn:
-            cur = await conn.execute(query, params)
-            row = await cur.fetchone()
-        assert row is not None
-        first = int(row[0]) - params["m_n"] + 1
-        # The episodes took the seqs up to the counters' new last_seq.
-        first_episode = None if row[1] is None else int(row[1]) - len(episodes) + 1
-        stats = trusted(
-            ThreadStats,
-            message_count=int(row[2]),
-            total_tokens=int(row[3]),
-            version=int(row[4]),
-            last_seq=int(row[0]),
-        )
-        # Each row holds the copy its JSON reads back, never the caller's message.
-        stored = [
-            trusted(
-                StoredMessage,
-                seq=first + n,
-                message=copy,
-                tokens=count,
-                episode_seq=None if link is None or first_episode is None else first_episode + link,
+        check_thread(thread)
+        slot = begin_write(thread)
+        try:
+            episodes, bodies, rows, links, _, _ = recording
+            params: dict[str, Any] = {
+                "thread": thread,
+                "at": None,
+                **_row_params(thread, [(body, count) for body, count, _ in rows]),
+                **_batch(episodes, bodies),
+                "m_episodes": links,
+            }
+            if not params["m_n"]:
+                if episodes:
+                    await self._record_batch(thread, params)
+                else:
+                    self._require_open("record_and_append")
+                return [], None
+            query = self._append_query(recording=bool(episodes))
+            async with self._connection("record_and_append", thread, write=True) as conn:
+                cur = await conn.execute(query, params)
+                row = await cur.fetchone()
+            assert row is not None
+            first = int(row[0]) - params["m_n"] + 1
+            # The episodes took the seqs up to the counters' new last_seq.
+            first_episode = None if row[1] is None else int(row[1]) - len(episodes) + 1
+            stats = trusted(
+                ThreadStats,
+                message_count=int(row[2]),
+                total_tokens=int(row[3]),
+                version=int(row[4]),
+                last_seq=int(row[0]),
             )
-            for n, ((_, count, copy), link) in enumerate(zip(rows, links, strict=True))
-        ]
-        return stored, stats
+            # Each row holds the copy its JSON reads back, never the caller's message.
+            stored = [
+                trusted(
+                    StoredMessage,
+                    seq=first + n,
+                    message=copy,
+                    tokens=count,
+                    episode_seq=None if link is None or first_episode is None else first_episode + link,
+                )
+                for n, ((_, count, copy), link) in enumerate(zip(rows, links, strict=True))
+            ]
+            return stored, stats
+        finally:
+            end_write(slot)
 
     def _append_query(self, *, recording: bool) -> sql.Composed:
         return self._composed(f"append recording={recording}", lambda: self._build_append(recording))
@@ -1220,6 +1227,7 @@ class PostgresStore(AsyncResource):
         counters = PressureCounters() if row[4] is None else _counters(row[4:])
         return trusted(ThreadState, stats=stats, pressure=counters.pressure(when, stats.total_tokens))
 
+    @counted_write
     async def replace_prefix(
         self,
         thread: str,
@@ -1230,7 +1238,7 @@ class PostgresStore(AsyncResource):
         tokens: Sequence[int],
     ) -> ThreadStats:
         """Atomically swap every message with ``seq <= through_seq`` for ``replacement``."""
-        check_write(thread)
+        check_thread(thread)
         check_replace(through_seq, expected_version)
         rows = await off_loop_if_heavy(
             replacement, partial(encode_messages, replacement, tokens, field="replacement")
@@ -1274,6 +1282,7 @@ class PostgresStore(AsyncResource):
             assert updated is not None
         return _thread_stats(updated)
 
+    @counted_write
     async def fold(
         self,
         thread: str,
@@ -1290,7 +1299,7 @@ class PostgresStore(AsyncResource):
         thread at ``expected_version``, holding ``through_seq``), so it either
         does all of them or none.
         """
-        check_write(thread)
+        check_thread(thread)
         check_replace(through_seq, expected_version)
         body = check_checkpoint(checkpoint)
         batch = await off_loop_if_heavy(
@@ -1313,6 +1322,7 @@ class PostgresStore(AsyncResource):
             raise _swap_conflict(thread, "fold", current, expected_version, found, through_seq)
         return EpisodeRecord(thread=thread, seq=int(seq), at=_as_utc(at), episode=checkpoint)
 
+    @counted_write
     async def record_and_replace(
         self,
         thread: str,
@@ -1326,7 +1336,7 @@ class PostgresStore(AsyncResource):
         stands_for: Sequence[int | None] | None = None,
     ) -> ThreadStats:
         """Record ``episodes`` and swap the prefix in one statement; on a conflict, write nothing."""
-        check_write(thread)
+        check_thread(thread)
         check_replace(through_seq, expected_version)
         recording, kept = await off_loop_if_heavy(
             replacement, encode_edit, episodes, replacement, tokens, message_episodes, stands_for
@@ -1482,6 +1492,7 @@ class PostgresStore(AsyncResource):
 
     # both --------------------------------------------------------------------
 
+    @counted_write
     async def forget(self, thread: str) -> Tombstone:
         """Remove every row of ``thread`` and leave a tombstone, in one transaction.
 
@@ -1490,7 +1501,7 @@ class PostgresStore(AsyncResource):
         thread's counters row stays, emptied and one version on, so a fold read
         before the erasure conflicts and seqs keep counting up.
         """
-        check_write(thread)
+        check_thread(thread)
         key = {"thread": thread}
         async with self._connection("forget", thread, write=True) as conn, conn.transaction():
             # The same lock order as every other writer: threads row, then counters row.

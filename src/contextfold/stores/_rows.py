@@ -10,12 +10,13 @@ transaction as the episode it counts.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from types import UnionType
-from typing import Any, NamedTuple, TypeVar, get_args
+from typing import Any, NamedTuple, TypeVar, cast, get_args
 
 from anyio import to_thread
 from pydantic import TypeAdapter, ValidationError
@@ -48,6 +49,7 @@ __all__ = [
     "PressureCounters",
     "Recording",
     "Window",
+    "begin_write",
     "by_activity",
     "check_after_seq",
     "check_checkpoint",
@@ -62,7 +64,7 @@ __all__ = [
     "check_text",
     "check_thread",
     "check_total",
-    "check_write",
+    "counted_write",
     "decode_episode",
     "decode_message",
     "edit_links",
@@ -72,6 +74,7 @@ __all__ = [
     "encode_messages",
     "encode_recording",
     "encode_rows",
+    "end_write",
     "fold_links",
     "heavy_batch",
     "missing_seq_conflict",
@@ -88,6 +91,7 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+_Method = TypeVar("_Method", bound=Callable[..., Awaitable[Any]])
 
 _EPISODE_ADAPTER: TypeAdapter[Episode] = TypeAdapter(Episode)
 _EPISODE_TYPES: tuple[type, ...] = get_args(get_args(Episode)[0])
@@ -216,26 +220,55 @@ def check_thread(thread: Any) -> str:
 
 
 _WRITE_SLOTS = 4_096
-_writes = [0] * _WRITE_SLOTS
+_begun = [0] * _WRITE_SLOTS
 """Writes begun in this process to the working context of the threads hashed to each slot."""
+_ended = [0] * _WRITE_SLOTS
+"""Of those, the writes that ended (committed, failed or were cancelled)."""
 
 
-def check_write(thread: Any) -> str:
-    """``check_thread`` for a write to the thread's working context, which ``writes_to`` counts."""
-    checked = check_thread(thread)
-    _writes[hash(checked) % _WRITE_SLOTS] += 1
-    return checked
+def begin_write(thread: str) -> int:
+    """Count a write to ``thread``'s working context as begun; its slot, for ``end_write``."""
+    slot = hash(thread) % _WRITE_SLOTS
+    _begun[slot] += 1
+    return slot
 
 
-def writes_to(thread: str) -> int:
+def end_write(slot: int) -> None:
+    """Count the write ``begin_write`` began as ended, whatever became of it."""
+    _ended[slot] += 1
+
+
+def counted_write(method: _Method) -> _Method:
+    """A store method that writes the working context of its ``thread``, counted by ``writes_to``."""
+
+    @functools.wraps(method)
+    async def write(self: object, *args: Any, **kwargs: Any) -> Any:
+        thread = args[0] if args else kwargs.get("thread")
+        if not isinstance(thread, str):  # the method refuses it, without a write
+            return await method(self, *args, **kwargs)
+        slot = begin_write(thread)
+        try:
+            return await method(self, *args, **kwargs)
+        finally:
+            end_write(slot)
+
+    return cast(_Method, write)
+
+
+def writes_to(thread: str) -> int | None:
     """How many writes to ``thread``'s working context this process began, with any store object.
 
-    Threads that share a slot share the count: a count that moved may be
-    another thread's write, never a write missed. A compactor trusts the stats
-    its check read only while this count stays where it was (no other store
-    object of the process, a second worker say, wrote since).
+    ``None`` while one of them has not ended: it may commit after a read made
+    now, so no read stands for the thread until it ends. Threads that share a
+    slot share the count: a count that moved may be another thread's write,
+    never a write missed. A compactor trusts the stats it read only while
+    this count stays where it was before the read (no other store object of
+    the process, a second worker say, began a write since, and none was under
+    way).
     """
-    return _writes[hash(thread) % _WRITE_SLOTS]
+    slot = hash(thread) % _WRITE_SLOTS
+    begun = _begun[slot]
+    return begun if begun == _ended[slot] else None
 
 
 def check_max_tokens(max_tokens: Any) -> int | None:

@@ -136,6 +136,7 @@ from ._rows import (
     PressureCounters,
     Recording,
     Window,
+    begin_write,
     by_activity,
     check_after_seq,
     check_checkpoint,
@@ -147,7 +148,7 @@ from ._rows import (
     check_seconds,
     check_thread,
     check_total,
-    check_write,
+    counted_write,
     decode_episode,
     edit_links,
     encode_edit,
@@ -155,6 +156,7 @@ from ._rows import (
     encode_messages,
     encode_recording,
     encode_rows,
+    end_write,
     fold_links,
     heavy_batch,
     missing_seq_conflict,
@@ -1647,10 +1649,11 @@ class SQLiteStore(AsyncResource):
 
     # short-term -----------------------------------------------------------
 
+    @counted_write
     async def append(
         self, thread: str, messages: Sequence[Message], tokens: Sequence[int]
     ) -> list[StoredMessage]:
-        check_write(thread)
+        check_thread(thread)
 
         def run(conn: sqlite3.Connection, encoded: list[_Encoded]) -> int:
             with _transaction(conn, "IMMEDIATE"):
@@ -1728,6 +1731,7 @@ class SQLiteStore(AsyncResource):
         stats, counters = _state(thread, await self._point_row(_STATE_QUERY, thread))
         return trusted(ThreadState, stats=stats, pressure=counters.pressure(when, stats.total_tokens))
 
+    @counted_write
     async def replace_prefix(
         self,
         thread: str,
@@ -1737,7 +1741,7 @@ class SQLiteStore(AsyncResource):
         replacement: Sequence[Message],
         tokens: Sequence[int],
     ) -> ThreadStats:
-        check_write(thread)
+        check_thread(thread)
         check_replace(through_seq, expected_version)
 
         def swap(rows: list[tuple[str, int]]) -> Callable[[sqlite3.Connection, int | None], ThreadStats]:
@@ -1847,6 +1851,7 @@ class SQLiteStore(AsyncResource):
 
     # both memories --------------------------------------------------------
 
+    @counted_write
     async def record_and_append(
         self,
         thread: str,
@@ -1856,7 +1861,7 @@ class SQLiteStore(AsyncResource):
         *,
         message_episodes: Sequence[int] | None = None,
     ) -> list[StoredMessage]:
-        check_write(thread)
+        check_thread(thread)
         encode = partial(encode_recording, episodes, messages, tokens, message_episodes)
         if heavy_batch(messages):
             when = datetime.now(UTC)
@@ -1874,24 +1879,31 @@ class SQLiteStore(AsyncResource):
         Also the thread's stats as the transaction left them, when its write
         learned them (see ``_count_step``): a read right after the commit.
         """
-        check_write(thread)
-        encoded, shared = recording.rows, recording.shared
-        size = sum(map(len, recording.bodies))
-        for (body, _, _), share in zip(encoded, shared, strict=True):
-            size += 0 if share else len(body)
-        first, linked, end = await self._write(
-            partial(_write_step, thread=thread, recording=recording, when=datetime.now(UTC), ends=self._ends),
-            size,
-        )
-        stats = (
-            None
-            if end is None
-            else trusted(
-                ThreadStats, message_count=end[3], total_tokens=end[4], version=end[2], last_seq=end[1]
+        check_thread(thread)
+        slot = begin_write(thread)
+        try:
+            encoded, shared = recording.rows, recording.shared
+            size = sum(map(len, recording.bodies))
+            for (body, _, _), share in zip(encoded, shared, strict=True):
+                size += 0 if share else len(body)
+            first, linked, end = await self._write(
+                partial(
+                    _write_step, thread=thread, recording=recording, when=datetime.now(UTC), ends=self._ends
+                ),
+                size,
             )
-        )
-        return _stored(first, encoded, linked), stats
+            stats = (
+                None
+                if end is None
+                else trusted(
+                    ThreadStats, message_count=end[3], total_tokens=end[4], version=end[2], last_seq=end[1]
+                )
+            )
+            return _stored(first, encoded, linked), stats
+        finally:
+            end_write(slot)
 
+    @counted_write
     async def fold(
         self,
         thread: str,
@@ -1902,7 +1914,7 @@ class SQLiteStore(AsyncResource):
         replacement: Sequence[Message],
         tokens: Sequence[int],
     ) -> EpisodeRecord:
-        check_write(thread)
+        check_thread(thread)
         body = check_checkpoint(checkpoint)
         check_replace(through_seq, expected_version)
         when = datetime.now(UTC)
@@ -1939,6 +1951,7 @@ class SQLiteStore(AsyncResource):
             seq = await self._swap_write(swap(rows), len(body) + sum(len(row) for row, _ in rows))
         return trusted(EpisodeRecord, thread=thread, seq=seq, at=when, episode=checkpoint)
 
+    @counted_write
     async def record_and_replace(
         self,
         thread: str,
@@ -1951,7 +1964,7 @@ class SQLiteStore(AsyncResource):
         message_episodes: Sequence[int | None] | None = None,
         stands_for: Sequence[int | None] | None = None,
     ) -> ThreadStats:
-        check_write(thread)
+        check_thread(thread)
         check_replace(through_seq, expected_version)
         when = datetime.now(UTC)
 
@@ -1988,8 +2001,9 @@ class SQLiteStore(AsyncResource):
         size = sum(map(len, recording.bodies)) + sum(len(body) for body, _, _ in recording.rows)
         return await self._swap_write(swap(encoded), size)
 
+    @counted_write
     async def forget(self, thread: str) -> Tombstone:
-        check_write(thread)
+        check_thread(thread)
         when = datetime.now(UTC)
 
         def run(conn: sqlite3.Connection) -> Tombstone:
