@@ -548,3 +548,172 @@ async def test_the_compactors_own_background_fold_is_seen_by_the_next_check(
                 assert handed == [await store.stats(thread)], "the check was handed the row before the fold"
                 return
     pytest.skip("the interleaving did not occur")
+
+
+class UncountedStore:
+    """A custom ``Store`` (say, a Redis or DynamoDB backend a user wrote).
+
+    It keeps its rows in a ``MemoryStore`` for brevity, but its writes go to
+    that store's undecorated methods, as a user's own backend would: they call
+    no ``begin_write``/``end_write`` (those are private to the bundled stores),
+    so ``writes_to`` never sees them.
+    """
+
+    def __init__(self) -> None:
+        self.inner = MemoryStore()
+
+    async def __aenter__(self) -> UncountedStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    # reads
+    async def load(self, thread: str, *, max_tokens: int | None = None) -> Any:
+        return await self.inner.load(thread, max_tokens=max_tokens)
+
+    async def tail(self, thread: str, *, after_seq: int) -> Any:
+        return await self.inner.tail(thread, after_seq=after_seq)
+
+    async def stats(self, thread: str) -> Any:
+        return await self.inner.stats(thread)
+
+    async def state(self, thread: str, *, now: Any = None) -> Any:
+        return await self.inner.state(thread, now=now)
+
+    def replay(self, thread: str, *, from_seq: int = 0) -> Any:
+        return self.inner.replay(thread, from_seq=from_seq)
+
+    async def pressure(self, thread: str, **kwargs: Any) -> Any:
+        return await self.inner.pressure(thread, **kwargs)
+
+    async def latest_checkpoint(self, thread: str) -> Any:
+        return await self.inner.latest_checkpoint(thread)
+
+    async def tombstones(self, thread: str) -> Any:
+        return await self.inner.tombstones(thread)
+
+    async def threads(self) -> Any:
+        return await self.inner.threads()
+
+    def compaction_lock(self, thread: str) -> Any:
+        return self.inner.compaction_lock(thread)
+
+    async def record(self, thread: str, episode: Any, *, at: Any = None) -> Any:
+        return await self.inner.record(thread, episode, at=at)
+
+    # writes: not counted, as no custom store's are
+    async def append(self, thread: str, messages: Any, tokens: Any) -> Any:
+        return await _raw(MemoryStore.append)(self.inner, thread, messages, tokens)
+
+    async def record_and_append(
+        self, thread: str, episodes: Any, messages: Any, tokens: Any, *, message_episodes: Any = None
+    ) -> Any:
+        for episode in episodes:
+            await self.inner.record(thread, episode)
+        return await _raw(MemoryStore.append)(self.inner, thread, messages, tokens)
+
+    async def replace_prefix(self, thread: str, **kwargs: Any) -> Any:
+        return await _raw(MemoryStore.replace_prefix)(self.inner, thread, **kwargs)
+
+    async def fold(self, thread: str, **kwargs: Any) -> Any:
+        return await _raw(MemoryStore.fold)(self.inner, thread, **kwargs)
+
+    async def record_and_replace(self, thread: str, *args: Any, **kwargs: Any) -> Any:
+        return await _raw(MemoryStore.record_and_replace)(self.inner, thread, *args, **kwargs)
+
+    async def forget(self, thread: str) -> Any:
+        return await _raw(MemoryStore.forget)(self.inner, thread)
+
+
+def _raw(method: Any) -> Any:
+    """A bundled store's method without its write count: a custom backend's write, which no count sees."""
+    return getattr(method, "__wrapped__", method)
+
+
+async def test_custom_store_second_context_sees_another_workers_append(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a custom store, a second ``context()`` after a check must see what another worker appended.
+
+    Two workers of one process share a custom store. A checks, sends its
+    context, then B appends a message; A's next ``context()`` (``context_tokens``
+    for a request, a hook, a framework adapter asking again) must hold it: a
+    write by any store object of the process, committed before the read is
+    used, is never missed, and a custom store's writes reach no write count,
+    so nothing but a read can tell A about B's message.
+
+    The check's read stood for every ``context()`` for 10 ms, since no count
+    moves for a custom store: B's committed message was missing.
+    """
+    monkeypatch.setattr(compactor_module, "_SEEN_STANDS_FOR", 60.0)
+    thread = "custom-second-context"
+    async with UncountedStore() as store:
+        a = Compactor(store, options=settings(), counter=ApproximateCounter(), log_events=False)
+        b = Compactor(store, options=settings(), counter=ApproximateCounter(), log_events=False)
+        await a.append(thread, [Message.user("first")])
+        assert await a.maybe_compact(thread) is None
+        assert [m.text for m in await a.context(thread)] == ["first"]
+        await b.append(thread, [Message.user("from B")])
+        again = [m.text for m in await a.context(thread)]
+        assert again == [m.text for m in (await store.load(thread)).plain] == ["first", "from B"]
+
+
+async def test_seen_stays_bounded_across_many_threads() -> None:
+    """A long-lived compactor serving many threads keeps a bounded ``_seen``, as it bounds its caches.
+
+    ``_cache`` holds at most ``_CACHED_THREADS`` (1024) threads and the two-store
+    bookkeeping (``_reckoned``) as many. Every step's write keeps a read for
+    its thread: a server with a conversation per user kept one for every
+    thread it ever wrote, for the life of the process.
+    """
+    threads = 3 * compactor_module._CACHED_THREADS
+    async with MemoryStore() as store:
+        compactor = Compactor(store, options=settings(), counter=ApproximateCounter(), log_events=False)
+        for n in range(threads):
+            thread = f"user-{n}"
+            await compactor.append(thread, [Message.user("hello")])
+            assert await compactor.maybe_compact(thread) is None
+            await compactor.context(thread)
+        assert len(compactor._cache) <= compactor_module._CACHED_THREADS
+        assert len(compactor._seen) <= compactor_module._CACHED_THREADS, len(compactor._seen)
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+async def test_check_after_a_whole_tool_step_reads_nothing(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check right after a step's ``append`` reads nothing on a bundled store, tool steps included.
+
+    ``append(thread, [reply, *results], started=reply.tool_calls)`` is the
+    documented way to record a whole step at once, and the one ``StepLoop``
+    uses for every tool step. It went through ``store.record_and_append``,
+    which returns no stats, so every tool step's check read them.
+    """
+    monkeypatch.setattr(compactor_module, "_SEEN_STANDS_FOR", 60.0)
+    thread = f"tool-step-{kind}"
+    store: Any = MemoryStore() if kind == "memory" else SQLiteStore(tmp_path / "cf.db")
+    async with store:
+        compactor = Compactor(store, options=settings(), counter=ApproximateCounter(), log_events=False)
+        await compactor.append(thread, [Message.user("task")])
+        assert await compactor.maybe_compact(thread) is None
+        await compactor.context(thread)
+        reads = counted(store)
+        per_step = []
+        for n in range(3):
+            call = ToolCall(id=f"c{n}", name="read", arguments="{}")
+            reply = Message.assistant(None, tool_calls=[call])
+            await compactor.append(thread, [reply, Message.tool(f"c{n}", f"out {n}")], started=[call])
+            reads.clear()
+            assert await compactor.maybe_compact(thread) is None
+            await compactor.context(thread)
+            per_step.append(dict(reads))
+        # A plain append (no tool call ran) reads nothing after it, as promised.
+        await compactor.append(thread, [Message.assistant("done")])
+        reads.clear()
+        assert await compactor.maybe_compact(thread) is None
+        assert dict(reads) == {}
+        assert per_step == [{}, {}, {}]

@@ -72,9 +72,11 @@ from .stores._rows import (
     FIRST_SEQ,
     PREPARE_ON_LOOP_CHARS,
     Recording,
+    encode_recording,
     fold_links,
     heavy_batch,
     not_a_sequence,
+    off_loop_if_heavy,
     record_messages,
     summary_index,
     utc,
@@ -834,17 +836,17 @@ class Compactor:
                 recording = await anyio.to_thread.run_sync(self._recording, messages, call)
             else:
                 recording = self._recording(messages, call)
-            writes, at = writes_to(thread), time.monotonic()
-            stored, written = await writer(thread, recording)
-            if written is not None and writes is not None:  # the write read the thread back
-                self._seen[thread] = written, at, writes + 1  # and stands for the next check's read
+            stored = await self._written(writer, thread, recording)
         else:
             episodes, owners = _step_episodes(extra_episodes, messages, call, started)
             if heavy:
                 tokens = await anyio.to_thread.run_sync(self._counts, sent)
             else:
                 tokens = self._counts(sent)
-            if self._store is not None:
+            if writer is not None:  # the bundled store's record_and_append, returning the stats too
+                encoded = await off_loop_if_heavy(sent, encode_recording, episodes, sent, tokens, owners)
+                stored = await self._written(writer, thread, encoded)
+            elif self._store is not None:
                 stored = await self._store.record_and_append(
                     thread, episodes, sent, tokens, message_episodes=owners
                 )
@@ -865,6 +867,14 @@ class Compactor:
                 stored = await self._results_back_in_place(thread, stored, [stored[i] for i in answering])
         if usage is not None and usage.input_tokens and request_tokens:
             self._overhead[thread] = max(0, usage.input_tokens - request_tokens)
+        return stored
+
+    async def _written(self, writer: _Writer, thread: str, recording: Recording) -> list[StoredMessage]:
+        """``writer``'s write of ``recording``; the thread's stats it read back stand for the next read."""
+        writes, at = writes_to(thread), time.monotonic()
+        stored, written = await writer(thread, recording)
+        if written is not None and writes is not None:  # one more write: the step's own
+            self._note_seen(thread, (written, at, writes + 1))
         return stored
 
     async def sync(
@@ -1061,7 +1071,7 @@ class Compactor:
         episodic: EpisodicCompactionPressure | None
         if now is not None:
             utc(now, "now")  # refused whether or not a read takes it
-        if not settings.episodic and self._writer is not None:  # a bundled store counts every write
+        if not settings.episodic:
             seen = self._seen_stats(thread)
             if seen is not None:
                 return seen, None  # read by the step's own write, or by a check, a moment ago
@@ -1076,17 +1086,27 @@ class Compactor:
                 if settings.episodic
                 else None
             )
-        self._seen[thread] = stats, time.monotonic(), writes
+        self._note_seen(thread, (stats, time.monotonic(), writes))
         return stats, episodic if settings.episodic else None
+
+    def _note_seen(self, thread: str, seen: tuple[ThreadStats, float, int | None]) -> None:
+        """Keep ``seen`` as the thread's last read, for as many threads as the cache holds."""
+        kept = self._seen
+        kept[thread] = seen
+        if len(kept) > _CACHED_THREADS:
+            del kept[next(iter(kept))]
 
     def _forget_seen(self, thread: str) -> None:
         """Drop the stats the last check saw: the caller wrote to the store past this compactor."""
         self._seen.pop(thread, None)
 
     def _seen_stats(self, thread: str) -> ThreadStats | None:
-        """The thread's stats as last read, while the read stands for its state (``_SEEN_STANDS_FOR``)."""
+        """The thread's stats as last read, while the read stands for its state (``_SEEN_STANDS_FOR``).
+
+        Never on a store that is not bundled: its writes reach no count.
+        """
         seen = self._seen.get(thread)
-        if seen is None:
+        if seen is None or self._writer is None:
             return None
         stats, at, writes = seen
         if writes is None or writes != writes_to(thread) or time.monotonic() - at > _SEEN_STANDS_FOR:
@@ -1369,9 +1389,9 @@ class Compactor:
         """
         if self._store is None:
             return None
-        if self._writer is None or self._seen_stats(thread) is None:  # else read a moment ago
+        if self._seen_stats(thread) is None:  # else read a moment ago
             writes = writes_to(thread)
-            self._seen[thread] = await self._store.stats(thread), time.monotonic(), writes
+            self._note_seen(thread, (await self._store.stats(thread), time.monotonic(), writes))
         return await self._fresh_cache(thread)
 
     async def _open_calls(self, thread: str, wanted: set[str], cache: _Cache | None) -> dict[str, int]:
@@ -1629,7 +1649,7 @@ class Compactor:
         # two stores the window below is loaded whole anyway.)
         writes = writes_to(thread)  # before the rows are read: a write after it is not in them
         if self._store is not None:
-            self._seen[thread] = await self.short_term.stats(thread), time.monotonic(), writes
+            self._note_seen(thread, (await self.short_term.stats(thread), time.monotonic(), writes))
         rows, version, total = await self._window(thread, settings)
         if not recovery and await self._close_abandoned(thread, rows, version, settings):
             writes = writes_to(thread)
@@ -1978,7 +1998,7 @@ class Compactor:
                     version=rebuilt.version,
                     last_seq=rebuilt.last_seq,
                 )
-                self._seen[thread] = stats, time.monotonic(), writes
+                self._note_seen(thread, (stats, time.monotonic(), writes))
         else:
             self._forget_cache(thread)
         after = prepared.checkpoint.tokens_after + self._overhead.get(thread, 0)
@@ -2429,9 +2449,11 @@ class Compactor:
         return job.result
 
 
-def _recording_writer(
-    store: Store | None,
-) -> Callable[[str, Recording], Awaitable[tuple[list[StoredMessage], ThreadStats | None]]] | None:
+_Writer = Callable[[str, Recording], Awaitable[tuple[list[StoredMessage], ThreadStats | None]]]
+"""A bundled store's ``_write_recording``: the rows written and the thread's stats as the write left them."""
+
+
+def _recording_writer(store: Store | None) -> _Writer | None:
     """The store's write of a step ``append`` encoded, if its ``record_and_append`` is the one beside it.
 
     A bundled store writes such a recording as its own ``record_and_append``
