@@ -242,6 +242,7 @@ async def test_a_steps_reply_tool_starts_and_results_go_in_one_store_call() -> N
 async def test_a_step_whose_record_fails_leaves_nothing_of_it_stored() -> None:
     """The store refusing a step's record leaves neither its reply nor a tool's start behind."""
     async with MemoryStore() as store:
+        loop = make_loop(store)
         record_and_append = store.record_and_append
 
         async def refuse_results(thread: str, episodes: Any, messages: Any, tokens: Any, **kw: Any) -> Any:
@@ -250,7 +251,6 @@ async def test_a_step_whose_record_fails_leaves_nothing_of_it_stored() -> None:
             return await record_and_append(thread, episodes, messages, tokens, **kw)
 
         store.record_and_append = refuse_results  # type: ignore[method-assign]
-        loop = make_loop(store)  # built after: a compactor writes through a replaced record_and_append
         with pytest.raises(OSError, match="disk full"):
             await loop.run("t", "hi", llm=ScriptedModel(two_tools), tools={"fetch": fetch})
         del store.record_and_append

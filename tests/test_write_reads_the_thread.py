@@ -717,3 +717,84 @@ async def test_check_after_a_whole_tool_step_reads_nothing(
         assert await compactor.maybe_compact(thread) is None
         assert dict(reads) == {}
         assert per_step == [{}, {}, {}]
+
+
+async def fetch(url: str) -> str:
+    return f"{url}\n" + "payload line\n" * 20
+
+
+def fetching_agent(messages: list[Message]) -> Message:
+    from contextfold.testing import tool_step
+
+    if messages[-1].role.value == "tool":
+        return Message.assistant("answered")
+    return tool_step("fetch", '{"url": "https://example.org/a"}', call_id=f"c{len(messages)}")
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+async def test_record_and_append_replaced_after_the_compactor_gets_every_tool_step(
+    kind: str, tmp_path: Path
+) -> None:
+    """A wrapper put on ``store.record_and_append`` after the compactor was built sees StepLoop's tool steps.
+
+    The tool step (``append(..., started=reply.tool_calls)``) went through the
+    store's step write that the compactor picked when it was built, past the
+    wrapper.
+    """
+    from contextfold import StepLoop
+    from contextfold.testing import ScriptedModel
+
+    store: Any = MemoryStore() if kind == "memory" else SQLiteStore(tmp_path / "cf.db")
+    async with store:
+        loop = StepLoop(Compactor(store, options=settings(), counter=ApproximateCounter(), log_events=False))
+        original = store.record_and_append
+        seen: list[list[str]] = []
+
+        async def spy(thread: str, episodes: Any, messages: Any, tokens: Any, **kw: Any) -> Any:
+            seen.append([episode.kind for episode in episodes])
+            return await original(thread, episodes, messages, tokens, **kw)
+
+        store.record_and_append = spy
+        await loop.run(THREAD, "hi", llm=ScriptedModel(fetching_agent), tools={"fetch": fetch})
+        assert ["tool_call", "tool_result"] in [kinds[-2:] for kinds in seen], seen
+
+
+async def test_a_tool_result_on_a_store_of_ones_own_reads_the_thread_once() -> None:
+    """A store of the user's own: a tool result's look at the store is one stats read, which it uses.
+
+    The read was kept but not used (no count sees such a store's writes), and
+    the context's tail was read as well.
+    """
+    async with UncountedStore() as store:
+        compactor = Compactor(store, options=settings(), counter=ApproximateCounter(), log_events=False)
+        await compactor.append(THREAD, [Message.user("task")])
+        call = ToolCall(id="c1", name="read", arguments="{}")
+        await compactor.append(THREAD, [Message.assistant(None, tool_calls=[call])])
+        assert await compactor.maybe_compact(THREAD) is None
+        await compactor.context(THREAD)
+        reads = counted(store)
+        await compactor.append(THREAD, [Message.tool("c1", "out")])
+        assert reads == {"stats": 1}
+        assert [m.text for m in await compactor.context(THREAD)] == ["task", "", "out"]
+
+
+class ForwardingProxy:
+    """A store wrapper that forwards every attribute (``__getattr__``), for logging or metrics, say."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def test_a_forwarding_proxy_around_a_bundled_store_builds_a_compactor() -> None:
+    """``Compactor(proxy)`` raised ``StopIteration``: the proxy forwards ``_write_recording``, no class of it
+    defines it. It is a store of the user's own: every write through its ``record_and_append``."""
+    async with MemoryStore() as inner:
+        proxy = ForwardingProxy(inner)
+        compactor = Compactor(proxy, options=settings(), counter=ApproximateCounter(), log_events=False)
+        stored = await compactor.append(THREAD, [Message.user("hi")])
+        assert [row.message.text for row in stored] == ["hi"]
+        assert await compactor.maybe_compact(THREAD) is None
+        assert [m.text for m in await compactor.context(THREAD)] == ["hi"]

@@ -686,8 +686,9 @@ class Compactor:
         self._seen: dict[str, tuple[ThreadStats, float, int | None]] = {}
         """Per thread: the stats last read, when, and ``writes_to(thread)`` before the read.
 
-        Read by a check, or by the step's own write (then the count includes
-        that write); see ``_SEEN_STANDS_FOR``.
+        Read by a check, a fold, a tool result's look at the store, or the
+        step's own write (then the count includes that write); see
+        ``_SEEN_STANDS_FOR``. As many threads as the cache holds.
         """
         self._overhead: dict[str, int] = {}
         self._next_fold_at: dict[str, tuple[int, int]] = {}
@@ -826,7 +827,7 @@ class Compactor:
                 return placed
         if self._turn is not None:  # in a crowded loop, the count below and the write are a turn each
             await self._turn()
-        writer = self._writer
+        writer = self._bundled_writer()
         # Counting a large batch, or a large tool result, would stall the loop: a worker thread does it.
         heavy = heavy_batch(messages)
         if writer is not None and sent is messages and not extra_episodes and not started:
@@ -1096,6 +1097,18 @@ class Compactor:
         if len(kept) > _CACHED_THREADS:
             del kept[next(iter(kept))]
 
+    def _bundled_writer(self) -> _Writer | None:
+        """The bundled store's step write, unless ``record_and_append`` was replaced on the instance since.
+
+        A store whose ``record_and_append`` is replaced (a wrapper, a spy) gets
+        every step through it, whenever it was replaced; and what it writes
+        may reach no write count, so no read stands for a later one.
+        """
+        writer = self._writer
+        if writer is not None and "record_and_append" in vars(self._store):
+            return None
+        return writer
+
     def _forget_seen(self, thread: str) -> None:
         """Drop the stats the last check saw: the caller wrote to the store past this compactor."""
         self._seen.pop(thread, None)
@@ -1106,7 +1119,7 @@ class Compactor:
         Never on a store that is not bundled: its writes reach no count.
         """
         seen = self._seen.get(thread)
-        if seen is None or self._writer is None:
+        if seen is None or self._bundled_writer() is None:
             return None
         stats, at, writes = seen
         if writes is None or writes != writes_to(thread) or time.monotonic() - at > _SEEN_STANDS_FOR:
@@ -1391,7 +1404,17 @@ class Compactor:
             return None
         if self._seen_stats(thread) is None:  # else read a moment ago
             writes = writes_to(thread)
-            self._note_seen(thread, (await self._store.stats(thread), time.monotonic(), writes))
+            stats = await self._store.stats(thread)
+            self._note_seen(thread, (stats, time.monotonic(), writes))
+            cache = self._cache.get(thread)
+            if (
+                cache is not None
+                and writes is not None
+                and writes == writes_to(thread)  # no write under way at the read, none since
+                and (stats.version, stats.last_seq) == (cache.version, cache.last_seq)
+            ):  # the cache is what was just read (also on a store of the user's, uncounted)
+                self._cache.move_to_end(thread)
+                return cache
         return await self._fresh_cache(thread)
 
     async def _open_calls(self, thread: str, wanted: set[str], cache: _Cache | None) -> dict[str, int]:
@@ -2466,9 +2489,9 @@ def _recording_writer(store: Store | None) -> _Writer | None:
     if write is None or "record_and_append" in vars(store):
         return None
     mro = type(store).__mro__
-    writes = next(cls for cls in mro if "_write_recording" in vars(cls))
-    records = next(cls for cls in mro if "record_and_append" in vars(cls))
-    return write if writes is records else None
+    writes = next((cls for cls in mro if "_write_recording" in vars(cls)), None)
+    records = next((cls for cls in mro if "record_and_append" in vars(cls)), None)
+    return write if writes is not None and writes is records else None  # (a proxy defines neither)
 
 
 def _check_llm_call(model: object, usage: object, request_messages: object, request_tokens: object) -> None:
