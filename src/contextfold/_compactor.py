@@ -1126,14 +1126,19 @@ class Compactor:
             return None  # a write was under way at the read, or one began since, or it is too old
         return stats
 
-    async def _fresh_cache(self, thread: str) -> _Cache | None:
-        """The thread's cached context brought up to date; ``None`` without a ``Store``."""
+    async def _fresh_cache(self, thread: str, just_read: ThreadStats | None = None) -> _Cache | None:
+        """The thread's cached context brought up to date; ``None`` without a ``Store``.
+
+        ``just_read``: stats the caller read a moment ago with no write under
+        way or begun since, which hold on any store (``_seen_stats`` does not
+        hold on a store of the user's own).
+        """
         store = self._store
         if store is None:
             return None
         cache = self._cache.get(thread)
         if cache is not None:
-            seen = self._seen_stats(thread)
+            seen = just_read if just_read is not None else self._seen_stats(thread)
             if seen is not None and seen.version == cache.version and seen.last_seq == cache.last_seq:
                 self._cache.move_to_end(thread)
                 return cache
@@ -1402,20 +1407,13 @@ class Compactor:
         """
         if self._store is None:
             return None
-        if self._seen_stats(thread) is None:  # else read a moment ago
-            writes = writes_to(thread)
-            stats = await self._store.stats(thread)
-            self._note_seen(thread, (stats, time.monotonic(), writes))
-            cache = self._cache.get(thread)
-            if (
-                cache is not None
-                and writes is not None
-                and writes == writes_to(thread)  # no write under way at the read, none since
-                and (stats.version, stats.last_seq) == (cache.version, cache.last_seq)
-            ):  # the cache is what was just read (also on a store of the user's, uncounted)
-                self._cache.move_to_end(thread)
-                return cache
-        return await self._fresh_cache(thread)
+        if self._seen_stats(thread) is not None:  # read a moment ago
+            return await self._fresh_cache(thread)
+        writes = writes_to(thread)
+        stats = await self._store.stats(thread)
+        self._note_seen(thread, (stats, time.monotonic(), writes))
+        held = writes is not None and writes == writes_to(thread)  # nothing under way at the read, or since
+        return await self._fresh_cache(thread, stats if held else None)
 
     async def _open_calls(self, thread: str, wanted: set[str], cache: _Cache | None) -> dict[str, int]:
         """How many calls with each ``wanted`` id are open in the context (``cache``, current or ``None``).
@@ -2481,12 +2479,12 @@ def _recording_writer(store: Store | None) -> _Writer | None:
 
     A bundled store writes such a recording as its own ``record_and_append``
     would have, and returns the rows and the thread's stats as the write left
-    them (``None`` when it did not read them); a subclass or an instance that
-    replaces ``record_and_append`` (a wrapper, a spy) gets every step through
-    it instead.
+    them (``None`` when it did not read them); a subclass that overrides
+    ``record_and_append`` gets every step through it instead, as does an
+    instance that replaces it (asked at each step: ``Compactor._bundled_writer``).
     """
     write = getattr(store, "_write_recording", None)
-    if write is None or "record_and_append" in vars(store):
+    if write is None:
         return None
     mro = type(store).__mro__
     writes = next((cls for cls in mro if "_write_recording" in vars(cls)), None)
