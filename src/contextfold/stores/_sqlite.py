@@ -601,6 +601,15 @@ def _record_own_messages(
     n = len(rows)
     if len(episodes) != n or links != list(range(n)) or not all(shared):
         return None
+    if n == 1:  # the common step, without the loops
+        ((body, count, _),) = rows
+        counted = _count_step(conn, thread, episodes, 1, count, ends)
+        if counted is None:
+            return None
+        episode_seq, seq = counted[:2]
+        conn.execute(_INSERT_EPISODE, (thread, episode_seq, at, episodes[0].kind, bodies[0]))
+        conn.execute(_INSERT_MESSAGE, (thread, seq, count, None, episode_seq, len(body)))
+        return seq, [episode_seq], counted
     counted = _count_step(conn, thread, episodes, n, sum([count for _, count, _ in rows]), ends)
     if counted is None:
         return None
@@ -760,7 +769,9 @@ def _count_step(
     if adds is None or not m or tokens > INT64_MAX:
         return None
     n, users = adds
-    limits = (*_episode_limits(n, users), *_row_limits(m, tokens))
+    # _episode_limits and _row_limits, written out: this runs on every step.
+    most_rows, most_users = INT64_MAX - m, INT64_MAX - users
+    limits = (INT64_MAX - n, most_users, most_users, most_users, most_rows, INT64_MAX - tokens, most_rows)
     known = ends.get(thread)
     if known is not None:
         episode_seq, seq, version, count, total = known
@@ -916,6 +927,9 @@ def _stored(
     first: int, rows: list[tuple[str, int, Message]], links: Sequence[int | None]
 ) -> list[StoredMessage]:
     """The rows as written from ``first`` on, each holding the copy its JSON reads back, not the caller's."""
+    if len(rows) == 1:  # the common step, without the loop
+        ((_, count, copy),) = rows
+        return [trusted(StoredMessage, seq=first, message=copy, tokens=count, episode_seq=links[0])]
     return [
         trusted(StoredMessage, seq=first + n, message=copy, tokens=count, episode_seq=link)
         for n, ((_, count, copy), link) in enumerate(zip(rows, links, strict=True))
@@ -1884,13 +1898,12 @@ class SQLiteStore(AsyncResource):
         try:
             encoded, shared = recording.rows, recording.shared
             size = sum(map(len, recording.bodies))
-            for (body, _, _), share in zip(encoded, shared, strict=True):
-                size += 0 if share else len(body)
+            if not all(shared):  # a row whose JSON its episode does not hold is written apart
+                for (body, _, _), share in zip(encoded, shared, strict=True):
+                    size += 0 if share else len(body)
+            when, ends = datetime.now(UTC), self._ends
             first, linked, end = await self._write(
-                partial(
-                    _write_step, thread=thread, recording=recording, when=datetime.now(UTC), ends=self._ends
-                ),
-                size,
+                lambda conn: _write_step(conn, thread, recording, when, ends), size
             )
             stats = (
                 None
