@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+
 import logging
 import socket
 import threading
@@ -393,7 +395,11 @@ async def test_a_password_in_base_url_never_appears_in_reprs_errors_or_logs(
     caplog: pytest.LogCaptureFixture,
     status: int,
 ) -> None:
-    """A password in ``base_url`` is masked in repr, errors and contextfold's logs, as in store URLs."""
+    """A password in ``base_url`` is masked in repr, errors and every log, httpx's own included.
+
+    The request still carries it as httpx makes of a URL's user and password:
+    ``Authorization: Basic``.
+    """
     password = "PASSWORD-SECRET"
     with_password = base_url.replace("http://", f"http://user:{password}@", 1)
     script.then(reply_json({}, status=503), reply_json({}, status=status))
@@ -402,15 +408,31 @@ async def test_a_password_in_base_url_never_appears_in_reprs_errors_or_logs(
         with caplog.at_level(logging.DEBUG), pytest.raises(SummarizerError) as caught:
             await summarizer.summarize(CONVERSATION, previous_summary=None, max_summary_tokens=300)
     assert len(script.requests) == 2  # the request itself went to the URL as given
+    basic = "Basic " + base64.b64encode(f"user:{password}".encode()).decode()
+    assert [captured.headers.get("authorization") for captured in script.requests] == [basic, basic]
     assert caught.value.status == status
     texts = [str(caught.value), repr(caught.value), repr(summarizer), str(summarizer)]
-    # httpx's own INFO line quotes the URL as requested; contextfold's records are what it controls.
-    ours = [record.getMessage() for record in caplog.records if record.name.startswith("contextfold")]
-    assert any("retrying in" in message for message in ours)
-    texts += ours
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("retrying in" in message for message in messages)
+    assert any(record.name == "httpx" and "HTTP Request" in record.getMessage() for record in caplog.records)
+    texts += messages
     assert "user:***@127.0.0.1" in repr(summarizer)
     for text in texts:
         assert password not in text
+
+
+async def test_a_client_with_its_own_auth_keeps_it_over_the_user_and_password_in_base_url(
+    provider: Provider, script: Script, base_url: str
+) -> None:
+    """As httpx does: a client's own auth wins over the URL's user and password, which go nowhere."""
+    with_password = base_url.replace("http://", "http://user:PASSWORD-SECRET@", 1)
+    script.then(reply_json(provider.reply("The summary.", 10, 3)))
+    client = httpx.AsyncClient(auth=("client-user", "client-pass"))
+    async with client, provider.make(with_password, client=client) as summarizer:
+        summary = await summarizer.summarize(CONVERSATION, previous_summary=None, max_summary_tokens=300)
+    assert summary.text == "The summary."
+    expected = "Basic " + base64.b64encode(b"client-user:client-pass").decode()
+    assert script.requests[0].headers.get("authorization") == expected
 
 
 async def test_a_key_echoed_across_the_excerpt_cut_is_still_redacted(

@@ -361,11 +361,16 @@ class HTTPSummarizer(ChatSummarizer):
     async def _attempt(self, body: dict[str, Any]) -> httpx.Response:
         if self._client is None:
             self._client = httpx.AsyncClient()
+        url, basic = _without_userinfo(httpx.URL(self.url), has_auth=self._client.auth is not None)
         try:
             # httpx times each read separately; the deadline also bounds a reply that trickles in.
             with anyio.fail_after(self.timeout):
                 response = await self._client.post(
-                    self.url, json=body, headers=self._headers(), timeout=self.timeout
+                    url,
+                    json=body,
+                    headers=self._headers(),
+                    timeout=self.timeout,
+                    auth=basic if basic is not None else httpx.USE_CLIENT_DEFAULT,
                 )
         except (httpx.TimeoutException, TimeoutError) as exc:
             raise RetryLater(f"{type(exc).__name__} after {self.timeout:g} s") from None
@@ -442,3 +447,17 @@ class HTTPSummarizer(ChatSummarizer):
                 body=exc.body,
             ) from None
         raise AssertionError("unreachable: tenacity either returns or raises")
+
+
+def _without_userinfo(url: httpx.URL, *, has_auth: bool) -> tuple[httpx.URL, httpx.BasicAuth | None]:
+    """``url`` without a user and password, and the Basic auth httpx would have made of them.
+
+    httpx turns a URL's userinfo into Basic auth unless the client has an
+    auth of its own (``has_auth``); sent that way instead, the request is the
+    same, and the password is not in the URL that httpx's own INFO log line
+    quotes whole.
+    """
+    if not url.userinfo:
+        return url, None
+    basic = None if has_auth else httpx.BasicAuth(url.username, url.password)
+    return url.copy_with(userinfo=b""), basic
