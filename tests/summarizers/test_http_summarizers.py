@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-
 import logging
 import socket
 import threading
@@ -419,6 +418,17 @@ async def test_a_password_in_base_url_never_appears_in_reprs_errors_or_logs(
     assert "user:***@127.0.0.1" in repr(summarizer)
     for text in texts:
         assert password not in text
+
+
+async def test_an_empty_user_and_password_in_base_url_send_no_basic_auth_and_keep_the_key(
+    provider: Provider, script: Script, base_url: str
+) -> None:
+    """``http://:@host``: httpx makes no auth of an empty user and password, so the API key still goes."""
+    script.then(reply_json(provider.reply("The summary.", 10, 3)))
+    async with provider.make(base_url.replace("http://", "http://:@", 1)) as summarizer:
+        await summarizer.summarize(CONVERSATION, previous_summary=None, max_summary_tokens=300)
+    assert provider.key_sent(script.requests[0]) == API_KEY
+    assert not (script.requests[0].headers.get("authorization") or "").startswith("Basic")
 
 
 async def test_a_client_with_its_own_auth_keeps_it_over_the_user_and_password_in_base_url(

@@ -459,5 +459,6 @@ def _without_userinfo(url: httpx.URL, *, has_auth: bool) -> tuple[httpx.URL, htt
     """
     if not url.userinfo:
         return url, None
-    basic = None if has_auth else httpx.BasicAuth(url.username, url.password)
-    return url.copy_with(userinfo=b""), basic
+    # Only a user or a password makes auth in httpx: an empty ``:@`` makes none.
+    make = not has_auth and bool(url.username or url.password)
+    return url.copy_with(userinfo=b""), httpx.BasicAuth(url.username, url.password) if make else None
