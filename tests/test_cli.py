@@ -277,6 +277,28 @@ def test_demo_with_nothing_listening_fails_fast(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_demo_without_db_that_stops_early_names_its_temporary_file(tmp_path: Path) -> None:
+    """Stopped at the first fold, demo names the temporary file it wrote: none is left behind unknown."""
+    result = cli(
+        "demo", "--summarizer", "openai", "--model", "llama3.1",
+        "--base-url", f"http://127.0.0.1:{free_port()}/v1", tmp=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 1
+    left = list(tmp_path.iterdir())
+    assert len(left) == 1 and left[0].name.startswith("contextfold-demo-"), left
+    last = result.stderr.strip().splitlines()[-1]
+    assert "stopped after" in last and f"What it wrote is in {left[0]}" in last
+    kinds = [r.episode.kind for r in await_records(left[0], thread_of(left[0]))]
+    assert kinds.count("summary_checkpoint") == 1
+
+
+def thread_of(db: Path) -> str:
+    """The one thread a SQLite store file holds."""
+    with sqlite3.connect(db) as conn:
+        ((thread,),) = conn.execute("SELECT thread FROM threads").fetchall()
+    return str(thread)
+
+
 def test_demo_counts_degraded_summaries(tmp_path: Path, httpserver: HTTPServer) -> None:
     """A server that answers the first summary and then fails shows the degraded count the log holds."""
     calls: list[int] = []
@@ -902,6 +924,19 @@ async def test_demo_and_threads_on_postgres_mask_the_password(pg_url: str) -> No
     assert ":***@" in masked
     assert masked in outputs[0].stdout.split("inspect it:")[0] and masked in outputs[1].stdout
     assert f"contextfold inspect {redact_url(url)} pw" in outputs[0].stdout
+
+
+def test_a_postgres_server_it_cannot_reach_is_named_by_the_argument_that_gave_it(tmp_path: Path) -> None:
+    """The fix names STORE (or --db for demo), not the Python class a library user would pass it to."""
+    url = f"postgresql://postgres:hunter2@127.0.0.1:{free_port()}/test"
+    listed = cli("threads", url)
+    demo = cli("demo", "--db", url, "--steps", "3")
+    assert listed.returncode == 1 and demo.returncode == 1
+    assert "cannot connect to PostgreSQL" in listed.stderr
+    assert "pass STORE the URL of one that does" in listed.stderr
+    assert "pass --db the URL of one that does" in demo.stderr
+    for result in (listed, demo):
+        assert "PostgresStore" not in result.stderr and "hunter2" not in result.stderr
 
 
 @pytest.mark.parametrize(

@@ -117,15 +117,21 @@ def _echo_problems(problems: _Problems, *, besides: str = "", url: str | None = 
         click.echo(_hidden(line, url), err=True)
 
 
-def _run(fn: Callable[[], Awaitable[T]], *, url: str | None = None) -> T:
+def _run(fn: Callable[[], Awaitable[T]], *, url: str | None = None, store_flag: str = "STORE") -> T:
     """Run a coroutine, turning contextfold's errors into one line and exit status 1.
 
     ``url`` is the store's: its password is masked wherever an error quotes it.
+    ``store_flag`` is the argument that named it, which a hint then names.
     """
     try:
         return anyio.run(fn)
     except ContextfoldError as exc:
-        raise click.ClickException(_hidden(_cli_words(str(exc)), url)) from None
+        text = _cli_words(str(exc)).replace(_POSTGRES_HINT, f"pass {store_flag} the URL of one that does")
+        raise click.ClickException(_hidden(text, url)) from None
+
+
+_POSTGRES_HINT = "pass PostgresStore the DSN of one that does"
+"""How ``PostgresStore`` words the fix for a server it cannot reach, in its Python terms."""
 
 
 def _hidden(text: str, url: str | None) -> str:
@@ -423,15 +429,23 @@ def demo(
                     stop=give_up,
                 )
 
-    with _collect_problems() as problems:
-        stats = _run(session, url=db)
-    _echo_problems(problems, url=db)
-    if give_up(stats):
+    try:
+        with _collect_problems() as problems:
+            stats = _run(session, url=db, store_flag="--db")
+        _echo_problems(problems, url=db)
+        if give_up(stats):
+            raise click.ClickException(
+                f"the first summary fell back to the offline summarizer because {_describe(chosen)} "
+                f"failed (see the warning above); stopped after {stats.requests} of {steps} steps. Check "
+                "that the server is up at --base-url, the --model name and --api-key"
+            )
+    except click.ClickException as exc:
+        if not temporary:
+            raise
+        # The temporary file is named wherever the demo ends, so none is left behind unknown.
         raise click.ClickException(
-            f"the first summary fell back to the offline summarizer because {_describe(chosen)} "
-            f"failed (see the warning above); stopped after {stats.requests} of {steps} steps. Check that "
-            "the server is up at --base-url, the --model name and --api-key"
-        )
+            f"{exc.message}. What it wrote is in {db} (a temporary file: delete it when done)"
+        ) from None
     Console().print(_summary_table(stats, thread, redact_url(db)))
     click.echo(f"inspect it: contextfold inspect {redact_url(db)} {thread}")
     if plot is not None:
