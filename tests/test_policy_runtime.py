@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 import pytest
 
@@ -29,10 +29,11 @@ from contextfold import (
     conversation,
 )
 from contextfold import _tokens as tokens_module
-from contextfold._compactor import ABANDONED_METADATA_KEY, LATE_RESULT_METADATA_KEY
-from contextfold._policy import MessageCount, Reason
+from contextfold._compactor import ABANDONED_METADATA_KEY, LATE_RESULT_METADATA_KEY, CompactionResult
+from contextfold._policy import MessageCount, Pressure, Reason, Trigger
 from contextfold._strategies import MASKED_METADATA_KEY, group_units
-from contextfold.episodes import UserMessageEpisode
+from contextfold.episodes import SummaryCheckpoint, UserMessageEpisode
+from contextfold.events import FoldApplied
 from contextfold.planning import AllOf, EpisodicPolicy
 from contextfold.stores import MemoryStore, SQLiteStore
 from contextfold.summarizers import FunctionSummarizer
@@ -92,6 +93,45 @@ async def test_a_turn_trigger_with_a_sliding_window_folds_to_the_window(store: A
     assert context[0].is_summary
     assert [m.metadata.get("n") for m in context[1:]] == ["u3", "a3", "r3"]
     assert "u0" in context[0].text and "r2" in context[0].text
+
+
+class AfterTwoTurns(Trigger):
+    """A trigger of a user's own, naming its reason with a string of its own."""
+
+    def reason(self, pressure: Pressure) -> str | None:
+        return "after_two_turns" if pressure.turns > 2 else None
+
+
+@pytest.mark.parametrize("custom", [False, True], ids=["built-in", "custom"])
+async def test_a_folds_reason_is_typed_with_its_stable_name_and_reads_back_as_it(
+    store: Any, custom: bool
+) -> None:
+    """A built-in trigger's reason is a ``Reason`` in the result and in the checkpoint read back from the
+    log; a custom trigger's own name is kept as given. The public fields are typed ``Reason | str``.
+    """
+    trigger = AfterTwoTurns() if custom else TurnCount(2)
+    compactor = Compactor(
+        store, trigger=trigger, strategy=SlidingWindow(1), summarizer=counting_summarizer(),
+        counter=ApproximateCounter(),
+    )  # fmt: skip
+    for n in range(3):
+        await compactor.append(THREAD, tool_turn(n, size=2))
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.compacted
+    expected = "after_two_turns" if custom else Reason.TURN_COUNT
+    episodes = [record.episode async for record in store.replay(THREAD)]
+    (checkpoint,) = [episode for episode in episodes if isinstance(episode, SummaryCheckpoint)]
+    for reason in (result.reason, checkpoint.trigger):
+        assert reason == expected
+        assert type(reason) is (str if custom else Reason)
+    context = await compactor.context(THREAD)
+    assert context[0].is_summary and [m.metadata.get("n") for m in context[1:]] == ["u2", "a2", "r2"]
+    for hint in (
+        get_type_hints(CompactionResult)["reason"],
+        get_type_hints(FoldApplied)["reason"],
+        SummaryCheckpoint.model_fields["trigger"].annotation,
+    ):
+        assert set(get_args(hint)) == {Reason, str}
 
 
 async def test_a_message_count_trigger_folds(store: Any) -> None:

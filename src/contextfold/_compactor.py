@@ -139,8 +139,8 @@ class CompactionResult:
     """What one compaction did, or why it could not make progress."""
 
     thread: str
-    reason: str
-    """A :class:`Reason` value for every built-in trigger."""
+    reason: Reason | str
+    """A :class:`Reason` for every built-in trigger; a custom trigger's own name otherwise."""
     dropped_messages: int
     dropped_turns: int
     tokens_before: int

@@ -11,9 +11,10 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from ._messages import Message, Role, ToolCall
+from ._policy import Reason, known_reason
 from ._trusted import trusted
 
 __all__ = [
@@ -107,7 +108,8 @@ class SummaryCheckpoint(_Frozen):
     """A compaction folded short-term messages ``from_seq..through_seq`` into ``summary``."""
 
     kind: Literal["summary_checkpoint"] = "summary_checkpoint"
-    trigger: str
+    trigger: Annotated[Reason | str, BeforeValidator(known_reason)]
+    """Why the fold happened: a :class:`Reason` for every built-in trigger, else a custom trigger's name."""
     from_seq: int
     through_seq: int
     summary: str
@@ -127,7 +129,7 @@ class ManualRecoveryBoundary(_Frozen):
     """An operator's clean-slate boundary; never written automatically."""
 
     kind: Literal["manual_recovery"] = "manual_recovery"
-    reason: str = "manual_recovery"
+    reason: Annotated[Reason | str, BeforeValidator(known_reason)] = Reason.MANUAL_RECOVERY
     through_seq: int | None = None
 
 

@@ -39,6 +39,7 @@ from typing import ClassVar, Literal, Protocol, TypeAlias, runtime_checkable
 
 from ._episodes import Usage
 from ._errors import ConfigError
+from ._policy import Reason
 
 __all__ = [
     "LOG_KEYS",
@@ -85,8 +86,9 @@ class _EventFields:
     _level: ClassVar[int]
 
     thread: str
-    reason: str
-    """The trigger that fired (``token_count``, ``context_pressure``, ``manual``, ...)."""
+    reason: Reason | str
+    """The trigger that fired: a :class:`Reason` (``token_count``, ``context_pressure``, ``manual``, ...)
+    for every built-in trigger, a custom trigger's own name otherwise."""
     tokens_before: int
     """Tokens of the working context when the fold read it, plus what the compactor saw appended
     while its summary ran (a background summary runs while the agent works): the context the fold

@@ -34,7 +34,11 @@ __all__ = [
 
 
 class Reason(StrEnum):
-    """The stable name of why a fold happened, as results, checkpoints and events carry it."""
+    """The stable name of why a fold happened, as results, checkpoints and events carry it.
+
+    Those fields are typed ``Reason | str``: a :class:`Trigger` of your own may
+    name its reason with a string of its own, kept as given.
+    """
 
     TOKEN_COUNT = "token_count"
     TURN_COUNT = "turn_count"
@@ -44,6 +48,16 @@ class Reason(StrEnum):
     AGE_AND_TURNS = "age_and_turns"
     MANUAL = "manual"
     MANUAL_RECOVERY = "manual_recovery"
+
+
+def known_reason(value: object) -> object:
+    """A built-in reason's name as its :class:`Reason`; anything else as given (a checkpoint's validator)."""
+    if type(value) is str:
+        try:
+            return Reason(value)
+        except ValueError:  # a custom trigger's own name
+            pass
+    return value
 
 
 TOKEN_REASONS = frozenset({Reason.TOKEN_COUNT, Reason.CONTEXT_PRESSURE})
@@ -280,8 +294,12 @@ class Trigger(ABC):
     """Decides whether a :class:`Pressure` warrants compaction."""
 
     @abstractmethod
-    def reason(self, pressure: Pressure) -> str | None:
-        """The stable name of why this trigger fires, or ``None`` when it does not."""
+    def reason(self, pressure: Pressure) -> Reason | str | None:
+        """Why this trigger fires, or ``None`` when it does not.
+
+        A :class:`Reason` for every built-in trigger; a trigger of your own may
+        name its reason with any string (it is written to the checkpoint as given).
+        """
 
     def fires(self, pressure: Pressure) -> bool:
         return self.reason(pressure) is not None
@@ -306,7 +324,7 @@ class TurnCount(Trigger):
     def __post_init__(self) -> None:
         _whole_number("TurnCount.limit", self.limit, "TurnCount(50)")
 
-    def reason(self, pressure: Pressure) -> str | None:
+    def reason(self, pressure: Pressure) -> Reason | str | None:
         return Reason.TURN_COUNT if pressure.turns > self.limit else None
 
 
@@ -319,7 +337,7 @@ class MessageCount(Trigger):
     def __post_init__(self) -> None:
         _whole_number("MessageCount.limit", self.limit, "MessageCount(100)")
 
-    def reason(self, pressure: Pressure) -> str | None:
+    def reason(self, pressure: Pressure) -> Reason | str | None:
         return Reason.MESSAGE_COUNT if pressure.message_count > self.limit else None
 
 
@@ -337,7 +355,7 @@ class TokenCount(Trigger):
         """Fire above ``fraction`` of a model's ``context_window``."""
         return cls(fraction_of_window(context_window, fraction))
 
-    def reason(self, pressure: Pressure) -> str | None:
+    def reason(self, pressure: Pressure) -> Reason | str | None:
         if pressure.tokens <= 0:
             return None
         return Reason.TOKEN_COUNT if pressure.tokens > self.limit else None
@@ -367,7 +385,7 @@ class _Combined(Trigger):
 class AnyOf(_Combined):
     """Fires when any trigger fires; the reason is the first one's that fires."""
 
-    def reason(self, pressure: Pressure) -> str | None:
+    def reason(self, pressure: Pressure) -> Reason | str | None:
         for trigger in self.triggers:
             found = trigger.reason(pressure)
             if found is not None:
@@ -378,7 +396,7 @@ class AnyOf(_Combined):
 class AllOf(_Combined):
     """Fires when every trigger fires; the reason is the first one's."""
 
-    def reason(self, pressure: Pressure) -> str | None:
+    def reason(self, pressure: Pressure) -> Reason | str | None:
         reasons = [trigger.reason(pressure) for trigger in self.triggers]
         if any(r is None for r in reasons):
             return None
@@ -412,7 +430,7 @@ class EpisodicPolicy(Trigger):
                 value=given,
             )
 
-    def reason(self, pressure: Pressure) -> str | None:
+    def reason(self, pressure: Pressure) -> Reason | str | None:
         base = pressure.episodic or EpisodicCompactionPressure()
         observed = EpisodicCompactionPressure(
             estimated_context_tokens=pressure.tokens or base.estimated_context_tokens,

@@ -27,7 +27,7 @@ from typing import ClassVar, Literal
 
 from ._errors import ConfigError
 from ._messages import Message, Role, ToolCall
-from ._policy import TOKEN_REASONS, EpisodicCompactionPressure, Pressure, Trigger
+from ._policy import TOKEN_REASONS, EpisodicCompactionPressure, Pressure, Reason, Trigger
 from ._tokens import ApproximateCounter, json_text
 
 __all__ = [
@@ -425,7 +425,7 @@ class CompactionPlan:
     previous_summary: Message | None
     dropped: tuple[Message, ...]
     kept: tuple[Message, ...]
-    reason: str | None = None
+    reason: Reason | str | None = None
     dropped_turns: int = 0
     kept_turns: int = 0
     masked: int = 0
