@@ -232,6 +232,68 @@ async def test_leaving_the_compactor_cancels_the_background_summary_and_writes_n
     assert result is not None and result.compacted
 
 
+class SlowFold(MemoryStore):
+    """A store whose fold takes a while: the owner closes while the fold is being written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.folding = anyio.Event()
+
+    async def fold(self, thread: str, **fields: Any) -> Any:
+        self.folding.set()
+        await anyio.sleep(0.2)
+        return await super().fold(thread, **fields)
+
+
+async def test_closing_while_a_background_fold_is_written_tells_every_subscriber_it_was_applied() -> None:
+    """The fold is written whole, and its BackgroundSummaryApplied reaches every subscriber once, an async
+    one that awaits included, and the fold counter of OpenTelemetry, which subscribes last.
+    """
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from contextfold.events import Telemetry
+
+    reader = InMemoryMetricReader()
+    meters = MeterProvider(metric_readers=[reader])
+    heard: list[str] = []
+    awaited: list[str] = []
+
+    async def forwards(event: CompactionEvent) -> None:  # hands events on, say to a queue
+        await anyio.lowlevel.checkpoint()
+        awaited.append(event.name)
+
+    summarizer = SlowSummarizer(0)
+    summarizer.gate = anyio.Event()
+    async with SlowFold() as store:
+        compactor = Compactor(
+            store, options=options(), summarizer=summarizer, counter=ApproximateCounter(),
+            subscribers=[forwards, lambda event: heard.append(event.name)],
+            telemetry=Telemetry.create(meter_provider=meters),
+        )  # fmt: skip
+        async with compactor:
+            await grow_until_started(compactor, summarizer.started)
+            summarizer.gate.set()
+            with anyio.fail_after(10):
+                await store.folding.wait()  # closed while the fold is being written
+        assert (await store.load(THREAD)).plain[0].is_summary
+        assert [r.episode.kind async for r in store.replay(THREAD)].count("summary_checkpoint") == 1
+        result = await compactor.maybe_compact(THREAD)
+        assert result is not None and result.background and result.compacted
+    names = [BackgroundSummaryStarted.name, BackgroundSummaryApplied.name]
+    assert awaited == names and heard == names
+    folds = [
+        point.value
+        for metrics in reader.get_metrics_data().resource_metrics
+        for scope in metrics.scope_metrics
+        for metric in scope.metrics
+        if metric.name == "contextfold.folds"
+        for point in metric.data.data_points
+    ]
+    meters.shutdown()
+    assert sum(folds) == 1
+
+
 async def test_background_at_without_entering_the_compactor_folds_in_the_step(
     store: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

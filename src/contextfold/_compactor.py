@@ -1840,8 +1840,12 @@ class Compactor:
         The summary is paid for: the write is shielded from cancellation, so a
         cancelled caller does not throw it away (the next fold would send the
         same messages again), and the cancellation is raised at the next
-        checkpoint. The subscribers are not shielded: a slow one cannot make
-        the fold impossible to cancel.
+        checkpoint. A step's subscribers are not shielded: a slow one cannot
+        make its fold impossible to cancel. A background fold's are, as its
+        discard on closing is: every ``BackgroundSummaryStarted`` is followed
+        by one ``BackgroundSummaryApplied`` or ``BackgroundSummaryDiscarded``
+        for every subscriber, also when the owner closes while the fold is
+        written.
 
         The result's tokens are the context just before and just after the
         write, as this compactor knows it: what was appended while the summary
@@ -1889,7 +1893,8 @@ class Compactor:
                     usage=usage,
                     duration_s=elapsed,
                 )
-            await self._emit(lost)
+            with anyio.CancelScope(shield=background is not None):
+                await self._emit(lost)
             return None
         self._backoff.pop(thread, None)
         linked = checkpoint_seq if self._store is not None else None  # replace_prefix links nothing
@@ -1945,7 +1950,8 @@ class Compactor:
             event = BackgroundSummaryApplied(**figures, waited_s=waited)
         else:
             event = FoldApplied(**figures)
-        await self._emit(event)
+        with anyio.CancelScope(shield=background is not None):
+            await self._emit(event)
         return result
 
     def _appended_since(self, prepared: _Prepared) -> int:
