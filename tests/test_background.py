@@ -27,6 +27,7 @@ from contextfold import (
 from contextfold.episodes import SummaryCheckpoint
 from contextfold.events import (
     BackgroundSummaryApplied,
+    BackgroundSummaryDiscarded,
     BackgroundSummaryStarted,
     CompactionEvent,
     FoldApplied,
@@ -292,6 +293,37 @@ async def test_closing_while_a_background_fold_is_written_tells_every_subscriber
     ]
     meters.shutdown()
     assert sum(folds) == 1
+
+
+async def test_closing_while_a_subscriber_hears_the_start_still_pairs_it_with_its_end_for_everyone() -> None:
+    """Closed while an async subscriber is handed BackgroundSummaryStarted: every subscriber hears the
+    start, then the discard; none hears an end without its start.
+    """
+    hearing = anyio.Event()
+    heard: list[str] = []
+
+    async def slow(event: CompactionEvent) -> None:
+        if isinstance(event, BackgroundSummaryStarted):
+            hearing.set()
+            await anyio.sleep(0.1)
+
+    summarizer = SlowSummarizer(0)
+    summarizer.gate = anyio.Event()  # never opened: closing ends the summary
+    async with MemoryStore() as store:
+        compactor = Compactor(
+            store, options=options(), summarizer=summarizer, counter=ApproximateCounter(),
+            subscribers=[slow, lambda event: heard.append(event.name)],
+        )  # fmt: skip
+        async with compactor:
+            with anyio.fail_after(10):
+                n = 0
+                while not hearing.is_set():
+                    await compactor.append(THREAD, turn(n))
+                    n += 1
+                    await compactor.maybe_compact(THREAD)
+                    await anyio.lowlevel.checkpoint()
+        assert await store.latest_checkpoint(THREAD) is None
+    assert heard == [BackgroundSummaryStarted.name, BackgroundSummaryDiscarded.name]
 
 
 async def test_background_at_without_entering_the_compactor_folds_in_the_step(

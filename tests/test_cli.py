@@ -7,10 +7,12 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -287,9 +289,36 @@ def test_demo_without_db_that_stops_early_names_its_temporary_file(tmp_path: Pat
     left = list(tmp_path.iterdir())
     assert len(left) == 1 and left[0].name.startswith("contextfold-demo-"), left
     last = result.stderr.strip().splitlines()[-1]
-    assert "stopped after" in last and f"What it wrote is in {left[0]}" in last
+    assert "stopped after" in last
+    assert last.endswith(f"; its store is the temporary file {left[0]}: delete it when done")
     kinds = [r.episode.kind for r in await_records(left[0], thread_of(left[0]))]
     assert kinds.count("summary_checkpoint") == 1
+
+
+def test_demo_without_db_stopped_by_ctrl_c_names_its_temporary_file(
+    tmp_path: Path, httpserver: HTTPServer
+) -> None:
+    """Ctrl-C while the first summary is on its way: demo says where its temporary store is."""
+    asked = threading.Event()
+
+    def hangs(request: Request) -> Response:
+        asked.set()
+        time.sleep(5)
+        return chat_reply("late")
+
+    serve(httpserver, hangs)
+    env = {**os.environ, "COLUMNS": "1000", "NO_COLOR": "1", "TMPDIR": str(tmp_path)}
+    demo = subprocess.Popen(
+        [str(COMMAND), "demo", "--summarizer", "openai", "--model", "m", "--api-key", "k",
+         "--base-url", httpserver.url_for("/v1")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    assert asked.wait(60)
+    demo.send_signal(signal.SIGINT)
+    _, stderr = demo.communicate(timeout=30)
+    assert demo.returncode != 0
+    (left,) = tmp_path.iterdir()
+    assert f"contextfold demo: its store is the temporary file {left}: delete it when done" in stderr
 
 
 def thread_of(db: Path) -> str:

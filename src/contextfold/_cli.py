@@ -439,13 +439,17 @@ def demo(
                 f"failed (see the warning above); stopped after {stats.requests} of {steps} steps. Check "
                 "that the server is up at --base-url, the --model name and --api-key"
             )
-    except click.ClickException as exc:
+    except BaseException as exc:
         if not temporary:
             raise
-        # The temporary file is named wherever the demo ends, so none is left behind unknown.
-        raise click.ClickException(
-            f"{exc.message}. What it wrote is in {db} (a temporary file: delete it when done)"
-        ) from None
+        # The temporary file is named however the demo ends, so none is left behind unknown.
+        note = f"its store is the temporary file {db}: delete it when done"
+        if not isinstance(exc, click.ClickException):  # Ctrl-C, or a bug's traceback
+            click.echo(f"contextfold demo: {note}", err=True)
+            raise
+        if db in exc.message:
+            raise
+        raise click.ClickException(f"{exc.message.rstrip('.')}; {note}") from None
     Console().print(_summary_table(stats, thread, redact_url(db)))
     click.echo(f"inspect it: contextfold inspect {redact_url(db)} {thread}")
     if plot is not None:

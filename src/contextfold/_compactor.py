@@ -753,6 +753,9 @@ class Compactor:
     async def aclose(self) -> None:
         """Cancel background summaries and wait for them; the stores stay open (they are yours).
 
+        A background fold already being written is finished first, and its
+        events reach every subscriber: a subscriber that never returns keeps
+        this waiting (subscribers are to be cheap, see ``EventDispatcher``).
         Until it is entered again, the compactor folds in the step.
         """
         group, self._task_group = self._task_group, None
@@ -2444,7 +2447,8 @@ class Compactor:
             summarizer_model=model,
             through_seq=through_seq,
         )
-        await self._emit(job.begun)
+        with anyio.CancelScope(shield=True):  # every subscriber that hears the end heard the start
+            await self._emit(job.begun)
 
     async def _discard_background(self, job: _Background, cause: DiscardCause, *, error: str = "") -> None:
         """Say that the background summary that began is thrown away; once, and only if it began."""
