@@ -9,6 +9,7 @@ caller never gave, no pair of errors that send the caller back and forth.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -278,6 +279,50 @@ def test_a_tool_call_that_can_never_be_abandoned_is_refused(build: Any) -> None:
     )
     timed = SummarizeOptions(trigger_token_budget=2000, abandon_after_turns=None, abandon_after_seconds=600)
     assert timed.abandon_after_turns is None and timed.abandon_after_seconds == 600
+
+
+@pytest.mark.parametrize("never", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("turns", [8, None], ids=["with-turns", "time-only"])
+def test_abandon_after_seconds_that_never_comes_is_refused_naming_the_fix(
+    never: float, turns: int | None
+) -> None:
+    """An infinite (or NaN) abandon_after_seconds is "never": refused, as None with no turns is.
+
+    Before, math.inf was accepted, also beside abandon_after_turns=None: a call
+    that never got its result then blocked every fold for good.
+    """
+    with pytest.raises(ConfigError) as caught:
+        SummarizeOptions(trigger_token_budget=2000, abandon_after_turns=turns, abandon_after_seconds=never)
+    assert caught.value.key == "compaction.abandon_after_seconds"
+    assert "for example 600, or None (the default) to abandon by turns only" in str(caught.value)
+    if math.isinf(never):
+        assert "is infinite; it must be a finite number above 0" in str(caught.value)
+    fixed = SummarizeOptions(trigger_token_budget=2000, abandon_after_turns=turns, abandon_after_seconds=600)
+    assert fixed.abandon_after_seconds == 600
+
+
+@pytest.mark.parametrize(("budget", "limit", "least"), [(0, 100_000, 25_000), (-5, None, 32_000)])
+def test_a_zero_budget_in_run_options_names_the_smallest_budget_they_take(
+    budget: int, limit: int | None, least: int
+) -> None:
+    """Given with max_history_tokens, a budget of 0 or below is told the smallest one the window rule takes.
+
+    Before: "use a budget of at least 4, for example 8000", both of which the
+    window rule then refused at max_history_tokens = 100,000.
+    """
+    given: dict[str, Any] = {"compaction": {"trigger_token_budget": budget}}
+    if limit is not None:
+        given["max_history_tokens"] = limit
+    with pytest.raises(ConfigError) as caught:
+        RunOptions(**given)
+    assert caught.value.key == "compaction.trigger_token_budget" and caught.value.value == budget
+    assert f"a budget from {least} (max_history_tokens = {limit or 128_000} / 4, rounded up)" in str(
+        caught.value
+    )
+    fixed = RunOptions(**{**given, "compaction": {"trigger_token_budget": least}})
+    assert fixed.compaction is not None and fixed.compaction.trigger_token_budget == least
+    with pytest.raises(ConfigError, match="is below max_history_tokens"):
+        RunOptions(**{**given, "compaction": {"trigger_token_budget": least - 1}})
 
 
 def build_with_short_summaries(trigger: Any, strategy: Any) -> Compactor:

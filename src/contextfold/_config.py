@@ -181,7 +181,9 @@ def _config_error(exc: ValidationError, cls: type[_Options]) -> ConfigError:
     return ConfigError(path, reason, value=given)
 
 
-_RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal"})
+_RANGE_ERRORS = frozenset(
+    {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"}
+)
 
 
 def _range_reason(cls: type[_Options], name: str, given: Any) -> str:
@@ -200,6 +202,8 @@ def _range_reason(cls: type[_Options], name: str, given: Any) -> str:
         example = f"{field.default!r} (the default)" if field.default is not None else "None (the default)"
     if isinstance(given, float) and math.isnan(given):
         return f"is not a number; it must be {allowed}, for example {example}"
+    if isinstance(given, float) and math.isinf(given):  # "never" is a None where a field takes one
+        return f"is infinite; it must be a finite {allowed.removeprefix('a ')}, for example {example}"
     return f"must be {allowed}, for example {example}"
 
 
@@ -255,7 +259,7 @@ class SummarizeOptions(_Options):
     on_summarizer_error: OnSummarizerError = "fallback"
     max_tool_output_tokens: int | None = Field(default=None, gt=0, strict=True)
     abandon_after_turns: int | None = Field(default=8, gt=0, strict=True)
-    abandon_after_seconds: float | None = Field(default=None, gt=0, strict=True)
+    abandon_after_seconds: float | None = Field(default=None, gt=0, allow_inf_nan=False, strict=True)
     background_at: float | None = Field(default=None, gt=0, lt=1, strict=True)
 
     @model_validator(mode="before")
@@ -443,6 +447,33 @@ class RunOptions(_Options):
 
     max_history_tokens: int = Field(default=128_000, gt=0, strict=True)
     compaction: SummarizeOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _budget_that_works_here(cls, data: Any) -> Any:
+        """A zero or negative budget given with these options: name the smallest one they take.
+
+        ``SummarizeOptions`` alone knows no ``max_history_tokens``, and the
+        budget it would suggest could break the window rule below.
+        """
+        if not isinstance(data, Mapping) or not isinstance(data.get("compaction"), Mapping):
+            return data
+        budget = data["compaction"].get("trigger_token_budget")
+        limit = data.get("max_history_tokens", cls.model_fields["max_history_tokens"].default)
+        if type(budget) is not int or budget > 0 or type(limit) is not int or limit <= 0:
+            return data  # not this case; the fields' own checks word anything else
+        least = max(_SMALLEST_BUDGET, -(-limit // WINDOW_MULTIPLE_OF_TRIGGER))
+        if least > limit:
+            return data  # no budget fits so small a limit: max_history_tokens's own check says so
+        given = "must be non-zero when compaction is enabled; disable it with "
+        given += "RunOptions.without_compaction() instead of setting a zero budget, or use"
+        raise ConfigError(
+            "compaction.trigger_token_budget",
+            (given if budget == 0 else "must be a positive token count; use")
+            + f" a budget from {least} (max_history_tokens = {limit} / {WINDOW_MULTIPLE_OF_TRIGGER}, "
+            f"rounded up) to {limit}, for example {min(max(least, 8000), limit)}",
+            value=budget,
+        )
 
     def _check(self) -> None:
         opts = self.compaction
