@@ -133,6 +133,53 @@ async def test_replay_streams_a_long_log_in_order(store: Any) -> None:
     assert [r.episode.message.text for r in back] == [f"m{n}" for n in range(700)]
 
 
+@pytest.mark.parametrize("forgetter", ["same-store", "another-store"])
+async def test_a_replay_running_when_its_thread_is_forgotten_ends_there(
+    open_store: Any, forgetter: str
+) -> None:
+    """A forget ends a replay that was running: it never goes on into the episodes recorded after it.
+
+    Before, on SQLite and PostgreSQL, the replay read on by seq into the new
+    log, whose seqs start over: old 1..256, then new 257..700 as one history.
+    """
+    store = await open_store()
+    other = await open_store() if forgetter == "another-store" else store
+    for n in range(600):
+        await store.record("t", said(f"old{n}"))
+    running = store.replay("t")
+    first = [await anext(running) for _ in range(3)]
+    await other.forget("t")
+    for n in range(700):
+        await store.record("t", said(f"new{n}"))
+    rest = [record async for record in running]
+    assert [r.episode.message.text for r in first] == ["old0", "old1", "old2"]
+    assert rest == []
+    assert [r.episode.message.text for r in await replayed(store, "t")] == [f"new{n}" for n in range(700)]
+
+
+async def test_a_replay_sees_a_forget_it_was_not_told_of_at_its_next_batch(
+    backend: str, store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forget by another process (no count in this one) ends a replay at its next batch, never later."""
+    from contextfold.stores import _postgres, _sqlite
+
+    for module in (_sqlite, _postgres):
+        monkeypatch.setattr(module, "forgot", lambda thread: None, raising=False)  # as if another process
+    for n in range(600):
+        await store.record("t", said(f"old{n}"))
+    running = store.replay("t")
+    first = await anext(running)
+    await store.forget("t")
+    for n in range(700):
+        await store.record("t", said(f"new{n}"))
+    rest = [record async for record in running]
+    texts = [r.episode.message.text for r in [first, *rest]]
+    assert all(text.startswith("old") for text in texts)
+    assert texts == [f"old{n}" for n in range(len(texts))]
+    # The read-ahead of the batch it was in at most (256 on SQLite, 500 on PostgreSQL), never the whole log.
+    assert len(texts) < 600 if backend != "memory" else len(texts) == 1
+
+
 async def test_the_api_has_no_way_to_change_the_log(store: Any) -> None:
     """The store offers no method that updates, deletes or rewrites episodes."""
     words = ("update", "delete", "remove", "truncate", "rewrite", "edit", "clear", "purge")

@@ -89,6 +89,8 @@ from ._rows import (
     encode_messages,
     encode_recording,
     end_write,
+    forgets_of,
+    forgot,
     missing_seq_conflict,
     off_loop_if_heavy,
     stored_message,
@@ -1434,18 +1436,38 @@ class PostgresStore(AsyncResource):
         """Episodes of ``thread`` with ``seq >= from_seq``, oldest first, read in batches.
 
         No connection is held between batches, so a slow consumer does not pin one.
+        A ``forget`` of the thread ends the replay: at its next batch (each
+        reads the thread's tombstones with its rows), and at its next episode
+        when this process forgot it. Its seqs start over, and a replay must
+        not splice the new log onto the old one.
         """
         check_thread(thread)
         after = check_from_seq(from_seq)
+        tombstones = "(SELECT count(*) FROM {s}.tombstones WHERE thread = %(thread)s)"
         query = self._q(
-            "SELECT seq, at, body FROM {s}.episodes WHERE thread = %s AND seq >= %s ORDER BY seq LIMIT %s"
+            f"SELECT seq, at, body, {tombstones} FROM {{s}}.episodes"
+            " WHERE thread = %(thread)s AND seq >= %(after)s ORDER BY seq LIMIT %(batch)s"
         )
+        forgotten: int | None = None  # the thread's tombstones when the replay began
         while True:
+            forgets = forgets_of(thread)
             async with self._connection("replay", thread) as conn:
-                cur = await conn.execute(query, (thread, after, _REPLAY_BATCH))
+                cur = await conn.execute(query, {"thread": thread, "after": after, "batch": _REPLAY_BATCH})
                 rows = await cur.fetchall()
+            count = rows[0][3] if rows else None
+            if forgotten is None:
+                forgotten = count
+            elif count != forgotten:
+                return  # forgotten since the last batch
             for row in rows:
-                yield self._episode(thread, row)
+                if forgets_of(thread) != forgets:  # a forget in this process since the batch was read
+                    forgets = forgets_of(thread)
+                    async with self._connection("replay", thread) as conn:
+                        cur = await conn.execute(self._q(f"SELECT {tombstones}"), {"thread": thread})
+                        (now,) = await cur.fetchone() or (None,)
+                    if now != forgotten:
+                        return
+                yield self._episode(thread, row[:3])
             if len(rows) < _REPLAY_BATCH:
                 return
             after = rows[-1][0] + 1
@@ -1528,6 +1550,7 @@ class PostgresStore(AsyncResource):
                 " WHERE thread = %(thread)s",
             ):
                 await conn.execute(self._q(statement), key)
+        forgot(thread)
         return Tombstone(thread=thread, forgotten_at=_as_utc(row[0]), messages=row[1], episodes=row[2])
 
     async def tombstones(self, thread: str) -> list[Tombstone]:

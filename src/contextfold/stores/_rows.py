@@ -226,6 +226,24 @@ _ended = [0] * _WRITE_SLOTS
 """Of those, the writes that ended (committed, failed or were cancelled)."""
 
 
+_forgets = [0] * _WRITE_SLOTS
+"""``forget`` calls this process committed, to the threads hashed to each slot (see ``forgets_of``)."""
+
+
+def forgot(thread: str) -> None:
+    """Count a committed ``forget`` of ``thread``: a replay of it running in the process checks its log."""
+    _forgets[hash(thread) % _WRITE_SLOTS] += 1
+
+
+def forgets_of(thread: str) -> int:
+    """How many forgets of ``thread``, or of a thread sharing its slot, this process committed.
+
+    A replay that sees this move asks the store whether its thread was
+    forgotten (a slot-mate's forget costs it that one read, never an episode).
+    """
+    return _forgets[hash(thread) % _WRITE_SLOTS]
+
+
 def begin_write(thread: str) -> int:
     """Count a write to ``thread``'s working context as begun; its slot, for ``end_write``."""
     slot = hash(thread) % _WRITE_SLOTS

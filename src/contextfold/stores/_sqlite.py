@@ -158,6 +158,8 @@ from ._rows import (
     encode_rows,
     end_write,
     fold_links,
+    forgets_of,
+    forgot,
     heavy_batch,
     missing_seq_conflict,
     stored_message,
@@ -179,6 +181,12 @@ _E = TypeVar("_E")
 _logger = logging.getLogger("contextfold")
 
 _REPLAY_BATCH = 256
+
+_TOMBSTONES_QUERY = "SELECT count(*) FROM tombstones WHERE thread = ?"
+
+_REPLAY_QUERY = f"""SELECT seq, at, body, ({_TOMBSTONES_QUERY.replace("?", "?1")}) FROM episodes
+WHERE thread = ?1 AND seq >= ?2 ORDER BY seq LIMIT ?3"""
+"""A batch of a replay, each row with the thread's tombstones as the batch read them (see ``replay``)."""
 
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: (
@@ -1818,19 +1826,36 @@ class SQLiteStore(AsyncResource):
         return EpisodeRecord(thread=thread, seq=seq, at=when, episode=episode)
 
     async def replay(self, thread: str, *, from_seq: int = 0) -> AsyncIterator[EpisodeRecord]:
+        """Episodes of ``thread`` with ``seq >= from_seq``, oldest first, read in batches.
+
+        A ``forget`` of the thread ends the replay: at its next batch (each
+        reads the thread's tombstones with its rows), and at its next episode
+        when this process forgot it. Its seqs start over, and a replay must
+        not splice the new log onto the old one.
+        """
         check_thread(thread)
         next_seq = check_from_seq(from_seq)
 
-        def batch(start: int, conn: sqlite3.Connection) -> list[EpisodeRecord]:
-            rows = conn.execute(
-                "SELECT seq, at, body FROM episodes WHERE thread = ? AND seq >= ? ORDER BY seq LIMIT ?",
-                (thread, start, _REPLAY_BATCH),
-            ).fetchall()
-            return [_episode_record(thread, *row) for row in rows]
+        def batch(start: int, conn: sqlite3.Connection) -> tuple[int | None, list[EpisodeRecord]]:
+            rows = conn.execute(_REPLAY_QUERY, (thread, start, _REPLAY_BATCH)).fetchall()
+            return (rows[0][3] if rows else None), [_episode_record(thread, *row[:3]) for row in rows]
 
+        def tombstones(conn: sqlite3.Connection) -> int:
+            return int(conn.execute(_TOMBSTONES_QUERY, (thread,)).fetchone()[0])
+
+        forgotten: int | None = None  # the thread's tombstones when the replay began
         while True:
-            records = await self._read(partial(batch, next_seq))
+            forgets = forgets_of(thread)
+            count, records = await self._read(partial(batch, next_seq))
+            if forgotten is None:
+                forgotten = count
+            elif count != forgotten:
+                return  # forgotten since the last batch
             for record in records:
+                if forgets_of(thread) != forgets:  # a forget in this process since the batch was read
+                    forgets = forgets_of(thread)
+                    if await self._read(tombstones) != forgotten:
+                        return
                 yield record
             if len(records) < _REPLAY_BATCH:
                 return
@@ -2049,7 +2074,9 @@ class SQLiteStore(AsyncResource):
                 )
             return Tombstone(thread=thread, forgotten_at=when, messages=messages, episodes=episodes)
 
-        return await self._call(run)
+        tombstone = await self._call(run)
+        forgot(thread)
+        return tombstone
 
     async def tombstones(self, thread: str) -> list[Tombstone]:
         check_thread(thread)
