@@ -431,6 +431,35 @@ async def test_an_empty_user_and_password_in_base_url_send_no_basic_auth_and_kee
     assert not (script.requests[0].headers.get("authorization") or "").startswith("Basic")
 
 
+async def test_a_header_given_in_another_letter_case_replaces_the_built_in_one(
+    provider: Provider, script: Script, base_url: str
+) -> None:
+    """Header names are case-insensitive: one of each reaches the server. The API key's header wins over
+    one given in ``headers=``, and ``headers=`` wins over the provider's own defaults (anthropic-version).
+
+    Before, ``{"AUTHORIZATION": ...}`` beside an OpenAI key, or ``{"Anthropic-Version": ...}``, went out
+    twice, and which one a server or proxy read was undefined.
+    """
+    given = {provider.key_header.upper(): "other-key"}
+    if provider is ANTHROPIC:
+        given["Anthropic-Version"] = "2099-01-01"
+    script.then(reply_json(provider.reply("The summary.", 10, 3)))
+    async with provider.make(base_url, headers=given) as summarizer:
+        await summarizer.summarize(CONVERSATION, previous_summary=None, max_summary_tokens=300)
+    sent = script.requests[0].headers
+    assert provider.key_sent(script.requests[0]) == API_KEY  # one value, not two joined by a comma
+    if provider is ANTHROPIC:
+        assert sent["anthropic-version"] == "2099-01-01"
+
+
+def test_a_header_given_twice_in_different_letter_cases_is_refused(provider: Provider, base_url: str) -> None:
+    """``{"X-Team": ..., "x-team": ...}`` is one header given twice: refused when built, naming both."""
+    with pytest.raises(ConfigError) as caught:
+        provider.make(base_url, headers={"X-Team": "a", "x-team": "b"})
+    assert caught.value.key == "headers"
+    assert "'x-team' is given twice, also as 'X-Team'" in str(caught.value)
+
+
 async def test_a_client_with_its_own_auth_keeps_it_over_the_user_and_password_in_base_url(
     provider: Provider, script: Script, base_url: str
 ) -> None:

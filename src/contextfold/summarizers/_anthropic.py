@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from .._episodes import Usage
-from ._http import HTTPSummarizer
+from ._http import HTTPSummarizer, merged_headers
 from ._reply import Reply, Strict, TokenCount
 
 __all__ = ["AnthropicSummarizer"]
@@ -75,7 +75,7 @@ class AnthropicSummarizer(HTTPSummarizer):
         return f"{self.base_url}/v1/messages"
 
     def _headers(self) -> dict[str, str]:
-        return {"anthropic-version": ANTHROPIC_VERSION, **super()._headers()}
+        return merged_headers({"anthropic-version": ANTHROPIC_VERSION}, super()._headers())
 
     def _auth_headers(self, key: str) -> dict[str, str]:
         return {"x-api-key": key}

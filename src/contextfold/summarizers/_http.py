@@ -104,8 +104,28 @@ def _checked_headers(headers: object) -> dict[str, str]:
                 f"header {name!r} {fault}, which an HTTP header cannot carry ({_NOT_SHOWN}); "
                 "check it for a stray newline or space, and percent-encode any non-ASCII text",
             )
+        twin = next((given for given in checked if given.lower() == name.lower()), None)
+        if twin is not None:
+            raise ConfigError(
+                "headers",
+                f"header {name!r} is given twice, also as {twin!r}: header names are the same in any "
+                "letter case; keep one of them",
+            )
         checked[name] = value
     return checked
+
+
+def merged_headers(*layers: Mapping[str, str]) -> dict[str, str]:
+    """The headers of ``layers``: a later layer's header replaces an earlier one's of that name in any case.
+
+    HTTP header names are case-insensitive; merged as plain dicts, ``Authorization``
+    and ``authorization`` would both be sent, and which one a server reads is undefined.
+    """
+    merged: dict[str, tuple[str, str]] = {}
+    for layer in layers:
+        for name, value in layer.items():
+            merged[name.lower()] = (name, value)
+    return dict(merged.values())
 
 
 def _checked_body(extra_body: object) -> dict[str, Any]:
@@ -343,10 +363,10 @@ class HTTPSummarizer(ChatSummarizer):
     # HTTP ---------------------------------------------------------------
 
     def _headers(self) -> dict[str, str]:
-        headers = dict(self._extra_headers)
-        if self._api_key is not None:
-            headers.update(self._auth_headers(self._api_key.get_secret_value()))
-        return headers
+        """The request's headers: ``headers=``, then the API key's, which replaces one of its name."""
+        if self._api_key is None:
+            return dict(self._extra_headers)
+        return merged_headers(self._extra_headers, self._auth_headers(self._api_key.get_secret_value()))
 
     def _redact(self, text: str) -> str:
         secret = self._api_key.get_secret_value() if self._api_key is not None else ""
