@@ -325,6 +325,22 @@ def test_a_zero_budget_in_run_options_names_the_smallest_budget_they_take(
         RunOptions(**{**given, "compaction": {"trigger_token_budget": least - 1}})
 
 
+def test_a_zero_budget_beside_another_mistake_leaves_that_mistake_named_first() -> None:
+    """The smallest-budget hint never hides an unknown or renamed option beside the zero budget, names
+    no formula that did not make its number, and names only a budget the options then take.
+    """
+    with pytest.raises(ConfigError) as caught:
+        RunOptions(compaction={"trigger_token_budget": 0, "tigger": 3})
+    assert caught.value.key == "compaction.tigger"
+    with pytest.raises(ConfigError) as caught:
+        RunOptions(compaction={"trigger_token_budget": 0, "keep_recent_messages": 3})
+    assert caught.value.key == "compaction.keep_recent_messages"
+    with pytest.raises(ConfigError) as caught:
+        RunOptions(max_history_tokens=8, compaction={"trigger_token_budget": 0})
+    assert str(caught.value).endswith("use a budget from 4 to 8, for example 8")
+    assert RunOptions(max_history_tokens=8, compaction={"trigger_token_budget": 8}).compaction is not None
+
+
 def build_with_short_summaries(trigger: Any, strategy: Any) -> Compactor:
     return Compactor(
         MemoryStore(),

@@ -454,26 +454,42 @@ class RunOptions(_Options):
         """A zero or negative budget given with these options: name the smallest one they take.
 
         ``SummarizeOptions`` alone knows no ``max_history_tokens``, and the
-        budget it would suggest could break the window rule below.
+        budget it would suggest could break the window rule below. Only a
+        budget the options are then checked to take is named; anything else
+        (an unknown option beside it, say) is left to the usual checks.
         """
         if not isinstance(data, Mapping) or not isinstance(data.get("compaction"), Mapping):
             return data
-        budget = data["compaction"].get("trigger_token_budget")
+        compaction = data["compaction"]
+        budget = compaction.get("trigger_token_budget")
         limit = data.get("max_history_tokens", cls.model_fields["max_history_tokens"].default)
         if type(budget) is not int or budget > 0 or type(limit) is not int or limit <= 0:
             return data  # not this case; the fields' own checks word anything else
-        least = max(_SMALLEST_BUDGET, -(-limit // WINDOW_MULTIPLE_OF_TRIGGER))
-        if least > limit:
-            return data  # no budget fits so small a limit: max_history_tokens's own check says so
+        quarter = -(-limit // WINDOW_MULTIPLE_OF_TRIGGER)
+        least = max(_SMALLEST_BUDGET, quarter)
+        example = min(max(least, 8000), limit)
+        taken = [n for n in dict.fromkeys((example, least)) if cls._takes(data, n)]
+        if not taken:
+            return data
+        why = f"max_history_tokens = {limit} / {WINDOW_MULTIPLE_OF_TRIGGER}, rounded up"
         given = "must be non-zero when compaction is enabled; disable it with "
         given += "RunOptions.without_compaction() instead of setting a zero budget, or use"
         raise ConfigError(
             "compaction.trigger_token_budget",
             (given if budget == 0 else "must be a positive token count; use")
-            + f" a budget from {least} (max_history_tokens = {limit} / {WINDOW_MULTIPLE_OF_TRIGGER}, "
-            f"rounded up) to {limit}, for example {min(max(least, 8000), limit)}",
+            + f" a budget from {least}{f' ({why})' if least == quarter else ''} to {limit}, "
+            f"for example {taken[0]}",
             value=budget,
         )
+
+    @classmethod
+    def _takes(cls, data: Mapping[str, Any], budget: int) -> bool:
+        """Whether the options ``data`` holds are valid with ``budget`` as the trigger's."""
+        try:
+            cls.model_validate({**data, "compaction": {**data["compaction"], "trigger_token_budget": budget}})
+        except ConfigError:
+            return False
+        return True
 
     def _check(self) -> None:
         opts = self.compaction
