@@ -126,12 +126,7 @@ def _run(fn: Callable[[], Awaitable[T]], *, url: str | None = None, store_flag: 
     try:
         return anyio.run(fn)
     except ContextfoldError as exc:
-        text = _cli_words(str(exc)).replace(_POSTGRES_HINT, f"pass {store_flag} the URL of one that does")
-        raise click.ClickException(_hidden(text, url)) from None
-
-
-_POSTGRES_HINT = "pass PostgresStore the DSN of one that does"
-"""How ``PostgresStore`` words the fix for a server it cannot reach, in its Python terms."""
+        raise click.ClickException(_hidden(_cli_words(str(exc), store_flag), url)) from None
 
 
 def _hidden(text: str, url: str | None) -> str:
@@ -149,10 +144,17 @@ def _passwords(url: str) -> set[str]:
     return {secret for secret in url_passwords(url) if len(secret) >= _SHORTEST_SECRET}
 
 
-def _cli_words(text: str) -> str:
-    """A library message with its keyword arguments named as this command's flags."""
-    for keyword, flag in (("api_key=...", "--api-key"), ("base_url", "--base-url")):
-        text = text.replace(keyword, flag)
+def _cli_words(text: str, store_flag: str = "STORE") -> str:
+    """A library message with its keyword arguments named as this command's flags.
+
+    ``store_flag`` is the argument that named the store (``STORE``, or ``--db`` for demo).
+    """
+    for words, flag in (
+        ("api_key=...", "--api-key"),
+        ("base_url", "--base-url"),
+        ("pass PostgresStore the DSN", f"pass {store_flag} the URL"),  # a server it cannot reach
+    ):
+        text = text.replace(words, flag)
     return text
 
 

@@ -89,7 +89,6 @@ from ._rows import (
     encode_messages,
     encode_recording,
     end_write,
-    forgets_of,
     forgot,
     missing_seq_conflict,
     off_loop_if_heavy,
@@ -97,6 +96,7 @@ from ._rows import (
     summary_index,
     tail_from,
     trusted,
+    until_forgotten,
     utc,
     version_conflict,
 )
@@ -1442,35 +1442,30 @@ class PostgresStore(AsyncResource):
         not splice the new log onto the old one.
         """
         check_thread(thread)
-        after = check_from_seq(from_seq)
-        tombstones = "(SELECT count(*) FROM {s}.tombstones WHERE thread = %(thread)s)"
+        first = check_from_seq(from_seq)
+        count = "(SELECT count(*) FROM {s}.tombstones WHERE thread = %(thread)s)"
         query = self._q(
-            f"SELECT seq, at, body, {tombstones} FROM {{s}}.episodes"
+            f"SELECT seq, at, body, {count} FROM {{s}}.episodes"
             " WHERE thread = %(thread)s AND seq >= %(after)s ORDER BY seq LIMIT %(batch)s"
         )
-        forgotten: int | None = None  # the thread's tombstones when the replay began
-        while True:
-            forgets = forgets_of(thread)
+
+        async def batch(after: int) -> tuple[int | None, list[tuple[Any, ...]]]:
             async with self._connection("replay", thread) as conn:
                 cur = await conn.execute(query, {"thread": thread, "after": after, "batch": _REPLAY_BATCH})
                 rows = await cur.fetchall()
-            count = rows[0][3] if rows else None
-            if forgotten is None:
-                forgotten = count
-            elif count != forgotten:
-                return  # forgotten since the last batch
-            for row in rows:
-                if forgets_of(thread) != forgets:  # a forget in this process since the batch was read
-                    forgets = forgets_of(thread)
-                    async with self._connection("replay", thread) as conn:
-                        cur = await conn.execute(self._q(f"SELECT {tombstones}"), {"thread": thread})
-                        (now,) = await cur.fetchone() or (None,)
-                    if now != forgotten:
-                        return
-                yield self._episode(thread, row[:3])
-            if len(rows) < _REPLAY_BATCH:
-                return
-            after = rows[-1][0] + 1
+            return (rows[0][3] if rows else None), rows
+
+        async def tombstones() -> int | None:
+            async with self._connection("replay", thread) as conn:
+                cur = await conn.execute(self._q(f"SELECT {count}"), {"thread": thread})
+                found = await cur.fetchone()
+            return None if found is None else int(found[0])
+
+        # Each row is decoded as it is yielded, so a batch is not decoded on the loop at once.
+        async for row in until_forgotten(
+            thread, first, batch, _REPLAY_BATCH, lambda row: int(row[0]), tombstones
+        ):
+            yield self._episode(thread, row[:3])
 
     def _episode(self, thread: str, row: tuple[Any, ...]) -> EpisodeRecord:
         seq, at, body = row

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from types import UnionType
 from typing import Any, NamedTuple, TypeVar, cast, get_args
@@ -242,6 +242,42 @@ def forgets_of(thread: str) -> int:
     forgotten (a slot-mate's forget costs it that one read, never an episode).
     """
     return _forgets[hash(thread) % _WRITE_SLOTS]
+
+
+async def until_forgotten(
+    thread: str,
+    start: int,
+    batch: Callable[[int], Awaitable[tuple[int | None, Sequence[_T]]]],
+    size: int,
+    seq_of: Callable[[_T], int],
+    tombstones: Callable[[], Awaitable[int | None]],
+) -> AsyncIterator[_T]:
+    """A SQL store's replay: its batches from seq ``start`` on, ended by a ``forget`` of the thread.
+
+    ``batch(start)`` reads up to ``size`` rows from seq ``start`` with the
+    thread's tombstone count in the same read (``None`` when there are no
+    rows); ``tombstones()`` reads that count alone. Seqs start over after a
+    forget, so a replay that read on by seq would splice the new log onto the
+    old one: a moved count ends it at the next batch, and a forget this
+    process committed (``forgets_of``) at the next row.
+    """
+    forgotten: int | None = None  # the thread's tombstones when the replay began
+    while True:
+        forgets = forgets_of(thread)
+        count, rows = await batch(start)
+        if forgotten is None:
+            forgotten = count
+        elif count != forgotten:
+            return  # forgotten since the last batch
+        for row in rows:
+            if forgets_of(thread) != forgets:  # a forget in this process since the batch was read
+                forgets = forgets_of(thread)
+                if await tombstones() != forgotten:
+                    return
+            yield row
+        if len(rows) < size:
+            return
+        start = seq_of(rows[-1]) + 1
 
 
 def begin_write(thread: str) -> int:

@@ -158,7 +158,6 @@ from ._rows import (
     encode_rows,
     end_write,
     fold_links,
-    forgets_of,
     forgot,
     heavy_batch,
     missing_seq_conflict,
@@ -166,6 +165,7 @@ from ._rows import (
     summary_index,
     tail_from,
     trusted,
+    until_forgotten,
     utc,
     version_conflict,
 )
@@ -1834,32 +1834,25 @@ class SQLiteStore(AsyncResource):
         not splice the new log onto the old one.
         """
         check_thread(thread)
-        next_seq = check_from_seq(from_seq)
+        first = check_from_seq(from_seq)
 
-        def batch(start: int, conn: sqlite3.Connection) -> tuple[int | None, list[EpisodeRecord]]:
+        def read_batch(start: int, conn: sqlite3.Connection) -> tuple[int | None, list[EpisodeRecord]]:
             rows = conn.execute(_REPLAY_QUERY, (thread, start, _REPLAY_BATCH)).fetchall()
             return (rows[0][3] if rows else None), [_episode_record(thread, *row[:3]) for row in rows]
 
-        def tombstones(conn: sqlite3.Connection) -> int:
+        def read_tombstones(conn: sqlite3.Connection) -> int:
             return int(conn.execute(_TOMBSTONES_QUERY, (thread,)).fetchone()[0])
 
-        forgotten: int | None = None  # the thread's tombstones when the replay began
-        while True:
-            forgets = forgets_of(thread)
-            count, records = await self._read(partial(batch, next_seq))
-            if forgotten is None:
-                forgotten = count
-            elif count != forgotten:
-                return  # forgotten since the last batch
-            for record in records:
-                if forgets_of(thread) != forgets:  # a forget in this process since the batch was read
-                    forgets = forgets_of(thread)
-                    if await self._read(tombstones) != forgotten:
-                        return
-                yield record
-            if len(records) < _REPLAY_BATCH:
-                return
-            next_seq = records[-1].seq + 1
+        async def batch(start: int) -> tuple[int | None, list[EpisodeRecord]]:
+            return await self._read(partial(read_batch, start))
+
+        async def tombstones() -> int:
+            return await self._read(read_tombstones)
+
+        async for record in until_forgotten(
+            thread, first, batch, _REPLAY_BATCH, lambda record: record.seq, tombstones
+        ):
+            yield record
 
     async def pressure(
         self,
