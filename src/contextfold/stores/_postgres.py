@@ -42,7 +42,7 @@ import re
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import aclosing, asynccontextmanager, contextmanager
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any, Self, TypeVar
@@ -1461,11 +1461,12 @@ class PostgresStore(AsyncResource):
                 found = await cur.fetchone()
             return None if found is None else int(found[0])
 
-        # Each row is decoded as it is yielded, so a batch is not decoded on the loop at once.
-        async for row in until_forgotten(
-            thread, first, batch, _REPLAY_BATCH, lambda row: int(row[0]), tombstones
-        ):
-            yield self._episode(thread, row[:3])
+        # Each row is decoded as it is yielded, so a batch is not decoded on the loop at once; and
+        # closed with the replay, so a consumer that stops early leaves no generator to the collector.
+        rows = until_forgotten(thread, first, batch, _REPLAY_BATCH, lambda row: int(row[0]), tombstones)
+        async with aclosing(rows):
+            async for row in rows:
+                yield self._episode(thread, row[:3])
 
     def _episode(self, thread: str, row: tuple[Any, ...]) -> EpisodeRecord:
         seq, at, body = row

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from types import UnionType
 from typing import Any, NamedTuple, TypeVar, cast, get_args
@@ -251,7 +251,7 @@ async def until_forgotten(
     size: int,
     seq_of: Callable[[_T], int],
     tombstones: Callable[[], Awaitable[int | None]],
-) -> AsyncIterator[_T]:
+) -> AsyncGenerator[_T, None]:
     """A SQL store's replay: its batches from seq ``start`` on, ended by a ``forget`` of the thread.
 
     ``batch(start)`` reads up to ``size`` rows from seq ``start`` with the

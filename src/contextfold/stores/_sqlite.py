@@ -106,7 +106,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
@@ -1849,10 +1849,11 @@ class SQLiteStore(AsyncResource):
         async def tombstones() -> int:
             return await self._read(read_tombstones)
 
-        async for record in until_forgotten(
-            thread, first, batch, _REPLAY_BATCH, lambda record: record.seq, tombstones
-        ):
-            yield record
+        # Closed with the replay: a consumer that stops early leaves no generator to the collector.
+        replayed = until_forgotten(thread, first, batch, _REPLAY_BATCH, lambda record: record.seq, tombstones)
+        async with aclosing(replayed):
+            async for record in replayed:
+                yield record
 
     async def pressure(
         self,
