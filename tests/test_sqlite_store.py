@@ -1828,3 +1828,61 @@ async def test_the_wal_stays_bounded_without_automatic_checkpoints(
     # wait for it (about 1.5 MB at worst with three CPU hogs). Without checkpoints the WAL
     # reaches 6.6 MB.
     assert wal < 2_000_000, f"the WAL grew to {wal:,} bytes over 300 writes of 3 KB"
+
+
+class _PlaceholderCheckingConnection(sqlite3.Connection):
+    """Refuses numbered placeholders (``?1``) bound to a sequence, as Python 3.14's sqlite3 does.
+
+    Python 3.12 and 3.13 warn (a ``DeprecationWarning``, an error under this
+    suite's settings); 3.11 takes them silently, so this suite checks the rule
+    itself on every Python.
+    """
+
+    def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
+        _check_placeholders(sql, parameters)
+        return super().execute(sql, parameters)
+
+    def executemany(self, sql: str, parameters: Any, /) -> sqlite3.Cursor:
+        rows = list(parameters)
+        for row in rows:
+            _check_placeholders(sql, row)
+        return super().executemany(sql, rows)
+
+
+def _check_placeholders(sql: str, parameters: Any) -> None:
+    import re
+
+    if not isinstance(parameters, dict) and re.search(r"\?\d", sql):
+        raise AssertionError(f"numbered placeholders bound to a sequence: {sql!r}")
+
+
+async def test_no_statement_binds_numbered_placeholders_to_a_sequence(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every read and write, replay and forget included, runs on Python 3.12 to 3.14's sqlite3."""
+    connect = sqlite3.connect
+    monkeypatch.setattr(
+        sqlite3,
+        "connect",
+        lambda *args, **kwargs: connect(*args, factory=_PlaceholderCheckingConnection, **kwargs),
+    )
+    async with SQLiteStore(tmp_path / "t.db") as store:
+        first = Message.user("first")
+        await store.record_and_append("t", [episode_for(first)], [first], [3])
+        for n in range(3):
+            message = Message.assistant(f"reply {n}")
+            await store.record_and_append("t", [episode_for(message)], [message], [2])
+        stats = await store.stats("t")
+        assert (await store.tail("t", after_seq=0)).messages[0].message.text == "first"
+        await store.fold(
+            "t",
+            checkpoint=SummaryCheckpoint(trigger="manual", from_seq=1, through_seq=2, summary="s"),
+            through_seq=2,
+            expected_version=stats.version,
+            replacement=[Message.user("s")],
+            tokens=[1],
+        )
+        replayed = [record.seq async for record in store.replay("t")]
+        assert replayed == [1, 2, 3, 4, 5]
+        await store.forget("t")
+        assert [record async for record in store.replay("t")] == []

@@ -184,8 +184,8 @@ _REPLAY_BATCH = 256
 
 _TOMBSTONES_QUERY = "SELECT count(*) FROM tombstones WHERE thread = ?"
 
-_REPLAY_QUERY = f"""SELECT seq, at, body, ({_TOMBSTONES_QUERY.replace("?", "?1")}) FROM episodes
-WHERE thread = ?1 AND seq >= ?2 ORDER BY seq LIMIT ?3"""
+_REPLAY_QUERY = f"""SELECT seq, at, body, ({_TOMBSTONES_QUERY.replace("?", ":thread")}) FROM episodes
+WHERE thread = :thread AND seq >= :start ORDER BY seq LIMIT :limit"""
 """A batch of a replay, each row with the thread's tombstones as the batch read them (see ``replay``)."""
 
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
@@ -1837,7 +1837,9 @@ class SQLiteStore(AsyncResource):
         first = check_from_seq(from_seq)
 
         def read_batch(start: int, conn: sqlite3.Connection) -> tuple[int | None, list[EpisodeRecord]]:
-            rows = conn.execute(_REPLAY_QUERY, (thread, start, _REPLAY_BATCH)).fetchall()
+            rows = conn.execute(
+                _REPLAY_QUERY, {"thread": thread, "start": start, "limit": _REPLAY_BATCH}
+            ).fetchall()
             return (rows[0][3] if rows else None), [_episode_record(thread, *row[:3]) for row in rows]
 
         def read_tombstones(conn: sqlite3.Connection) -> int:
