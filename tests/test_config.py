@@ -368,7 +368,47 @@ def test_a_value_of_the_wrong_type_says_what_type_it_must_be() -> None:
     """A float where a whole number belongs is rejected saying an int is needed and what was given."""
     with pytest.raises(ConfigError) as info:
         RunOptions(max_history_tokens=1.5)  # type: ignore[arg-type]
-    assert info.value.reason == "must be a whole number (int), not float"
+    assert info.value.reason == "must be a whole number (int), not float, for example 128000 (the default)"
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (
+            lambda: SummarizeOptions(trigger_token_budget=8000.0),
+            "compaction.trigger_token_budget=8000.0: must be a whole number (int), not float, "
+            "for example 8000",
+        ),
+        (
+            lambda: SummarizeOptions(trigger_token_budget="8000"),
+            "compaction.trigger_token_budget='8000': must be a whole number (int), not str, for example 8000",
+        ),
+        (
+            lambda: SummarizeOptions(trigger_token_budget=8000.5),
+            "compaction.trigger_token_budget=8000.5: must be a whole number (int), not float, "
+            "for example 8000",
+        ),
+        (
+            lambda: RunOptions(compaction={"trigger_token_budget": 8000, "min_recent_turns": 2.5}),
+            "compaction.min_recent_turns=2.5: must be a whole number (int), not float, "
+            "for example 2 (the default)",
+        ),
+        (
+            lambda: RunOptions(max_history_tokens=100_000.0),
+            "max_history_tokens=100000.0: must be a whole number (int), not float, for example 100000",
+        ),
+    ],
+)
+def test_a_value_of_the_wrong_type_names_a_value_that_works(build: Any, message: str) -> None:
+    """A type error names the key, the value and a value that works, as a range error does.
+
+    It named no value, against the README's "a ConfigError naming the key,
+    the value and a value that works"; a whole float or a number in text
+    names the number it meant.
+    """
+    with pytest.raises(ConfigError) as info:
+        build()
+    assert str(info.value) == message
 
 
 @pytest.mark.parametrize("given", ["robot", "TOOL", 3, None])

@@ -176,6 +176,8 @@ def _config_error(exc: ValidationError, cls: type[_Options]) -> ConfigError:
         return ConfigError(path, f"{reason}; pass a JSON object of options", value=given)
     if kind in _TYPE_ERRORS:
         reason = f"must be {_TYPE_ERRORS[kind]}, not {type(given).__name__}"
+        if kind.startswith("int_") and len(loc) == 1 and str(loc[0]) in cls.model_fields:
+            reason += f", for example {_whole_example(cls, str(loc[0]), given)}"
     elif kind in _RANGE_ERRORS and len(loc) == 1 and str(loc[0]) in cls.model_fields:
         reason = _range_reason(cls, str(loc[0]), given)
     return ConfigError(path, reason, value=given)
@@ -197,14 +199,34 @@ def _range_reason(cls: type[_Options], name: str, given: Any) -> str:
                 bounds.append(f"{words} {bound:g}")
     whole = isinstance(field.default, int) or field.annotation in (int, int | None)
     allowed = f"{'a whole number' if whole else 'a number'} {' and '.join(bounds)}"
-    example = cls._examples.get(name)
-    if example is None:
-        example = f"{field.default!r} (the default)" if field.default is not None else "None (the default)"
+    example = _example(cls, name)
     if isinstance(given, float) and math.isnan(given):
         return f"is not a number; it must be {allowed}, for example {example}"
     if isinstance(given, float) and math.isinf(given):  # "never" is a None where a field takes one
         return f"is infinite; it must be a finite {allowed.removeprefix('a ')}, for example {example}"
     return f"must be {allowed}, for example {example}"
+
+
+def _example(cls: type[_Options], name: str) -> str:
+    """A value of ``name`` that works: the class's own example, else its default."""
+    example = cls._examples.get(name)
+    if example is not None:
+        return example
+    field = cls.model_fields[name]
+    if field.is_required():
+        return repr(field.examples[0]) if field.examples else "see the option's documentation"
+    default = field.default
+    return f"{default!r} (the default)" if default is not None else "None (the default)"
+
+
+def _whole_example(cls: type[_Options], name: str, given: Any) -> str:
+    """The whole number a float or text ``given`` meant (``8000.0``, ``"8000"``), else ``_example``."""
+    meant: int | None = None
+    if isinstance(given, float) and given.is_integer():
+        meant = int(given)
+    elif isinstance(given, str) and given.strip().lstrip("+-").isdigit():
+        meant = int(given)
+    return str(meant) if meant is not None else _example(cls, name)
 
 
 def _default_summary_tokens(budget: Any, target: Any) -> int | None:
