@@ -87,22 +87,21 @@ async def grow(compactor: Compactor, turns: range, *, compact: bool = True) -> l
 
 
 async def test_no_trigger_returns_none_without_loading_or_tokenizing(store: Any) -> None:
-    """Below the budget maybe_compact returns None without loading the thread or counting tokens."""
+    """Below the budget maybe_compact returns None without loading the thread or counting tokens.
+
+    The first check of a thread in a process reads its context once, as
+    ``context()`` would (an unanswered call made before may be abandoned by
+    now); the step's appends keep that current, so later checks read none.
+    """
     counter = TiktokenCounter()
     compactor = Compactor(store, options=options(budget=100_000), counter=counter)
     await grow(compactor, range(20), compact=False)
-    loads = 0
-    original = store.load
-
-    async def counting_load(*args: Any, **kwargs: Any) -> Any:
-        nonlocal loads
-        loads += 1
-        return await original(*args, **kwargs)
-
-    store.load = counting_load
+    assert await compactor.maybe_compact(THREAD) is None
+    await grow(compactor, range(20, 22), compact=False)
+    reads = counted_reads(store)
     misses = counter.misses
     assert await compactor.maybe_compact(THREAD) is None
-    assert loads == 0
+    assert "load" not in reads and "tail" not in reads
     assert counter.misses == misses
 
 
@@ -1959,6 +1958,36 @@ async def test_an_abandoned_call_is_closed_by_a_check_with_no_fold_to_make(store
     assert await log.latest_checkpoint(THREAD) is None  # no fold was made
     logged = conversation([record async for record in log.replay(THREAD)])
     assert [m.tool_call_id for m in logged if m.role is Role.TOOL] == ["A"]
+
+
+@pytest.mark.parametrize("stores", ["one", "two"])
+@pytest.mark.parametrize("restarted", [False, True])
+async def test_an_abandoned_call_is_closed_by_checks_of_a_loop_that_never_reads_the_context(
+    store: Any, stores: str, restarted: bool
+) -> None:
+    """A loop that builds its requests itself (``append`` and ``maybe_compact``, never ``context()``).
+
+    The check looked for abandoned calls only in a context ``context()`` had
+    cached, so on one store such a loop carried the unanswered call (and
+    nothing after it was ever answered) however many turns passed. Also when
+    the call was made by an earlier compactor, before a restart.
+    """
+    from contextfold._compactor import ABANDONED_METADATA_KEY
+
+    log = store if stores == "one" else MemoryStore()
+    compactor = compactor_on(store, log, trigger_token_budget=60_000, abandon_after_turns=2)
+    lost = ToolCall(id="A", name="slow", arguments="{}")
+    await compactor.append(THREAD, [Message.user("go"), Message.assistant(None, tool_calls=[lost])])
+    if restarted:
+        compactor = compactor_on(store, log, trigger_token_budget=60_000, abandon_after_turns=2)
+    for n in range(3):
+        await compactor.append(THREAD, [Message.user(f"u{n}")])
+        assert await compactor.maybe_compact(THREAD) is None
+    context = (await store.load(THREAD)).plain
+    assert [m.tool_call_id or m.text for m in context] == ["go", "", "A", "u0", "u1", "u2"]
+    assert context[2].metadata[ABANDONED_METADATA_KEY] is True
+    logged = conversation([record async for record in log.replay(THREAD)])
+    assert [m.tool_call_id or m.text for m in logged] == ["go", "", "u0", "u1", "A", "u2"]
 
 
 async def test_a_second_abandoned_call_is_closed_after_the_first_numbered_a_row_0(store: Any) -> None:

@@ -683,3 +683,34 @@ async def test_a_result_for_a_call_never_made_is_a_note_and_a_warning(
     assert note.text.startswith("[a result arrived for tool call 'call_l', which is not open here")
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any(repr(THREAD) in w and "'call_l'" in w and "answers no call open" in w for w in warnings)
+
+
+async def test_a_stall_of_a_trigger_other_than_tokens_names_that_trigger_not_the_budget(store: Any) -> None:
+    """Unfinished turns fire where the protected turns are all there is: the stall says so.
+
+    It said the turns were "all that is left over the 60000-token budget",
+    of a context of 23 tokens, which sent a user to raise a budget that had
+    nothing to do with it.
+    """
+    options = SummarizeOptions(
+        trigger_token_budget=60_000, episodic=EpisodicCompactionConfig(trigger_unfinished_turns=3)
+    )
+    compactor = Compactor(
+        store, options=options, summarizer=counting_summarizer(), counter=ApproximateCounter()
+    )
+    stalls = []
+    for n in range(5):
+        message = Message.user(f"question {n}") if n % 2 == 0 else Message.assistant(f"answer {n}")
+        await compactor.append("t", [message])
+        result = await compactor.maybe_compact("t")
+        if result is not None and not result.compacted:
+            stalls.append(result)
+    stall = stalls[0]
+    assert stall.reason == Reason.UNFINISHED_TURNS
+    assert stall.detail == (
+        "nothing can be folded: the unfinished_turns trigger fired, but the context past its pinned "
+        f"head and summary is all protected recent turns (5 turns, about {stall.tokens_before} tokens of "
+        f"the {stall.tokens_before}); lower min_recent_turns / min_recent_messages, raise that "
+        "trigger's limit, or wait for a tool result"
+    )
+    assert len((await store.load("t")).plain) == 5  # nothing folded

@@ -977,10 +977,14 @@ class Compactor:
             reason = await self._turns_confirmed(thread, settings, stats, tokens, episodic)
         if reason is None:
             # A call still unanswered: abandoned yet? (With no fold to make, no fold would close it.)
-            if cache is not None:
-                if _may_be_abandoned(cache, settings):
+            if self._store is not None:
+                if cache is None:
+                    # Never read here (a loop that builds its requests itself) or another writer's
+                    # rows since: read as context() would; the step's appends keep it current.
+                    cache = await self._fresh_cache(thread)
+                if cache is not None and _may_be_abandoned(cache, settings):
                     await self._close_abandoned(thread, cache.snapshot(), cache.version, settings)
-            elif self._store is None and (self._unanswered.get(thread) or thread not in self._reckoned):
+            elif self._unanswered.get(thread) or thread not in self._reckoned:
                 await self._close_abandoned_loaded(thread, settings)
             if (
                 settings.background_at is not None
@@ -1723,7 +1727,7 @@ class Compactor:
         changed = [i for i, message in enumerate(kept) if message is not messages[kept_start + i]]
         if not plan.dropped and not changed:
             return await self._stall(
-                thread, reason, total, settings, self._floor_detail(plan, total, settings)
+                thread, reason, total, settings, self._floor_detail(plan, total, settings, reason)
             )
 
         kept_tokens = [
@@ -2057,11 +2061,18 @@ class Compactor:
         else:
             self._next_fold_at.pop(thread, None)
 
-    def _floor_detail(self, plan: CompactionPlan, total: int, settings: Settings) -> str:
+    def _floor_detail(self, plan: CompactionPlan, total: int, settings: Settings, reason: str) -> str:
         if not plan.kept_turns:
             return (
                 f"nothing left to fold: the context holds only the pinned head and the summary "
                 f"({total} tokens)"
+            )
+        if reason not in TOKEN_REASONS:  # the turns, messages or age fired it, not the tokens
+            return (
+                f"nothing can be folded: the {reason} trigger fired, but the context past its pinned "
+                f"head and summary is all protected recent turns ({plan.kept_turns} turns, about "
+                f"{plan.kept_tokens} tokens of the {total}); lower min_recent_turns / "
+                "min_recent_messages, raise that trigger's limit, or wait for a tool result"
             )
         budget = f"the {settings.budget}-token budget" if settings.budget is not None else "the budget"
         return (
