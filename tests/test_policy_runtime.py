@@ -6,6 +6,7 @@ result carries a reason too.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -714,3 +715,41 @@ async def test_a_stall_of_a_trigger_other_than_tokens_names_that_trigger_not_the
         "trigger's limit, or wait for a tool result"
     )
     assert len((await store.load("t")).plain) == 5  # nothing folded
+
+
+async def test_a_window_that_keeps_more_than_its_trigger_allows_still_folds_amortized(
+    store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``TokenCount(1000)``, ``SlidingWindow(3)``, 400-token turns: the window alone is over the trigger.
+
+    Each fold left 1,200 tokens, so every following check folded again: 26
+    summaries in 30 steps, silently, where the preset refuses a target at its
+    trigger when built. The next fold now waits for half the budget in new
+    tokens, and the warning says why and what to change.
+    """
+    calls = 0
+
+    async def summarize(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        nonlocal calls
+        calls += 1
+        return "summary"
+
+    compactor = Compactor(
+        store,
+        trigger=TokenCount(1000),
+        strategy=SlidingWindow(3),
+        summarizer=FunctionSummarizer(summarize),
+        counter=ApproximateCounter(),
+    )
+    folds: list[CompactionResult] = []
+    for n in range(30):
+        await compactor.append("t", [Message.user(f"{n} " + "abc " * 399)])
+        result = await compactor.maybe_compact("t")
+        if result is not None and result.compacted:
+            folds.append(result)
+    assert len(folds) >= 5
+    for before, after in itertools.pairwise(folds):
+        assert after.tokens_before - before.tokens_after >= 500  # half the 1000-token budget, new
+    assert calls == len(folds)
+    warned = [r.getMessage() for r in caplog.records if "over the 1000-token trigger" in r.getMessage()]
+    assert warned and "keep fewer turns or give the strategy a token target" in warned[0]

@@ -2037,7 +2037,26 @@ class Compactor:
             self._forget_cache(thread)
         after = prepared.checkpoint.tokens_after + self._overhead.get(thread, 0)
         budget, target = settings.budget, settings.target
-        if budget is not None and target is not None and after > target:
+        if budget is not None and target is None and after > budget:
+            # A strategy with no token target (a sliding window of turns) kept more than the trigger
+            # allows: every check would fold again. The next token fold waits for half the budget
+            # in new tokens, the gap the preset's default target leaves.
+            waits = after + budget // 2
+            hard = settings.hard_limit
+            if hard is not None and after < hard:
+                waits = min(waits, hard)
+            self._next_fold_at[thread] = (prepared.version + 1, waits)
+            logger.warning(
+                "thread %r: after the fold the context holds %d tokens, over the %d-token trigger (the "
+                "strategy keeps more than the trigger allows); the next fold waits for %d tokens: keep "
+                "fewer turns or give the strategy a token target, such as TokenBudget(%d)",
+                thread,
+                after,
+                budget,
+                waits,
+                budget // 2,
+            )
+        elif budget is not None and target is not None and after > target:
             # Over the target (the protected turns are large): hold the next token fold back
             # until budget - target new tokens arrived, so folds stay amortized, but never past
             # max_history_tokens while the context is under it: a request must not grow past
