@@ -27,8 +27,9 @@ from pytest_httpserver import HTTPServer
 from werkzeug import Request, Response
 
 from contextfold._compactor import CompactionResult, Compactor
-from contextfold._episodes import EpisodeRecord, SummaryCheckpoint, UserMessageEpisode
-from contextfold._messages import Message, ToolCall
+from contextfold._episodes import EpisodeRecord, SummaryCheckpoint, UserMessageEpisode, conversation
+from contextfold._messages import Message, Role, ToolCall
+from contextfold._tokens import TiktokenCounter
 from contextfold.cli import CLI_EXTRA_HINT, redact_url
 from contextfold.stores import PostgresStore, SQLiteStore
 
@@ -141,6 +142,35 @@ def test_two_demo_runs_write_two_threads(tmp_path: Path) -> None:
     names = [written(out)[1] for out in (first, second)]
     assert names[0] != names[1]
     assert all(await_records(db, name) for name in names)
+
+
+def test_demo_on_an_existing_thread_continues_it(tmp_path: Path) -> None:
+    """A second demo run on one thread follows the first run's messages, with one system prompt, at 0."""
+    db = tmp_path / "d.db"
+    ok(cli("demo", "--db", str(db), "--thread", "t", "--steps", "5"))
+    first = conversation(await_records(db, "t"))
+    ok(cli("demo", "--db", str(db), "--thread", "t", "--steps", "5"))
+    log = conversation(await_records(db, "t"))
+    assert [i for i, m in enumerate(log) if m.role is Role.SYSTEM] == [0]
+    assert log[: len(first)] == first and log[len(first)].role is Role.USER
+    ids = [call.id for m in log for call in m.tool_calls]
+    assert ids and len(set(ids)) == len(ids)  # the second run's calls are numbered after the first's
+
+
+def test_demo_on_an_existing_thread_counts_its_history_without_compaction(tmp_path: Path) -> None:
+    """On a continued thread the 'without' column counts the history the log held, as the table says."""
+    db = tmp_path / "d.db"
+    ok(cli("demo", "--db", str(db), "--thread", "t", "--steps", "5", "--budget", "100000"))
+    earlier = conversation(await_records(db, "t"))
+    out = ok(cli("demo", "--db", str(db), "--thread", "t", "--steps", "5", "--budget", "100000"))
+    tokens = sum(TiktokenCounter().count(m) for m in earlier)
+    assert f"thread t held {len(earlier)} messages ({tokens:,} tokens) before this run" in out
+    # No fold: every request as sent was the whole history, and 'without' must say the same.
+    assert row(out, "compactions") == 0
+    for label in ("peak request tokens", "mean request tokens", "total request tokens"):
+        found = re.search(rf"{label}\s*│\s*([\d,]+)\s*│\s*([\d,]+)", out)
+        assert found and found.group(1) == found.group(2), out
+    assert row(out, "peak request tokens") > tokens
 
 
 def test_inspect_pages_the_context_and_the_log(demo_db: Path) -> None:

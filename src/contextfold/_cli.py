@@ -344,7 +344,12 @@ def app() -> None:
     help="Store the demo writes to: a SQLite file or a store URL (default: a new temporary file, named "
     "in the output).",
 )
-@click.option("--thread", default=None, help="Thread to write (default: a new demo-... thread).")
+@click.option(
+    "--thread",
+    default=None,
+    help="Thread to write (default: a new demo-... thread). An existing thread is continued: the session "
+    "follows its messages, without a second system prompt, and the 'without' column counts its history.",
+)
 @click.option(
     "--steps", type=click.IntRange(min=1), default=300, show_default=True, help="LLM requests to simulate."
 )
@@ -453,6 +458,11 @@ def demo(
             raise
         raise click.ClickException(f"{exc.message.rstrip('.')}; {note}") from None
     Console().print(_summary_table(stats, thread, redact_url(db)))
+    if stats.earlier_messages:
+        click.echo(
+            f"thread {thread} held {stats.earlier_messages:,} messages ({stats.earlier_tokens:,} tokens) "
+            "before this run: 'without' counts them in each of this run's requests"
+        )
     click.echo(f"inspect it: contextfold inspect {redact_url(db)} {thread}")
     if plot is not None:
         try:

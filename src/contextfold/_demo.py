@@ -14,7 +14,9 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ._callables import closing
 from ._compactor import CompactionResult
+from ._episodes import conversation
 from ._loop import StepLoop, Tool
 from ._messages import Message, Role, ToolCall
 from ._tokens import TokenCounter
@@ -35,12 +37,16 @@ class _Task:
 
 
 class SimulatedAgent:
-    """Plays a coding agent: a model function and its tools, sharing one random stream."""
+    """Plays a coding agent: a model function and its tools, sharing one random stream.
 
-    def __init__(self, seed: int = 7) -> None:
+    ``calls`` is how many tool calls the thread already holds: the agent's are
+    numbered after them, so a continued thread repeats no call id.
+    """
+
+    def __init__(self, seed: int = 7, *, calls: int = 0) -> None:
         self.random = random.Random(seed)
         self._task: _Task | None = None
-        self._calls = 0
+        self._calls = calls
         self.model = ScriptedModel(self._reply)
 
     def next_request(self) -> str:
@@ -117,7 +123,11 @@ class DemoStats:
     request_tokens: list[int] = field(default_factory=list)
     """Tokens of each request as sent, after compaction."""
     uncompacted_tokens: list[int] = field(default_factory=list)
-    """Tokens each request would have had without compaction: the whole history."""
+    """Tokens each request would have had without compaction: the whole history, ``earlier_tokens`` too."""
+    earlier_messages: int = 0
+    """Messages the thread's log held before the session: a continued thread's history."""
+    earlier_tokens: int = 0
+    """Tokens of those messages."""
     compactions: list[CompactionResult] = field(default_factory=list)
     compaction_steps: list[int] = field(default_factory=list)
     """The step (1-based request number) at which each of ``compactions`` happened."""
@@ -144,13 +154,20 @@ async def run_session(
 ) -> DemoStats:
     """Run a simulated session of about ``steps`` requests through ``loop``.
 
+    A thread that already holds messages is continued: the system prompt goes
+    only at the start of a new thread, and the history the log holds counts in
+    every request "without compaction" (``DemoStats.earlier_tokens``).
     ``stop`` is asked after every step and ends the session early when it says so.
     """
-    agent = SimulatedAgent(seed)
-    stats = DemoStats()
-    history_tokens = 0
-    await loop.append(thread, Message.system(system_prompt))
-    history_tokens += counter.count(Message.system(system_prompt))
+    async with closing(loop.compactor.episodic.replay(thread)) as records:
+        earlier = conversation([record async for record in records])
+    agent = SimulatedAgent(seed, calls=sum(len(m.tool_calls) for m in earlier))
+    stats = DemoStats(earlier_messages=len(earlier), earlier_tokens=sum(counter.count(m) for m in earlier))
+    history_tokens = stats.earlier_tokens
+    if not earlier:
+        system = Message.system(system_prompt)
+        await loop.append(thread, system)
+        history_tokens += counter.count(system)
     tools = agent.tools()
     while stats.requests < steps:
         user = Message.user(agent.next_request())
