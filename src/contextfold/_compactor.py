@@ -532,6 +532,10 @@ def _newest_reply(context: list[Message]) -> int:
     return end
 
 
+_TOKEN_AIMED = TOKEN_REASONS | {Reason.MANUAL, Reason.MANUAL_RECOVERY}
+"""Reasons whose fold aims at the token target (a manual fold does too, whatever the triggers say)."""
+
+
 def _may_be_abandoned(cache: _Cache, settings: Settings) -> bool:
     """Whether a call open in the cached context may be abandoned by now (read without copying it)."""
     if cache.reused_open_id:  # its open_calls may miss one
@@ -2086,7 +2090,7 @@ class Compactor:
                 f"nothing left to fold: the context holds only the pinned head and the summary "
                 f"({total} tokens)"
             )
-        if reason not in TOKEN_REASONS:  # the turns, messages or age fired it, not the tokens
+        if reason not in _TOKEN_AIMED:  # the turns, messages or age fired it, not the tokens
             return (
                 f"nothing can be folded: the {reason} trigger fired, but the context past its pinned "
                 f"head and summary is all protected recent turns ({plan.kept_turns} turns, about "
