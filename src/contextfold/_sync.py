@@ -15,7 +15,10 @@ A message is known by a key:
   end of the recorded conversation after the newest message the list shares by
   id: the longest run of the list that repeats the recorded end is old, what
   follows it is new. So a repeated "continue" is recorded again, while a list
-  that carries the whole history again is not.
+  that carries the whole history again is not. An id the log never saw counts
+  for nothing here: LangGraph gives every message sent without an id a random
+  one on each run, so a chat an application sends again whole comes back under
+  new ids, and is matched by its content.
 
 A framework's id is not always unique: some providers number tool calls per
 reply (``call_0`` again in the next turn), and pydantic-ai's test model names
@@ -258,15 +261,14 @@ class _Listed:
         loose: list[int] = []
         hashed = set(seen.hashes)
         for index, (message, key) in enumerate(zip(self.messages, keys, strict=True)):
-            if _is_summary(message, key):
+            if _is_summary(message, key) or (key is not None and key in position):
                 continue
-            if key is not None:
-                if key not in position:
-                    fresh.append(index)
+            if key is not None and _by_content(key):
+                fresh.append(index)  # a key ``sync`` gave, to a message the log has withdrawn since
             elif index > anchor_index:
-                loose.append(index)
+                loose.append(index)  # no id, or one the log never saw: matched by content
             elif self.digest(index) not in hashed:
-                fresh.append(index)  # an unkeyed message the log never saw, before the anchor
+                fresh.append(index)  # a message the log never saw, before the anchor
         digests = [self.digest(index) for index in loose]
         old = _overlap(digests, seen.hashes[anchor_position + 1 :])
         return sorted(fresh + loose[old:])

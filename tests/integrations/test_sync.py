@@ -85,6 +85,17 @@ async def test_framework_ids_decide_what_is_new(store: Any) -> None:
     assert [m.metadata[KEY_METADATA_KEY] for m in records] == ["m1", "m2", "m3"]
 
 
+async def test_an_id_the_log_never_saw_does_not_make_a_resent_message_new(store: Any) -> None:
+    """A whole list sent again under new ids (LangGraph gives id-less input new ones) records only its end."""
+    c = compactor(store)
+    history: list[Message] = []
+    for text in ("continue", "ok", "ok"):  # the same words twice are two messages
+        history += [Message.user(text), Message.assistant(f"done: {text}")]
+        await sync(c, "t", history, ids=[f"run-{len(history)}-{n}" for n in range(len(history))])
+    assert [m.text for m in await logged(c, "t")] == [m.text for m in history]
+    assert [m.text for m in await c.context("t")] == [m.text for m in history]
+
+
 async def test_ids_must_match_the_messages(store: Any) -> None:
     """An ids list of the wrong length is refused with a ConfigError naming ids."""
     with pytest.raises(ConfigError, match="ids"):

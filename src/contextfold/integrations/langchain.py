@@ -35,7 +35,9 @@ the messages the last step saw or handed back, unchanged, and new ones after
 them (every step of a run, and a run that continues one) made no edit: it
 reads nothing more from the store and converts only the new messages. Without
 a checkpointer the state starts empty on every run, and the thread supplies
-the history.
+the history; an application that sends the whole chat each run instead (as
+dicts, or as messages without ids, which LangGraph gives new random ids each
+run) has it matched by content, so nothing of it is recorded or sent twice.
 """
 
 from __future__ import annotations
@@ -250,7 +252,8 @@ def _edit_of(context: Sequence[Message], state: Mapping[str, Message], *, persis
         return None
     if not any(key in state for _, key in kept):
         return _Edit(frozenset(key for _, key in kept), {}, cleared=True) if persistent else None
-    removed = frozenset(key for _, key in kept if key not in state)
+    resent = frozenset() if persistent else _resent(kept, state)
+    removed = frozenset(key for _, key in kept if key not in state and key not in resent)
     changed: dict[str, Message] = {}
     for message, key in kept:
         held = state.get(key)
@@ -260,6 +263,45 @@ def _edit_of(context: Sequence[Message], state: Mapping[str, Message], *, persis
     if not removed and not changed:
         return None
     return _Edit(removed, changed, cleared=False)
+
+
+def _resent(kept: Sequence[tuple[Message, str]], state: Mapping[str, Message]) -> frozenset[str]:
+    """The keys of the context's messages that a state without a checkpointer holds again under a new id.
+
+    An application that keeps no checkpointer sends the chat each run, and
+    LangGraph gives each message sent without an id a random one: a reply the
+    application kept as it came (its id kept) then sits among its own turns
+    under ids the context never saw. Such a message stands for the context's
+    message it is alike, in the same place: after the state's copy of the
+    context message before it, and before its copy of the one after it. One
+    alike elsewhere, or none, leaves the message removed. ``state`` is in the
+    state's order.
+    """
+    keys = list(state)
+    where = {key: n for n, key in enumerate(keys)}
+    known = {key for _, key in kept}
+    bound = [len(keys)] * len(kept)  # where the state holds the next message of the context, by key
+    for n in range(len(kept) - 2, -1, -1):
+        following = kept[n + 1][1]
+        bound[n] = where[following] if following in where else bound[n + 1]
+    found: set[str] = set()
+    start = 0  # in the state: past the last message matched, by key or by content
+    for n, (message, key) in enumerate(kept):
+        if key in where:
+            start = max(start, where[key] + 1)
+            continue
+        match = next(
+            (
+                index
+                for index in range(start, bound[n])
+                if keys[index] not in known and alike(state[keys[index]], message)
+            ),
+            None,
+        )
+        if match is not None:
+            found.add(key)
+            start = match + 1
+    return frozenset(found)
 
 
 @dataclass(frozen=True, slots=True)
