@@ -1210,6 +1210,29 @@ async def test_provider_overhead_from_usage_holds_steady_through_step_loop_steps
     assert before[-1] + schemas > 2_000 >= before[-2] + schemas
 
 
+async def test_messages_counted_beside_the_context_stand_as_its_overhead_until_usage_says_otherwise(
+    store: Any,
+) -> None:
+    """``count_beside`` counts an adapter's instructions as overhead; its or usage's last word stands."""
+    from contextfold import Usage
+
+    counter = ApproximateCounter()
+    compactor = Compactor(store, options=options(budget=2_000), counter=counter)
+    await compactor.append(THREAD, [Message.user("hello")])
+    own = sum(counter.count(m) for m in await compactor.context(THREAD))
+    prompt = Message.system("Answer from the files. " * 40)
+    await compactor.count_beside(THREAD, [prompt])
+    assert (await compactor.context_tokens(THREAD))[1] == own + counter.count(prompt)
+    await compactor.append(
+        THREAD, [Message.assistant("hi")], usage=Usage(input_tokens=own + 300), request_tokens=own
+    )
+    assert (await compactor.context_tokens(THREAD))[1] - (await compactor._counted_context(THREAD))[1] == 300
+    await compactor.count_beside(THREAD, [])
+    assert (await compactor.context_tokens(THREAD))[1] == (await compactor._counted_context(THREAD))[1]
+    with pytest.raises(ConfigError, match="messages"):
+        await compactor.count_beside(THREAD, "Answer from the files.")  # type: ignore[arg-type]
+
+
 def _words(n: int, word: str = "word") -> str:
     return " ".join([word] * n)
 

@@ -905,6 +905,30 @@ class Compactor:
 
         return await sync(self, thread, messages, ids=ids, compact=compact)
 
+    async def count_beside(self, thread: str, messages: Sequence[Message]) -> None:
+        """Count ``messages``, sent beside ``thread``'s context in each request, as a pinned head is counted.
+
+        For an adapter whose framework sends an agent's instructions (its
+        system prompt) outside the history it syncs: an agent's ``instructions``
+        in the Agents SDK and pydantic-ai. Their tokens stand as the thread's
+        provider overhead, so they count toward the trigger and the target as a
+        pinned head does: a fold leaves room for them, and one they alone keep
+        at the target stalls instead of calling the summarizer. A reply's
+        ``usage`` (see ``append``) holds them already: whichever of the two
+        came last stands, so they are never counted twice. Say it before each
+        request; ``[]`` when nothing is sent beside the context.
+        """
+        if not_a_sequence(messages, Message) or not all(isinstance(m, Message) for m in messages):
+            raise ConfigError(
+                "messages",
+                "must be a list of Message objects, e.g. [Message.system(instructions)], or [] for none",
+                value=messages,
+            )
+        if self._counter_ready is not self.counter:
+            await self._ready_counter()
+        counts = await off_loop_if_heavy(messages, self._counts, list(messages))
+        self._overhead[thread] = sum(counts)
+
     async def record_tool_call(self, thread: str, call: ToolCall) -> None:
         """Note in the audit trail that a tool the reply asked for started running."""
         await self.episodic.record(thread, ToolCallEpisode(call=call))

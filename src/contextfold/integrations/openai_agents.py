@@ -19,7 +19,9 @@ nothing of it is recorded: a handoff's ``input_filter`` or
 input that is the run's last one, or the session's items, item for item with
 new items at its end (holding what ``add_items`` was given since) is the
 run's own: such a call hashes and converts only its new items, and the rest
-is compared for equality, off the event loop when long.
+is compared for equality, off the event loop when long. The agent's
+``instructions``, sent beside the input, count toward the budget as a
+system prompt at the thread's head would.
 ``pop_item`` and ``clear_session`` are recorded in the log
 (``MessagesRetractedEpisode``, ``HistoryClearedEpisode``), so replaying the
 log with ``contextfold.conversation()`` gives back exactly the session.
@@ -340,6 +342,11 @@ class CompactingSession:
 
         The run's own input is the last one, or the session's items, with new
         items at its end: found so, a call reads and converts only those.
+
+        The agent's ``instructions`` go to the model beside the input, as its
+        system prompt: they are counted toward the budget as the thread's
+        pinned head would be (``Compactor.count_beside``), so the request sent,
+        instructions and all, is what the trigger and the target measure.
         """
         given = list(data.model_data.input)
         converted: _Converted | None = None
@@ -356,6 +363,9 @@ class CompactingSession:
         if converted is None:
             converted = await self._input(given)
         self._converted = converted
+        instructions = data.model_data.instructions
+        beside = [Message.system(instructions)] if instructions else []
+        await self.compactor.count_beside(self.session_id, beside)
         recorded: list[Message] = []
         context = await sync(
             self.compactor, self.session_id, converted.messages, ids=converted.ids, recorded=recorded

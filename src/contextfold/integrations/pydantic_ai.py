@@ -34,7 +34,9 @@ under, not a turn of it. A prompt that changed — a ``dynamic`` one pydantic-ai
 renders anew on every run, an agent rebuilt with another — takes the old one's
 place at the head of the working context and is recorded in the log where it
 took effect; no turn is recorded or sent again. A run given no history gets the
-thread's turns under its own prompt. ``instructions`` never enter the history.
+thread's turns under its own prompt. ``instructions`` never enter the history:
+sent beside it, they count toward the budget as a system prompt at the
+thread's head would (``Compactor.count_beside``).
 
 Each request part and each response becomes one contextfold message, with its
 pydantic-ai form kept in metadata, so every part kind — thinking, files,
@@ -56,6 +58,7 @@ from typing import Any
 from pydantic_ai import AgentRunResult
 from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.messages import (
+    InstructionPart,
     ModelMessage,
     ModelMessagesTypeAdapter,
     ModelResponse,
@@ -622,6 +625,22 @@ def _followed(edit: _Edit, said: Sequence[Message], window: Sequence[StoredMessa
     return withdrawal(len(said), first, [message for message, _ in edited[first:]], context)
 
 
+def _instructions(request_context: ModelRequestContext) -> list[Message]:
+    """The instructions the request sends beside its messages, as the system message a model reads them as.
+
+    Those of the prefix: a loaded capability's (``via_history``) reach the model in the messages.
+    """
+    parameters = request_context.model_request_parameters
+    text = InstructionPart.join(
+        [
+            part
+            for part in parameters.instruction_parts or ()
+            if parameters.instruction_visibility_of(part) == "prefix"
+        ]
+    )
+    return [Message.system(text)] if text else []
+
+
 @dataclass
 class CompactionCapability(AbstractCapability[Any]):
     """Compacts the run's message history before each model request (``Agent(capabilities=[...])``)."""
@@ -783,6 +802,7 @@ class CompactionCapability(AbstractCapability[Any]):
                 # Only at the run's first request: the later ones add the run's own messages, no edit.
                 await self._follow(thread, messages, ids)
             self._followed(ctx.run_id)
+        await self.compactor.count_beside(thread, _instructions(request_context))
         context = await self._sync(thread, messages, ids, compact=True)
         if context is not None:
             rewritten = await _off_loop(len(context) + len(given), _rewritten, context, given)
