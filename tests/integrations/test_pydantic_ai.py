@@ -188,6 +188,22 @@ def test_parts_of_two_requests_come_back_as_two_requests() -> None:
     assert [m.run_id for m in rebuilt] == [None, "run-2"]
 
 
+def test_two_requests_alike_but_for_their_parts_come_back_as_two() -> None:
+    """Two requests an application built (no timestamp, no run) come back as two, each with its parts.
+
+    Fails on ab5d4d1: their request-level fields were equal, so the round trip merged them into one
+    request of two parts.
+    """
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    messages: list[ModelMessage] = [
+        ModelRequest(parts=[UserPromptPart("a", timestamp=at)]),
+        ModelRequest(parts=[UserPromptPart("b", timestamp=at), UserPromptPart("c", timestamp=at)]),
+        ModelResponse(parts=[TextPart("d")], timestamp=at),
+    ]
+    converted, _ = from_pydantic_ai(messages)
+    assert to_pydantic_ai(converted) == messages
+
+
 def test_the_summary_goes_back_as_a_marked_compaction_part() -> None:
     """A contextfold summary becomes a CompactionPart that converts back to a summary, never a user turn."""
     summary = Message.user(

@@ -110,9 +110,15 @@ def _user_content(content: Any) -> str | list[dict[str, Any]]:
     ]
 
 
-def _request_part(part: dict[str, Any], request: dict[str, Any]) -> tuple[Message, str | None]:
+def _request_part(
+    part: dict[str, Any], request: dict[str, Any], *, opens: bool = False
+) -> tuple[Message, str | None]:
+    """A request's part as a message; ``opens``: it is the request's first part (see ``to_pydantic_ai``)."""
     kind = part.get("part_kind")
-    metadata: dict[str, Any] = {_KEY: {"request": request, "part": part}}
+    stored: dict[str, Any] = {"request": request, "part": part}
+    if opens:
+        stored["opens"] = True
+    metadata: dict[str, Any] = {_KEY: stored}
     call_id = part.get("tool_call_id")
     if kind == "system-prompt":
         return Message(role=Role.SYSTEM, content=_text(part.get("content", "")), metadata=metadata), None
@@ -171,8 +177,8 @@ def from_pydantic_ai(messages: Sequence[ModelMessage]) -> tuple[list[Message], l
             ids.append(key)
             continue
         request = {name: value for name, value in data.items() if name != "parts"}
-        for part in data.get("parts", []):
-            converted, key = _request_part(part, request)
+        for n, part in enumerate(data.get("parts", [])):
+            converted, key = _request_part(part, request, opens=n == 0)
             out.append(converted)
             ids.append(key)
     return out, ids
@@ -211,6 +217,8 @@ def to_pydantic_ai(messages: Sequence[Message]) -> list[ModelMessage]:
     A part goes back into the request it came from: parts of two requests are
     two requests, as pydantic-ai recorded them (it merges them when it sends
     them), and parts contextfold wrote (a summary) are a request of their own.
+    A request's first part opens a new one, so two requests alike in all but
+    their parts (an application's own, with no timestamp or run) stay two.
     """
     tool_names = {call.id: call.name for message in messages for call in message.tool_calls}
     out: list[dict[str, Any]] = []
@@ -227,7 +235,8 @@ def to_pydantic_ai(messages: Sequence[Message]) -> list[ModelMessage]:
             part = _fresh_part(message, tool_names)
         request = stored.get("request")
         request = request if isinstance(request, dict) else None
-        if out and out[-1].get("kind") == "request" and origins[-1] == request:
+        opens = stored.get("opens") is True
+        if out and out[-1].get("kind") == "request" and origins[-1] == request and not opens:
             out[-1]["parts"].append(part)
         else:
             out.append({**(request or {"kind": "request"}), "parts": [part]})
