@@ -54,7 +54,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 import anyio
-from langchain.agents.middleware import AgentMiddleware, AgentState
+from langchain.agents.middleware import AgentMiddleware, AgentState, ModelRequest, ModelResponse
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import (
     AIMessage,
@@ -371,11 +371,15 @@ class CompactionMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
         self._last: OrderedDict[str, _Last] = OrderedDict()
         """Per thread, the list the last step saw or handed back: a state extending it made no edit."""
         self._last_lock = threading.Lock()  # ``before_model`` runs each step in a loop of its own
+        self._system: list[Message] = []
+        """The system prompt the agent sends beside the state's messages, as its last model call did."""
 
     async def _update(
         self, run: _Run, messages: Sequence[BaseMessage], *, compact: bool = True
     ) -> dict[str, Any] | None:
         thread = run.thread
+        if compact:
+            await self.compactor.count_beside(thread, self._system)
         ids = [message.id for message in messages]
         last = self._forget(thread)  # remembered again once this step is through, not if it fails
         converted = await _extended(last, messages)
@@ -454,6 +458,36 @@ class CompactionMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
         run = _run_of(self.thread)
         messages = list(state["messages"])
         return _run_blocking(lambda: self._update(run, messages))
+
+    async def awrap_model_call(
+        self,
+        request: ModelRequest[Any],
+        handler: Callable[[ModelRequest[Any]], Awaitable[ModelResponse[Any]]],
+    ) -> ModelResponse[Any] | AIMessage:
+        await self._count_system_prompt(_run_of(self.thread).thread, request.system_message)
+        return await handler(request)
+
+    def wrap_model_call(
+        self,
+        request: ModelRequest[Any],
+        handler: Callable[[ModelRequest[Any]], ModelResponse[Any]],
+    ) -> ModelResponse[Any] | AIMessage:
+        thread = _run_of(self.thread).thread
+        _run_blocking(lambda: self._count_system_prompt(thread, request.system_message))
+        return handler(request)
+
+    async def _count_system_prompt(self, thread: str, prompt: SystemMessage | None) -> None:
+        """Count ``create_agent``'s ``system_prompt`` toward the budget, as a pinned head is counted.
+
+        The agent sends it beside the state's messages, which ``before_model``
+        sees without it; a model call tells what it is. The checks from then on
+        count it (``Compactor.count_beside``), the thread's next one included;
+        only the first call of a process, before any was seen, goes without.
+        """
+        system = [from_langchain(prompt)] if prompt is not None else []
+        if system != self._system:
+            self._system = system
+            await self.compactor.count_beside(thread, system)
 
     async def aafter_agent(self, state: AgentState[Any], runtime: Runtime[Any]) -> dict[str, Any] | None:
         # The final answer comes after the last model call: record it before the run ends.

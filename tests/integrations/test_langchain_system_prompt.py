@@ -1,0 +1,79 @@
+"""CompactionMiddleware under ``create_agent(system_prompt=...)``: the prompt counts toward the budget."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import anyio
+import pytest
+from pydantic import Field
+
+from contextfold import Compactor, FunctionSummarizer, Message, RunOptions, SummarizeOptions
+from contextfold.stores import MemoryStore
+from contextfold.tokens import ApproximateCounter
+
+pytest.importorskip("langchain")
+
+from langchain.agents import create_agent
+from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
+from langchain_core.outputs import ChatGeneration, ChatResult
+
+from contextfold.integrations.langchain import CompactionMiddleware, from_langchain
+
+COUNTER = ApproximateCounter()
+BUDGET = 1_000
+OPTIONS = RunOptions(
+    max_history_tokens=4_000,
+    compaction=SummarizeOptions(trigger_token_budget=BUDGET, max_summary_tokens=100, min_recent_messages=2),
+)
+PROMPT = "You are helpful and cite each record. " + "rule " * 240  # about 300 tokens
+CONFIG: Any = {"configurable": {"thread_id": "t"}}
+
+
+class Sizing(GenericFakeChatModel):
+    """Answers with a 60-word reply; notes each request's tokens, system prompt included."""
+
+    sizes: list[int] = Field(default_factory=list)
+    texts: list[list[str]] = Field(default_factory=list)
+
+    def _generate(
+        self, messages: list[BaseMessage], stop: Any = None, run_manager: Any = None, **kw: Any
+    ) -> Any:
+        sent = [from_langchain(m) for m in messages]
+        self.sizes.append(COUNTER.count_messages(sent))
+        self.texts.append([m.text for m in sent])
+        reply = AIMessage("reply " + "pad " * 60)
+        return ChatResult(generations=[ChatGeneration(message=reply)])
+
+
+async def summarize(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+    return "summary of earlier turns"
+
+
+@pytest.mark.parametrize("call", ["ainvoke", "invoke"])
+async def test_the_agents_system_prompt_counts_toward_the_budget(call: Literal["ainvoke", "invoke"]) -> None:
+    """Twenty turns under a 1,000-token budget with a 300-token system prompt: every request within it.
+
+    The prompt goes to the model beside the state's messages, which the
+    middleware saw without it: requests after a fold reached 1,217 tokens, the
+    budget plus the whole prompt.
+    """
+    async with MemoryStore() as store:
+        compactor = Compactor(
+            store, options=OPTIONS, summarizer=FunctionSummarizer(summarize), counter=COUNTER
+        )
+        model = Sizing(messages=iter(()))
+        agent = create_agent(model, [], system_prompt=PROMPT, middleware=[CompactionMiddleware(compactor)])
+        for n in range(20):
+            turn = {"messages": [HumanMessage(f"q{n} " + "word " * 60)]}
+            if call == "ainvoke":
+                await agent.ainvoke(turn, CONFIG)
+            else:
+                await anyio.to_thread.run_sync(agent.invoke, turn, CONFIG)
+    prompt_tokens = COUNTER.count_messages([Message.system(PROMPT)])
+    assert prompt_tokens > 250
+    assert max(model.sizes) > 900  # the conversation grew to the budget: folds were due
+    assert max(model.sizes) <= BUDGET
+    assert model.texts[-1][0] == PROMPT and "summary of earlier turns" in model.texts[-1][1]
