@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from enum import StrEnum
@@ -447,7 +448,25 @@ def _sdk_data(payload: Any) -> Any:
         return payload.model_dump(mode="json", exclude_none=True)
     if isinstance(payload, str | bytes | Mapping) or not isinstance(payload, Iterable):
         return payload
-    return [_sdk_data(item) if isinstance(item, BaseModel) else item for item in payload]
+    return [_sdk_value(item) for item in payload]
+
+
+def _sdk_value(value: Any) -> Any:
+    """``value`` with the SDKs' objects in it as their JSON data, at any depth; itself if it holds none.
+
+    A turn built by hand often holds a reply's parts as they came (Anthropic's
+    ``{"role": "assistant", "content": response.content}``, an OpenAI reply's
+    ``tool_calls``).
+    """
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json", exclude_none=True)
+    if isinstance(value, Mapping):
+        converted = {key: _sdk_value(item) for key, item in value.items()}
+        return value if all(converted[key] is item for key, item in value.items()) else converted
+    if isinstance(value, list | tuple):
+        items = [_sdk_value(item) for item in value]
+        return value if all(map(operator.is_, items, value)) else items
+    return value
 
 
 def from_openai(payload: Iterable[Mapping[str, Any] | BaseModel]) -> list[Message]:

@@ -204,3 +204,53 @@ async def test_an_audio_reply_goes_back_as_its_id(httpserver: HTTPServer) -> Non
     await chat_llm(client, MODEL)([Message.user("hi"), reply, Message.user("again")])
     assert provider.bodies[0]["messages"][1] == {"role": "assistant", "audio": {"id": "audio_1"}}
     assert to_openai([reply])[0]["audio"] == audio
+
+
+def test_sdk_objects_inside_a_turn_built_by_hand_are_read_as_their_data() -> None:
+    """Anthropic's ``{"role": "assistant", "content": response.content}``, an OpenAI reply's ``tool_calls``.
+
+    Whole SDK messages were read, but their parts inside a dict were refused
+    ("must be an object, got TextBlock"), although that is how Anthropic's
+    own tool-use example builds the next request.
+    """
+    from anthropic.types import Message as AnthropicMessage
+    from openai.types.chat import ChatCompletionMessage
+
+    from contextfold import from_anthropic, from_openai
+
+    response = AnthropicMessage.model_validate(
+        {
+            "id": "msg_1",
+            "type": "message",
+            "role": "assistant",
+            "model": "claude-x",
+            "stop_reason": "tool_use",
+            "content": [
+                {"type": "text", "text": "Let me look."},
+                {"type": "tool_use", "id": "toolu_1", "name": "read_file", "input": {"path": "a.py"}},
+            ],
+            "usage": {"input_tokens": 1, "output_tokens": 1},
+        }
+    )
+    blocks = [block.model_dump(mode="json", exclude_none=True) for block in response.content]
+    nested = from_anthropic([{"role": "assistant", "content": response.content}])
+    assert nested == from_anthropic([{"role": "assistant", "content": blocks}])
+    assert nested[0].text == "Let me look."
+    assert [(c.id, c.name, c.parsed_arguments()) for c in nested[0].tool_calls] == [
+        ("toolu_1", "read_file", {"path": "a.py"})
+    ]
+
+    reply = ChatCompletionMessage.model_validate(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": "{}"}}
+            ],
+        }
+    )
+    assert reply.tool_calls is not None
+    calls = [call.model_dump(mode="json", exclude_none=True) for call in reply.tool_calls]
+    built = from_openai([{"role": "assistant", "content": None, "tool_calls": reply.tool_calls}])
+    assert built == from_openai([{"role": "assistant", "content": None, "tool_calls": calls}])
+    assert [(c.id, c.name) for c in built[0].tool_calls] == [("call_1", "read_file")]
