@@ -1276,6 +1276,48 @@ async def test_a_large_pinned_head_squeezes_the_summary_so_the_fold_ends_at_the_
     assert "protected recent turns" not in caplog.text
 
 
+@pytest.mark.parametrize(("head_words", "summarizer"), [(765, "extractive"), (795, "function")])
+async def test_a_head_that_leaves_no_room_for_a_summary_stalls_saying_so(
+    store: Any, head_words: int, summarizer: str
+) -> None:
+    """A pinned head just under the target: no summary the summarizer can write fits beside it.
+
+    With the default (extractive) summarizer the fold asked it for 31 tokens
+    and stalled on its error ("max_summary_tokens=31 cannot hold even the
+    section headings"), naming a size the user never set; another summarizer
+    was asked for a 1-token summary, and the fold ended over the target.
+    """
+    asked: list[int] = []
+
+    async def terse(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        asked.append(limit)
+        return "fact " * limit
+
+    counter = ApproximateCounter()
+    options = SummarizeOptions(trigger_token_budget=2_000, min_recent_messages=0, min_recent_turns=1)
+    chosen = {"summarizer": FunctionSummarizer(terse)} if summarizer == "function" else {}
+    compactor = Compactor(store, options=options, counter=counter, log_events=False, **chosen)
+    head = Message.system(_words(head_words, "rule"))
+    await compactor.append(THREAD, [head])
+    pinned = counter.count(head)
+    while (await store.stats(THREAD)).total_tokens <= 2_000:
+        await compactor.append(THREAD, [Message.user(_words(25))])
+    before = await compactor.context(THREAD)
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and not result.compacted
+    framing = counter.count(Message.user(SUMMARY_PREFIX))
+    least = framing + (1 if summarizer == "function" else compactor._least_summary(compactor.settings))
+    left = 1_000 - pinned
+    assert result.detail == (
+        f"the pinned head alone holds {pinned} tokens, leaving {left} token{'' if left == 1 else 's'} "
+        f"under the 1000-token target for a summary that needs at least {least} (its {framing}-token "
+        "framing included), so no fold can get under it; shorten the system prompt, lower keep_first, "
+        "or raise the target"
+    )
+    assert asked == []
+    assert await compactor.context(THREAD) == before == (await store.load(THREAD)).plain
+
+
 async def test_a_large_pinned_head_squeezes_the_summary_beside_the_protected_turn(
     store: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

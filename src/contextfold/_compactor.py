@@ -1738,17 +1738,38 @@ class Compactor:
         target = settings.target
         pinned_len = len(plan.pinned)
         body_start = pinned_len + (1 if plan.previous_summary is not None else 0)
+        head = f"the pinned head alone holds {plan.pinned_tokens} tokens" + (
+            f" (and the provider adds {overhead})" if overhead else ""
+        )
+        fix = "shorten the system prompt, lower keep_first, or raise the target"
         if target is not None and plan.pinned_tokens + overhead >= target and not recovery:
             return await self._stall(
                 thread,
                 reason,
                 total,
                 settings,
-                f"the pinned head alone holds {plan.pinned_tokens} tokens"
-                + (f" (and the provider adds {overhead})" if overhead else "")
-                + f", at or over the {target}-token target, so no fold can get under it; shorten the "
-                "system prompt, lower keep_first, or raise the target",
+                f"{head}, at or over the {target}-token target, so no fold can get under it; {fix}",
             )
+        framing = 0
+        if settings.summarize and plan.dropped:
+            # The summary message's framing (its prefix and role) counts in the context: the
+            # summarizer is asked for the text, at most max_summary_tokens of it.
+            framing = self.counter.count(self._summary_frame(settings))
+            least = self._least_summary(settings, first_only=True)
+            left = 0 if target is None else target - plan.pinned_tokens - overhead
+            if target is not None and left < framing + least and not recovery:
+                # No summary the summarizer asked first can write fits beside the head: asking it for
+                # less fails (the extractive summarizer) or is asking for nothing.
+                return await self._stall(
+                    thread,
+                    reason,
+                    total,
+                    settings,
+                    f"{head}, leaving {left} token{'' if left == 1 else 's'} under the {target}-token "
+                    "target for a summary that "
+                    f"needs at least {framing + least} (its {framing}-token framing included), so no "
+                    f"fold can get under it; {fix}",
+                )
         kept = list(plan.kept)
         truncated = self._cap_tool_outputs(kept, settings, total)
         kept_start = body_start + len(plan.dropped)
@@ -1766,9 +1787,6 @@ class Compactor:
         new_head: list[Message] = list(plan.pinned)
         summary_tokens = 0
         if settings.summarize and plan.dropped:
-            # The summary message's framing (its prefix and role) counts in the context: the
-            # summarizer is asked for the text, at most max_summary_tokens of it.
-            framing = self.counter.count(self._summary_frame(settings))
             room = settings.max_summary_tokens
             if target is not None:
                 head_room = target - plan.pinned_tokens - overhead - framing
@@ -2282,17 +2300,18 @@ class Compactor:
         )
         return summary.model_copy(update={"degraded": True})
 
-    def _least_summary(self, settings: Settings) -> int:
+    def _least_summary(self, settings: Settings, *, first_only: bool = False) -> int:
         """The least room a fold gives its summary: what the extractive summarizer needs, if it is asked.
 
         Its section headings and as much again for lines (at less it fails, or
-        writes headings alone); 1 for any other summarizer.
+        writes headings alone); 1 for any other summarizer. ``first_only``: of
+        the summarizer asked first, not of the fallback.
         """
         from .summarizers import ExtractiveSummarizer
 
         asked = (
             [self.summarizer, self.fallback]
-            if settings.on_summarizer_error == "fallback"
+            if settings.on_summarizer_error == "fallback" and not first_only
             else [self.summarizer]
         )
         needs = [2 * s.least_summary_tokens() for s in asked if isinstance(s, ExtractiveSummarizer)]
