@@ -832,7 +832,7 @@ def test_a_sqlite_url_without_a_store_is_refused_too(tmp_path: Path) -> None:
     result = cli("threads", f"sqlite:///{db}")
     assert result.returncode == 1
     assert result.stderr.splitlines() == [
-        f"Error: url='sqlite:///{db}': holds no contextfold store: {_NOT_A_STORE['app']}; pass the SQLite "
+        f"Error: STORE 'sqlite:///{db}': holds no contextfold store: {_NOT_A_STORE['app']}; pass the SQLite "
         "file a contextfold run wrote (only `contextfold demo` creates one)"
     ]
     assert hashlib.sha256(db.read_bytes()).hexdigest() == before
@@ -1044,3 +1044,39 @@ def test_a_stall_after_a_failed_summarizer_says_the_summarizer_failed() -> None:
     assert _stall_line(result, _options(12_000)) == (
         "nothing folded in 't': the summarizer failed (SummarizerError: HTTP 503)"
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (
+            ["threads", "mysql://x"],
+            "Error: STORE 'mysql://x': has the unsupported scheme 'mysql'; use sqlite:///PATH, a file path, "
+            "or postgresql://USER@HOST/DB",
+        ),
+        (
+            ["demo", "--db", "mysql://x", "--steps", "2"],
+            "Error: --db 'mysql://x': has the unsupported scheme 'mysql'; use sqlite:///PATH, a file path, "
+            "or postgresql://USER@HOST/DB",
+        ),
+        (
+            ["threads", ""],
+            "Error: STORE '': must name a store: sqlite:///PATH, a file path, or postgresql://USER@HOST/DB",
+        ),
+        (
+            ["threads", "postgresql://u:secretpw@127.0.0.1:1/x?bogus=1"],
+            "Error: STORE 'postgresql://u:***@127.0.0.1:1/x?bogus=1': is not a valid PostgreSQL connection "
+            'string (invalid URI query parameter: "bogus"); use a postgresql:// (or postgres://) URL such as '
+            "postgresql://user:password@host:5432/dbname",
+        ),
+    ],
+)
+def test_a_store_it_cannot_open_is_named_by_the_argument_that_gave_it(args: list[str], said: str) -> None:
+    """The library's ``url=``/``dsn=`` in a store error is the command's STORE (or demo's --db).
+
+    ``demo --db mysql://x`` said "url='mysql://x'", a keyword the command has
+    none of, and an empty STORE said "no database at : ...".
+    """
+    result = cli(*args)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [said]

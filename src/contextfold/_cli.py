@@ -158,16 +158,19 @@ def _cli_words(text: str, store_flag: str = "STORE") -> str:
     return text
 
 
-def _store(url: str, *, create: bool = False) -> Store:
+def _store(url: str, *, create: bool = False, store_flag: str = "STORE") -> Store:
+    """The store ``url`` names; ``store_flag`` is the argument that gave it, which an error names."""
     try:
         return open_store(url, create=create)
     except ConfigError as exc:
-        if exc.key == "url" and not create and "://" not in url:
+        if exc.key == "url" and not create and "://" not in url and url.strip():
             if not Path(url).is_file():
                 raise click.ClickException(
                     f"no database at {url}: pass the SQLite file a run wrote"
                 ) from None
             raise click.ClickException(f"{url} {exc.reason}") from None
+        if exc.key in ("url", "dsn"):  # the library's keyword is this command's argument
+            raise click.ClickException(_hidden(f"{store_flag} {url!r}: {exc.reason}", url)) from None
         raise click.ClickException(_hidden(str(exc), url)) from None
     except ImportError as exc:
         raise click.ClickException(str(exc)) from None
@@ -388,7 +391,7 @@ def demo(
         os.close(handle)  # SQLite takes an empty file for an empty database
     counter = TiktokenCounter()
     try:
-        store = _store(db, create=True)  # opened, and a SQLite file created, only by the session
+        store = _store(db, create=True, store_flag="--db")  # opened (a SQLite file created) by the session
         if not temporary and isinstance(store, SQLiteStore):
             _require_demo_file(db, store.path)
         compactor = _compactor(store, budget, chosen, counter)
