@@ -2055,6 +2055,27 @@ async def test_an_abandoned_call_is_closed_by_checks_of_a_loop_that_never_reads_
     assert [m.tool_call_id or m.text for m in logged] == ["go", "", "u0", "u1", "A", "u2"]
 
 
+async def test_workers_taking_turns_on_a_thread_read_its_context_once_each_for_their_checks(
+    store: Any,
+) -> None:
+    """Two compactors on one store, each a loop that appends then checks (never ``context()``).
+
+    The other worker's write drops a compactor's cached context, and the
+    check that reads it to close abandoned calls read the whole thread again
+    at every step (20 whole reads in 20 no-op checks). It reads it once per
+    process, as a restart's first check must.
+    """
+    options = SummarizeOptions(trigger_token_budget=500_000)
+    workers = [Compactor(store, options=options, counter=ApproximateCounter()) for _ in range(2)]
+    await workers[0].append(THREAD, [Message.user(f"m{n}") for n in range(200)])
+    reads = counted_reads(store)
+    for n in range(20):
+        worker = workers[n % 2]
+        await worker.append(THREAD, [Message.user(f"q{n}"), Message.assistant(f"a{n}")])
+        assert await worker.maybe_compact(THREAD) is None
+    assert reads.count("tail") + reads.count("load") <= 2
+
+
 async def test_a_second_abandoned_call_is_closed_after_the_first_numbered_a_row_0(store: Any) -> None:
     """Two calls abandoned one after the other on a never-folded thread: both get their result in place.
 

@@ -1006,10 +1006,11 @@ class Compactor:
         if reason is None:
             # A call still unanswered: abandoned yet? (With no fold to make, no fold would close it.)
             if self._store is not None:
-                if cache is None:
-                    # Never read here (a loop that builds its requests itself) or another writer's
-                    # rows since: read as context() would; the step's appends keep it current.
+                if cache is None and thread not in self._reckoned:
+                    # Never read in this process (a loop that builds its requests itself): read it
+                    # once, as context() would; the step's appends keep it current from then on.
                     cache = await self._fresh_cache(thread)
+                    self._note_reckoned(thread)
                 if cache is not None and _may_be_abandoned(cache, settings):
                     await self._close_abandoned(thread, cache.snapshot(), cache.version, settings)
             elif self._unanswered.get(thread) or thread not in self._reckoned:
@@ -1591,16 +1592,20 @@ class Compactor:
         rows = _Rows.of(stored)
         self._unanswered.pop(thread, None)
         self._passed.pop(thread, None)
-        self._reckoned[thread] = None  # calls made before this process (or by others) are known now
-        self._reckoned.move_to_end(thread)
-        while len(self._reckoned) > _CACHED_THREADS:
-            self._reckoned.popitem(last=False)
+        self._note_reckoned(thread)
         messages = rows.messages
         for index, call in rows.unanswered():
             self._unanswered.setdefault(thread, Counter())[call.id] += 1
             if any(m.role is not _TOOL for m in messages[index + 1 :]):
                 self._passed.setdefault(thread, set()).add(call.id)
         return rows
+
+    def _note_reckoned(self, thread: str) -> None:
+        """Calls made before this process (or by others) are known now: a check read the thread."""
+        self._reckoned[thread] = None
+        self._reckoned.move_to_end(thread)
+        while len(self._reckoned) > _CACHED_THREADS:
+            self._reckoned.popitem(last=False)
 
     def _track_unanswered(self, thread: str, messages: Sequence[Message]) -> None:
         """Note the calls ``messages`` make, the results they give and what follows them (two stores only)."""
