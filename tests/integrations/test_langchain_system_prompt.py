@@ -17,8 +17,10 @@ pytest.importorskip("langchain")
 
 from langchain.agents import create_agent
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
+from langchain_core.tools import tool
+from langgraph.checkpoint.memory import InMemorySaver
 
 from contextfold.integrations.langchain import CompactionMiddleware, from_langchain
 
@@ -77,3 +79,66 @@ async def test_the_agents_system_prompt_counts_toward_the_budget(call: Literal["
     assert max(model.sizes) > 900  # the conversation grew to the budget: folds were due
     assert max(model.sizes) <= BUDGET
     assert model.texts[-1][0] == PROMPT and "summary of earlier turns" in model.texts[-1][1]
+
+
+class Delegating(GenericFakeChatModel):
+    """The outer agent's model: asks its sub-agent, then answers; notes each request's tokens."""
+
+    sizes: list[int] = Field(default_factory=list)
+
+    def bind_tools(self, tools: Any, **kw: Any) -> Any:
+        return self
+
+    def _generate(
+        self, messages: list[BaseMessage], stop: Any = None, run_manager: Any = None, **kw: Any
+    ) -> Any:
+        self.sizes.append(COUNTER.count_messages([from_langchain(m) for m in messages]))
+        n = len(self.sizes)
+        if isinstance(messages[-1], ToolMessage):
+            reply = AIMessage("reply " + "pad " * 60, id=f"out-{n}")
+        else:
+            call = {"name": "ask", "args": {"q": "x"}, "id": f"call-{n}"}
+            reply = AIMessage("", tool_calls=[call], id=f"out-{n}")
+        return ChatResult(generations=[ChatGeneration(message=reply)])
+
+
+class Expert(GenericFakeChatModel):
+    """The sub-agent's model: a 100-word answer."""
+
+    def _generate(
+        self, messages: list[BaseMessage], stop: Any = None, run_manager: Any = None, **kw: Any
+    ) -> Any:
+        return ChatResult(generations=[ChatGeneration(message=AIMessage("expert says " + "fact " * 100))])
+
+
+async def test_a_middleware_shared_with_a_sub_agent_counts_each_agents_own_prompt() -> None:
+    """One middleware for an agent without a system prompt and its sub-agent with a 560-token one.
+
+    The middleware kept one prompt for every agent: after each sub-agent run
+    the outer agent's check counted the sub-agent's prompt, over the target,
+    and stalled, so 33 of its 40 requests went over the budget (up to 5,292).
+    """
+    async with MemoryStore() as store:
+        compactor = Compactor(
+            store, options=OPTIONS, summarizer=FunctionSummarizer(summarize), counter=COUNTER
+        )
+        middleware = CompactionMiddleware(compactor)
+        inner = create_agent(
+            Expert(messages=iter(())),
+            [],
+            system_prompt="You are an expert. " + "rule " * 450,
+            middleware=[middleware],
+        )
+
+        @tool
+        async def ask(q: str) -> str:
+            """Ask the sub-agent."""
+            state = await inner.ainvoke({"messages": [HumanMessage(q)]})
+            return str(state["messages"][-1].text)
+
+        model = Delegating(messages=iter(()))
+        outer = create_agent(model, [ask], middleware=[middleware], checkpointer=InMemorySaver())
+        for n in range(20):
+            await outer.ainvoke({"messages": [HumanMessage(f"q{n} " + "word " * 60)]}, CONFIG)
+    assert len(model.sizes) == 40
+    assert max(model.sizes) <= BUDGET

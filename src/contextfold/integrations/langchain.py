@@ -371,15 +371,13 @@ class CompactionMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
         self._last: OrderedDict[str, _Last] = OrderedDict()
         """Per thread, the list the last step saw or handed back: a state extending it made no edit."""
         self._last_lock = threading.Lock()  # ``before_model`` runs each step in a loop of its own
-        self._system: list[Message] = []
-        """The system prompt the agent sends beside the state's messages, as its last model call did."""
+        self._systems: OrderedDict[str, list[Message]] = OrderedDict()
+        """Per thread, the system prompt its agent sends beside the state's messages, as last seen."""
 
     async def _update(
         self, run: _Run, messages: Sequence[BaseMessage], *, compact: bool = True
     ) -> dict[str, Any] | None:
         thread = run.thread
-        if compact:
-            await self.compactor.count_beside(thread, self._system)
         ids = [message.id for message in messages]
         last = self._forget(thread)  # remembered again once this step is through, not if it fails
         converted = await _extended(last, messages)
@@ -480,13 +478,19 @@ class CompactionMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
         """Count ``create_agent``'s ``system_prompt`` toward the budget, as a pinned head is counted.
 
         The agent sends it beside the state's messages, which ``before_model``
-        sees without it; a model call tells what it is. The checks from then on
-        count it (``Compactor.count_beside``), the thread's next one included;
-        only the first call of a process, before any was seen, goes without.
+        sees without it; a model call tells what it is. The thread's checks from
+        then on count it (``Compactor.count_beside``); only a thread's first
+        model call in a process goes without. Each thread has its own: a
+        middleware shared by an agent and its sub-agents counts each one's.
         """
         system = [from_langchain(prompt)] if prompt is not None else []
-        if system != self._system:
-            self._system = system
+        with self._last_lock:
+            known = self._systems.get(thread)
+            self._systems[thread] = system
+            self._systems.move_to_end(thread)
+            while len(self._systems) > _REMEMBERED_THREADS:
+                self._systems.popitem(last=False)
+        if known != system:
             await self.compactor.count_beside(thread, system)
 
     async def aafter_agent(self, state: AgentState[Any], runtime: Runtime[Any]) -> dict[str, Any] | None:
