@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import Any, NamedTuple, Self
+from typing import Any, NamedTuple, Self, cast
 
 import anyio
 from anyio.abc import TaskGroup
@@ -67,7 +67,15 @@ from ._strategies import CompactionPlan, SlidingWindow, Strategy, _bounds, split
 from ._telemetry import Telemetry, error_type
 from ._tokens import TiktokenCounter, TokenCounter, check_counter
 from ._trusted import trusted
-from .stores._base import ContextWindow, EpisodicStore, ShortTermStore, Store, StoredMessage, ThreadStats
+from .stores._base import (
+    ContextWindow,
+    EpisodicStore,
+    ShortTermStore,
+    Store,
+    StoredMessage,
+    ThreadStats,
+    implements,
+)
 from .stores._rows import (
     FIRST_SEQ,
     PREPARE_ON_LOOP_CHARS,
@@ -641,21 +649,22 @@ class Compactor:
 
         short = short_term if short_term is not None else store
         log = episodic if episodic is not None else store
-        if not isinstance(short, ShortTermStore):
+        if not implements(short, ShortTermStore):
             raise ConfigError(
                 "short_term" if short_term is not None else "store",
                 "must implement ShortTermStore; pass a MemoryStore, SQLiteStore or PostgresStore",
                 value=short,
             )
-        if not isinstance(log, EpisodicStore):
+        if not implements(log, EpisodicStore):
             raise ConfigError(
                 "episodic" if episodic is not None else "store",
                 "must implement EpisodicStore; pass a MemoryStore, SQLiteStore or PostgresStore",
                 value=log,
             )
-        self.short_term: ShortTermStore = short
-        self.episodic: EpisodicStore = log
-        self._store: Store | None = short if short is log and isinstance(short, Store) else None  # type: ignore[comparison-overlap]
+        self.short_term: ShortTermStore = cast(ShortTermStore, short)
+        self.episodic: EpisodicStore = cast(EpisodicStore, log)
+        bundled = short is log and implements(short, Store)  # type: ignore[comparison-overlap]
+        self._store: Store | None = cast(Store, short) if bundled else None
         self.options = options
         self.settings: Settings | None = resolve_settings(options, trigger, strategy)
         if counter is not None:

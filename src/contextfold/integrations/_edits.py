@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from .._compactor import Compactor
 from .._episodes import Episode, HistoryClearedEpisode, MessagesRetractedEpisode, conversation, episode_for
@@ -32,7 +32,7 @@ from .._errors import ConflictError
 from .._messages import Message
 from .._sync import _seen, content_hash, message_key
 from .._threads import holding
-from ..stores._base import ContextWindow, Store, StoredMessage
+from ..stores._base import ContextWindow, Store, StoredMessage, implements
 from ..stores._rows import off_loop_if_heavy
 
 __all__ = ["Edit", "Plan", "Row", "follow", "kept", "said", "withdrawal"]
@@ -181,8 +181,8 @@ async def _record(compactor: Compactor, thread: str, episodes: Sequence[Episode]
     if not episodes:
         return
     log = compactor.episodic
-    if isinstance(log, Store):
-        await log.record_and_append(thread, episodes, [], [])
+    if implements(log, Store):
+        await cast(Store, log).record_and_append(thread, episodes, [], [])
     else:
         for episode in episodes:
             await log.record(thread, episode)

@@ -357,3 +357,16 @@ class Store(ShortTermStore, EpisodicStore, Protocol):
     async def threads(self) -> list[ThreadInfo]:
         """Every thread with a working context or a log, by last activity, newest first."""
         ...
+
+
+def implements(value: object, protocol: type) -> bool:
+    """``isinstance(value, protocol)``, also for a wrapper that forwards its attributes (``__getattr__``).
+
+    From Python 3.12 a runtime protocol's check looks attributes up
+    statically and misses forwarded ones (a logging or metrics proxy around
+    a store); the protocol's members are then looked up as a call would.
+    """
+    if isinstance(value, protocol):
+        return True
+    members = getattr(protocol, "__protocol_attrs__", None)
+    return members is not None and all(hasattr(value, name) for name in members)
