@@ -817,10 +817,16 @@ class PostgresStore(AsyncResource):
             else:
                 await _outcome(done)
                 return
-        # Its background tasks ended with it: the close still closes the connections, then
-        # fails to wait for those tasks on a closed loop.
-        with contextlib.suppress(RuntimeError):
+        # Its background tasks ended with it: the close fails to wait for those tasks on a closed
+        # loop, with RuntimeError (Python 3.11) or, from 3.12, a CancelledError that is not ours.
+        try:
             await pool.close(timeout=_CLOSE_SECONDS)
+        except RuntimeError:
+            pass
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
 
     async def __aenter__(self) -> Self:
         await self.open()
