@@ -142,3 +142,29 @@ async def test_a_middleware_shared_with_a_sub_agent_counts_each_agents_own_promp
             await outer.ainvoke({"messages": [HumanMessage(f"q{n} " + "word " * 60)]}, CONFIG)
     assert len(model.sizes) == 40
     assert max(model.sizes) <= BUDGET
+
+
+async def test_a_dynamic_prompt_listed_before_the_middleware_counts_toward_the_budget() -> None:
+    """``middleware=[dynamic_prompt, CompactionMiddleware(...)]``, as the README says to list them.
+
+    The compaction middleware sees the model call as the middleware listed
+    before it left it, so a prompt set there is counted: every request stays
+    within the budget.
+    """
+    from langchain.agents.middleware import ModelRequest, dynamic_prompt
+
+    @dynamic_prompt
+    def prompt(request: ModelRequest[Any]) -> str:
+        return PROMPT
+
+    async with MemoryStore() as store:
+        compactor = Compactor(
+            store, options=OPTIONS, summarizer=FunctionSummarizer(summarize), counter=COUNTER
+        )
+        model = Sizing(messages=iter(()))
+        agent = create_agent(model, [], middleware=[prompt, CompactionMiddleware(compactor)])
+        for n in range(20):
+            await agent.ainvoke({"messages": [HumanMessage(f"q{n} " + "word " * 60)]}, CONFIG)
+    assert max(model.sizes) > 900
+    assert max(model.sizes) <= BUDGET
+    assert model.texts[-1][0] == PROMPT

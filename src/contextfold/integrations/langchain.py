@@ -360,6 +360,11 @@ class CompactionMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
     The thread is the run config's ``thread_id`` (with a sub-agent's namespace,
     see the module's docstring) unless ``thread`` is given; a given ``thread``
     is used as it is wherever the agent runs, so give each agent its own.
+
+    The agent's system prompt counts toward the budget as the model call
+    receives it from this middleware: list this one after any middleware
+    that changes the prompt (``@dynamic_prompt``), which wraps the model call
+    inside the ones before it.
     """
 
     def __init__(self, compactor: Compactor, *, thread: str | None = None) -> None:
