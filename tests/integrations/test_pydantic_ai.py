@@ -473,3 +473,41 @@ async def test_an_abandoned_calls_result_written_beside_a_new_prompt_records_not
     kept = ["call_1", closed, *turn[2]] if keep == 10 else turn[2][1:]
     assert first[1:] == [*kept, *turn[3], prompts[4]]
     assert second == [*first, "call_4", "record 4"]
+
+
+async def test_an_output_retry_counts_as_the_text_the_model_is_sent() -> None:
+    """An output validator's ``ModelRetry``: the model reads pydantic-ai's feedback around its message.
+
+    The retry part was counted as its bare ``content`` ("say it again"),
+    while pydantic-ai sends it wrapped in about 40 tokens of instructions,
+    so requests with retries went over the budget unseen.
+    """
+    from pydantic_ai import ModelRetry
+
+    sent: list[str] = []
+
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        for part in messages[-1].parts:  # pydantic-ai renders the retry as the model is to read it
+            content = getattr(part, "content", None)
+            if isinstance(content, str) and "say it again" in content:
+                sent.append(content)
+        return ModelResponse(parts=[TextPart("the answer")])
+
+    async with MemoryStore() as store:
+        c = compactor(store)
+        bot: Agent[None, str] = Agent(FunctionModel(model), capabilities=[CompactionCapability(c)])
+        tried: list[str] = []
+
+        @bot.output_validator
+        def check(output: str) -> str:
+            if not tried:
+                tried.append(output)
+                raise ModelRetry("say it again")
+            return output
+
+        await bot.run("question", conversation_id="c")
+        await bot.run("again", conversation_id="c", message_history=[])
+        context = await c.context("c")
+    assert sent and "say it again" in sent[0] and len(sent[0]) > len("say it again") * 3
+    retry = [m for m in context if "say it again" in m.text]
+    assert [m.text for m in retry] == sent[:1]

@@ -46,6 +46,7 @@ native tool calls, kinds newer than this module — comes back as it was.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import re
 import threading
@@ -55,7 +56,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
 from pydantic_ai import AgentRunResult
+from pydantic_ai import messages as pydantic_ai_messages
 from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.messages import (
     InstructionPart,
@@ -132,12 +135,37 @@ def _request_part(
     if kind in _RETURN_KINDS and call_id and (kind != "retry-prompt" or part.get("tool_name")):
         if kind == "retry-prompt" or part.get("outcome", "success") != "success":
             metadata[TOOL_ERROR_METADATA_KEY] = True
-        message = Message(
-            role=Role.TOOL, content=_text(part.get("content", "")), tool_call_id=call_id, metadata=metadata
-        )
+        content = _rendered(part) or _text(part.get("content", ""))
+        message = Message(role=Role.TOOL, content=content, tool_call_id=call_id, metadata=metadata)
         return message, f"pydantic_ai.result:{call_id}"
     # A retry without a tool, or a part kind this module does not know: the model reads it as user text.
-    return Message(role=Role.USER, content=_text(part.get("content", part)), metadata=metadata), None
+    content = _rendered(part) or _text(part.get("content", part))
+    return Message(role=Role.USER, content=content, metadata=metadata), None
+
+
+@functools.cache
+def _retry_parts(kind: str) -> TypeAdapter[Any] | None:
+    """The type of a retry part of ``kind`` (``RetryFeedbackPart`` is newer than some releases)."""
+    part = {"retry-prompt": "RetryPromptPart", "retry-feedback": "RetryFeedbackPart"}.get(kind)
+    found = getattr(pydantic_ai_messages, part, None) if part is not None else None
+    return TypeAdapter(found) if found is not None else None
+
+
+def _rendered(part: dict[str, Any]) -> str | None:
+    """The text pydantic-ai sends the model for a retry part, which wraps its ``content`` in instructions.
+
+    Counted as that text, a retry costs what the request carries; ``None``
+    for any other part, or one this release of pydantic-ai cannot read.
+    """
+    kind = part.get("part_kind")
+    adapter = _retry_parts(kind) if isinstance(kind, str) else None
+    if adapter is None:
+        return None
+    try:
+        text = adapter.validate_python(part).model_response()
+    except (ValidationError, TypeError, ValueError, AttributeError):
+        return None
+    return text if isinstance(text, str) else None
 
 
 def _response(data: dict[str, Any]) -> tuple[Message, str | None]:
