@@ -12,6 +12,7 @@ from werkzeug import Request, Response
 
 from contextfold import Compactor, Message, StepLoop, conversation
 from contextfold._messages import to_openai
+from contextfold.loop import TextDelta
 from contextfold.stores import MemoryStore
 
 from .scenario import MODEL, FakeProvider
@@ -254,3 +255,73 @@ def test_sdk_objects_inside_a_turn_built_by_hand_are_read_as_their_data() -> Non
     built = from_openai([{"role": "assistant", "content": None, "tool_calls": reply.tool_calls}])
     assert built == from_openai([{"role": "assistant", "content": None, "tool_calls": calls}])
     assert [(c.id, c.name) for c in built[0].tool_calls] == [("call_1", "read_file")]
+
+
+ANSWER = "The answer is forty-two."
+
+
+class CuttingProvider(FakeProvider):
+    """The fake provider, whose first stream ends cleanly right before its end marker: a cut reply."""
+
+    cut = False
+
+    def __call__(self, request: Request) -> Response:
+        response = super().__call__(request)
+        if self.cut or response.mimetype != "text/event-stream":
+            return response
+        self.cut = True
+        marker = '"finish_reason": "' if self.api == "openai" else "event: message_delta"
+        events = response.get_data(as_text=True).split("\n\n")
+        end = next(index for index, event in enumerate(events) if marker in event)
+        return Response("".join(f"{event}\n\n" for event in events[:end]), content_type="text/event-stream")
+
+
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+async def test_a_stream_cut_before_its_end_raises_and_records_no_reply(
+    api: str, httpserver: HTTPServer
+) -> None:
+    """A stream that ends before its finish_reason or message_stop raises, and no part of its reply is logged.
+
+    Before, the text received was recorded as the whole reply and the run ended clean. The next, whole
+    stream on the thread records as it always did.
+    """
+    provider = CuttingProvider(api, script=lambda messages: Message.assistant(ANSWER))
+    if api == "openai":
+        from openai import APIConnectionError, AsyncOpenAI
+
+        from contextfold.integrations.openai import chat_llm
+
+        path, marker = "/v1/chat/completions", "finish_reason"
+        client = AsyncOpenAI(base_url=httpserver.url_for("/v1"), api_key="sk-test", max_retries=0)
+        llm: Any = chat_llm(client, MODEL)
+    else:
+        from anthropic import APIConnectionError, AsyncAnthropic
+
+        from contextfold.integrations.anthropic import chat_llm as anthropic_llm
+
+        path, marker = "/v1/messages", "message_stop"
+        llm = anthropic_llm(
+            AsyncAnthropic(base_url=httpserver.url_for("/"), api_key="sk-test", max_retries=0), MODEL
+        )
+    httpserver.expect_request(path, method="POST").respond_with_handler(provider)
+    async with MemoryStore() as store:
+        compactor = Compactor(store)
+        loop = StepLoop(compactor)
+        events: list[Any] = []
+        with pytest.raises(APIConnectionError, match=f"{marker}.*cut short"):
+            async for event in loop.stream("t", "question", llm=llm.stream):
+                events.append(event)
+        assert all(isinstance(event, TextDelta) for event in events)
+        assert "".join(event.text for event in events) == ANSWER
+        kinds = [r.episode.kind async for r in compactor.episodic.replay("t")]
+        assert kinds == ["user_message"]
+        assert await compactor.context("t") == [Message.user("question")]
+        async for _ in loop.stream("t", "again", llm=llm.stream):
+            pass
+        logged = conversation([r async for r in compactor.episodic.replay("t")])
+    assert [(m.role.value, m.text) for m in logged] == [
+        ("user", "question"),
+        ("user", "again"),
+        ("assistant", ANSWER),
+    ]
+    assert {m.role.value for m in provider.requests[1]} == {"user"}

@@ -10,6 +10,10 @@ Each reply is a :class:`~contextfold._loop.Reply` carrying the model that
 answered and its token usage, which the step loop records in the log. A
 reply with no content (an empty ``end_turn``) is recorded, and left out of
 later requests, which the Messages API would refuse with it.
+
+A stream that ends before its ``message_stop`` (the server closed it early)
+raises ``anthropic.APIConnectionError``, as a blocking call whose body is cut
+does, so the step loop records no part of the reply.
 """
 
 from __future__ import annotations
@@ -86,9 +90,22 @@ class AnthropicChatLLM:
 
     async def stream(self, messages: list[Message]) -> AsyncIterator[str | ToolCall | Reply]:
         """The reply as text deltas, then the whole reply with its model and usage."""
+        stopped = False
+        text = 0
         async with self.client.messages.stream(**self._request(messages)) as events:
-            async for text in events.text_stream:
-                yield text
+            async for event in events:
+                if event.type == "content_block_delta" and event.delta.type == "text_delta":
+                    text += len(event.delta.text)
+                    yield event.delta.text
+                stopped = stopped or event.type == "message_stop"
+            if not stopped:
+                from anthropic import APIConnectionError
+
+                raise APIConnectionError(
+                    message="the Messages stream ended before its message_stop event: the reply was cut "
+                    f"short ({text} characters of text received)",
+                    request=events.response.request,
+                )
             final = await events.get_final_message()
         yield self._reply(final)
 

@@ -10,6 +10,10 @@ Each reply is a :class:`~contextfold._loop.Reply` carrying the model that
 answered and its token usage, which the step loop records in the log, as
 the API returned it (a streamed reply as the blocking call would have). Later
 requests send it back as the request schema has it, without ``annotations``.
+
+A stream that ends before its ``finish_reason`` (the server closed it early)
+raises ``openai.APIConnectionError``, as a blocking call whose body is cut
+does, so the step loop records no part of the reply.
 """
 
 from __future__ import annotations
@@ -103,12 +107,14 @@ class OpenAIChatLLM:
         calls: dict[int, dict[str, str]] = {}
         model: str | None = None
         usage: Usage | None = None
+        finished = False
         chunks = await self.client.chat.completions.create(**request)
         async with chunks:
             async for chunk in chunks:
                 model = chunk.model or model
                 usage = _usage(chunk.usage) or usage
                 for choice in chunk.choices:
+                    finished = finished or choice.finish_reason is not None
                     delta = choice.delta
                     if delta.content:
                         text.append(delta.content)
@@ -121,6 +127,14 @@ class OpenAIChatLLM:
                         if part.function is not None:
                             call["name"] += part.function.name or ""
                             call["arguments"] += part.function.arguments or ""
+        if not finished:
+            from openai import APIConnectionError
+
+            raise APIConnectionError(
+                message="the Chat Completions stream ended before a chunk with a finish_reason: the reply "
+                f"was cut short ({sum(map(len, text))} characters of text, {len(calls)} tool calls received)",
+                request=chunks.response.request,
+            )
         # The message a blocking call would have returned, without its unset fields, parsed as that one is.
         message: dict[str, Any] = {"role": "assistant"}
         if text:
