@@ -462,6 +462,36 @@ async def test_oversized_tool_output_is_cut_with_a_marker(store: Any) -> None:
     assert original[0].text == "x" * 8000
 
 
+async def test_a_tool_output_is_cut_by_its_text_and_keeps_its_images_whole(store: Any) -> None:
+    """A tool output of parts over max_tool_output_tokens has its text cut; an image in it is kept whole."""
+    compactor = Compactor(
+        store,
+        options=options(budget=400, max_tool_output_tokens=100),
+        summarizer=recorder(),
+        counter=ApproximateCounter(),
+    )
+    image = {"type": "input_image", "image_url": "https://example.com/shot.png"}  # 1,445 tokens: size unknown
+    call = ToolCall(id="big", name="look", arguments="{}")
+    alone = ToolCall(id="shot", name="look", arguments="{}")
+    text = {"type": "text", "text": "x" * 8000}
+    await compactor.append(
+        THREAD,
+        [
+            Message.user("look"),
+            Message.assistant(None, tool_calls=[call, alone]),
+            Message(role=Role.TOOL, tool_call_id="big", content=[text, image]),
+            Message(role=Role.TOOL, tool_call_id="shot", content=[image]),
+        ],
+    )
+    result = await compactor.maybe_compact(THREAD)
+    assert result is not None and result.truncated_messages == 1
+    cut, shot = [m for m in await compactor.context(THREAD) if m.role is Role.TOOL]
+    assert isinstance(cut.content, list) and cut.content[1:] == [image]
+    assert "about 1900 tokens of tool output cut by contextfold" in cut.text
+    assert len(cut.text) < 500
+    assert shot.content == [image] and TRUNCATED_METADATA_KEY not in shot.metadata
+
+
 async def test_a_fold_that_meets_another_workers_fold_is_discarded_without_summarizing_again(
     store: Any,
 ) -> None:

@@ -2194,6 +2194,10 @@ class Compactor:
         A tool output is oversized when it alone is over ``max_tool_output_tokens``,
         or, without that option, when the context is over the hard limit and the
         output is more than a quarter of it.
+
+        Only text is cut: an output that holds images or files beside its text
+        is measured by its text alone and keeps those parts whole, since a part
+        cut short would be no image or file at all.
         """
         cap = settings.max_tool_output_tokens
         if cap is None:
@@ -2209,13 +2213,19 @@ class Compactor:
             if tokens <= cap:
                 continue
             text = message.text
-            keep_chars = max(1, int(len(text) * cap / tokens * 0.9))
+            content = message.content if isinstance(message.content, list) else []
+            whole = [part for part in content if part.get("type") != "text"]
+            measured = self.counter.count_text(text) if whole else tokens
+            if measured <= cap:
+                continue
+            keep_chars = max(1, int(len(text) * cap / measured * 0.9))
             head = text[: keep_chars * 2 // 3]
             tail = text[len(text) - keep_chars // 3 :] if keep_chars // 3 else ""
-            marker = f"\n[... about {tokens - cap} tokens of tool output cut by contextfold ...]\n"
+            marker = f"\n[... about {measured - cap} tokens of tool output cut by contextfold ...]\n"
+            cut_text = head + marker + tail
             kept[index] = message.model_copy(
                 update={
-                    "content": head + marker + tail,
+                    "content": [{"type": "text", "text": cut_text}, *whole] if whole else cut_text,
                     "metadata": {**message.metadata, TRUNCATED_METADATA_KEY: tokens},
                 }
             )
