@@ -30,6 +30,10 @@ Items are Responses-API items. A run of model output items (reasoning,
 an assistant message, its ``function_call`` items) becomes one assistant
 message, each ``*_call_output`` a tool result, and every item is kept
 verbatim in metadata, so what the session hands back is what it was given.
+Images and files in an input message or a tool's output (``input_image``,
+``input_file``) stay content parts of the message: they are counted as the
+provider counts an image, never cut as text, and shown to a summarizer as
+placeholders.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ __all__ = ["CompactingSession", "from_items", "to_items"]
 
 _ITEMS_KEY = "openai_agents.items"
 _INPUT_ROLES = {"user": Role.USER, "system": Role.SYSTEM, "developer": Role.SYSTEM}
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text", "refusal"})
 
 
 def _kind(item: Mapping[str, Any]) -> str:
@@ -84,10 +89,45 @@ def _text(content: Any) -> str:
         return "\n".join(
             str(part.get("text", part.get("refusal", "")))
             for part in content
-            if isinstance(part, Mapping)
-            and part.get("type") in ("input_text", "output_text", "text", "refusal")
+            if isinstance(part, Mapping) and part.get("type") in _TEXT_PARTS
         )
     return ""
+
+
+def _parts(content: list[Any]) -> list[dict[str, Any]]:
+    """Responses-API content parts as contextfold's: text parts as ``text``, any other part as it is.
+
+    contextfold reads ``input_image`` parts as images (counted by the image
+    rule, shown to summarizers as placeholders) and never cuts a part that is
+    not text; read as JSON text, a base64 image would count as tens of
+    thousands of tokens and be cut to fit.
+    """
+    return [
+        {"type": "text", "text": _text([part])} if part.get("type") in _TEXT_PARTS else dict(part)
+        for part in content
+        if isinstance(part, Mapping)
+    ]
+
+
+def _input_content(content: Any) -> str | list[dict[str, Any]]:
+    """An input message's content: its parts when it holds more than text (an image, a file), else its text.
+
+    Text alone stays one string, as it was always recorded, so the messages of
+    a thread written before hash as they did.
+    """
+    if isinstance(content, list) and any(
+        isinstance(part, Mapping) and part.get("type") not in _TEXT_PARTS for part in content
+    ):
+        return _parts(content)
+    return _text(content)
+
+
+def _response_parts(content: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """contextfold content parts back as Responses-API input parts (see ``_parts``)."""
+    return [
+        {"type": "input_text", "text": str(part.get("text", ""))} if part.get("type") == "text" else part
+        for part in content
+    ]
 
 
 def _plain(item: Any) -> dict[str, Any]:
@@ -175,14 +215,19 @@ def _convert(items: Sequence[Any]) -> _Converted:
         metadata = {_ITEMS_KEY: [item]}
         if _is_output(item) and item.get("call_id"):
             output = item.get("output", "")
-            text = output if isinstance(output, str) else json.dumps(output, ensure_ascii=False)
+            content: str | list[dict[str, Any]]
+            if isinstance(output, list) and output and all(isinstance(part, Mapping) for part in output):
+                content = _parts(output)  # a ToolOutputImage's, say: [{"type": "input_image", ...}]
+            else:
+                content = output if isinstance(output, str) else json.dumps(output, ensure_ascii=False)
             messages.append(
-                Message(role=Role.TOOL, content=text, tool_call_id=item["call_id"], metadata=metadata)
+                Message(role=Role.TOOL, content=content, tool_call_id=item["call_id"], metadata=metadata)
             )
             ids.append(f"openai_agents.output:{item['call_id']}")
         elif _kind(item) == "message" and item.get("role") in _INPUT_ROLES:
             role = _INPUT_ROLES[str(item["role"])]
-            messages.append(Message(role=role, content=_text(item.get("content")), metadata=metadata))
+            content = _input_content(item.get("content"))
+            messages.append(Message(role=role, content=content, metadata=metadata))
             ids.append(None)
         else:
             # An item kind this module does not know: kept verbatim, read by the summarizer as text.
@@ -196,8 +241,10 @@ def _convert(items: Sequence[Any]) -> _Converted:
 
 def _fresh(message: Message) -> list[dict[str, Any]]:
     """Items for a message the SDK never gave us (a summary) or that contextfold changed."""
-    if message.role is Role.TOOL:
-        return [{"type": "function_call_output", "call_id": message.tool_call_id, "output": message.text}]
+    if message.role is Role.TOOL:  # a cut output keeps its images (see ``Compactor._cap_tool_outputs``)
+        content = message.content
+        output = _response_parts(content) if isinstance(content, list) else message.text
+        return [{"type": "function_call_output", "call_id": message.tool_call_id, "output": output}]
     if message.role is Role.ASSISTANT:
         items: list[dict[str, Any]] = [{"role": "assistant", "content": message.text}] if message.text else []
         items += [
