@@ -511,3 +511,37 @@ async def test_an_output_retry_counts_as_the_text_the_model_is_sent() -> None:
     assert sent and "say it again" in sent[0] and len(sent[0]) > len("say it again") * 3
     retry = [m for m in context if "say it again" in m.text]
     assert [m.text for m in retry] == sent[:1]
+
+
+async def test_a_call_whose_arguments_are_not_json_is_retried_as_without_the_capability() -> None:
+    """A model writes cut-off arguments: pydantic-ai answers with a retry, and the run goes on.
+
+    With the capability the run ended on contextfold's ``InvalidMessageError``
+    ("arguments: must be a JSON text"), converting the reply before
+    pydantic-ai could answer it.
+    """
+    calls = 0
+
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return ModelResponse(parts=[ToolCallPart("lookup", '{"n": 1, ', tool_call_id="c1")])
+        return ModelResponse(parts=[TextPart("done")])
+
+    async with MemoryStore() as store:
+        c = compactor(store)
+        bot: Agent[None, str] = Agent(FunctionModel(model), capabilities=[CompactionCapability(c)])
+
+        @bot.tool_plain
+        def lookup(n: int) -> str:
+            """Look a record up by its number."""
+            return record_text(n)
+
+        result = await bot.run("question", conversation_id="c")
+        logged = conversation([record async for record in store.replay("c")])
+    assert result.output == "done" and calls == 2
+    history = result.all_messages()
+    assert to_pydantic_ai(from_pydantic_ai(history)[0]) == history
+    call = next(m for m in logged if m.tool_calls)
+    assert call.tool_calls[0].parsed_arguments() == '{"n": 1, '  # the model's text, kept

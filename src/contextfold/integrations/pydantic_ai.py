@@ -168,6 +168,22 @@ def _rendered(part: dict[str, Any]) -> str | None:
     return text if isinstance(text, str) else None
 
 
+def _arguments(args: Any) -> str:
+    """A call's arguments as JSON text; a model's text that is not JSON as a JSON string of it.
+
+    pydantic-ai answers a call whose arguments do not parse with a retry: the
+    reply is part of the conversation, and its part in metadata keeps the text
+    as the model wrote it.
+    """
+    if not isinstance(args, str) or not args:
+        return json.dumps(args or {})
+    try:
+        json.loads(args)
+    except ValueError:
+        return json.dumps(args)
+    return args
+
+
 def _response(data: dict[str, Any]) -> tuple[Message, str | None]:
     texts: list[str] = []
     calls: list[ToolCall] = []
@@ -176,10 +192,12 @@ def _response(data: dict[str, Any]) -> tuple[Message, str | None]:
         if kind == "text":
             texts.append(part.get("content", ""))
         elif kind in _CALL_KINDS and part.get("tool_call_id"):
-            args = part.get("args")
-            arguments = args if isinstance(args, str) and args else json.dumps(args or {})
             calls.append(
-                ToolCall(id=part["tool_call_id"], name=part.get("tool_name") or kind, arguments=arguments)
+                ToolCall(
+                    id=part["tool_call_id"],
+                    name=part.get("tool_name") or kind,
+                    arguments=_arguments(part.get("args")),
+                )
             )
     text = "\n".join(texts) or (None if calls else "")
     message = Message(
