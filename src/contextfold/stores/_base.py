@@ -369,4 +369,8 @@ def implements(value: object, protocol: type) -> bool:
     if isinstance(value, protocol):
         return True
     members = getattr(protocol, "__protocol_attrs__", None)
-    return members is not None and all(hasattr(value, name) for name in members)
+    if members is None:
+        return False
+    plain: frozenset[str] = getattr(protocol, "__non_callable_proto_members__", frozenset())
+    # As isinstance() has it: a method set to None is a member withdrawn.
+    return all(getattr(value, name, None) is not None or name in plain for name in members)
