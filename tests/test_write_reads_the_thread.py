@@ -22,7 +22,7 @@ import anyio
 import pytest
 
 import contextfold._compactor as compactor_module
-from contextfold import Compactor, Message, RunOptions, SummarizeOptions, ToolCall
+from contextfold import Compactor, ConfigError, Message, RunOptions, SummarizeOptions, ToolCall
 from contextfold.stores import ContextWindow, MemoryStore, SQLiteStore, StoredMessage, ThreadStats
 from contextfold.stores._rows import writes_to
 from contextfold.tokens import ApproximateCounter
@@ -798,3 +798,20 @@ async def test_a_forwarding_proxy_around_a_bundled_store_builds_a_compactor() ->
         assert [row.message.text for row in stored] == ["hi"]
         assert await compactor.maybe_compact(THREAD) is None
         assert [m.text for m in await compactor.context(THREAD)] == ["hi"]
+
+
+class WithdrawnMethods:
+    """A wrapper whose every attribute is ``None``: it names a store's methods and has none of them."""
+
+    def __getattr__(self, name: str) -> Any:
+        return None
+
+
+def test_a_wrapper_whose_methods_are_none_is_refused_as_a_store() -> None:
+    """Refused when built, naming the store, as ``isinstance`` refuses it, on every Python.
+
+    On Python 3.12+ the check for forwarding wrappers accepted it, and the first
+    call failed with ``TypeError: 'NoneType' object is not callable``.
+    """
+    with pytest.raises(ConfigError, match="must implement ShortTermStore"):
+        Compactor(WithdrawnMethods(), options=settings(), counter=ApproximateCounter())
