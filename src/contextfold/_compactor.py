@@ -839,7 +839,7 @@ class Compactor:
             )
             if placed is not None:
                 if usage is not None and usage.input_tokens and request_tokens:
-                    self._overhead[thread] = max(0, usage.input_tokens - request_tokens)
+                    self._learn_overhead(thread, usage.input_tokens, request_tokens)
                 return placed
         if self._turn is not None:  # in a crowded loop, the count below and the write are a turn each
             await self._turn()
@@ -883,8 +883,15 @@ class Compactor:
                 # may now follow someone's message instead of its call.
                 stored = await self._results_back_in_place(thread, stored, [stored[i] for i in answering])
         if usage is not None and usage.input_tokens and request_tokens:
-            self._overhead[thread] = max(0, usage.input_tokens - request_tokens)
+            self._learn_overhead(thread, usage.input_tokens, request_tokens)
         return stored
+
+    def _learn_overhead(self, thread: str, input_tokens: int, request_tokens: int) -> None:
+        """What the provider billed beyond the messages sent (tool schemas, instructions) stands as overhead.
+
+        ``request_tokens``: the messages of that request as this compactor counts them.
+        """
+        self._overhead[thread] = max(0, input_tokens - request_tokens)
 
     async def _written(self, writer: _Writer, thread: str, recording: Recording) -> list[StoredMessage]:
         """``writer``'s write of ``recording``; the thread's stats it read back stand for the next read."""

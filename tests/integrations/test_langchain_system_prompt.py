@@ -168,3 +168,45 @@ async def test_a_dynamic_prompt_listed_before_the_middleware_counts_toward_the_b
     assert max(model.sizes) > 900
     assert max(model.sizes) <= BUDGET
     assert model.texts[-1][0] == PROMPT
+
+
+class Billing(Sizing):
+    """A provider that bills 300 input tokens the messages do not show (tool schemas, say)."""
+
+    def _generate(
+        self, messages: list[BaseMessage], stop: Any = None, run_manager: Any = None, **kw: Any
+    ) -> Any:
+        sent = [from_langchain(m) for m in messages]
+        billed = COUNTER.count_messages(sent) + 300
+        self.sizes.append(billed)
+        self.texts.append([m.text for m in sent])
+        usage = {"input_tokens": billed, "output_tokens": 60, "total_tokens": billed + 60}
+        reply = AIMessage("reply " + "pad " * 60, usage_metadata=usage)  # type: ignore[arg-type]
+        return ChatResult(generations=[ChatGeneration(message=reply)])
+
+
+@pytest.mark.parametrize("call", ["ainvoke", "invoke"])
+async def test_what_the_provider_bills_beyond_the_messages_counts_toward_the_budget(
+    call: Literal["ainvoke", "invoke"],
+) -> None:
+    """A reply's ``usage_metadata`` says what the request cost; what the messages do not show counts too.
+
+    300 billed tokens the state's messages and the system prompt do not hold
+    (tool schemas, a prompt set by middleware inside this one) went uncounted:
+    requests after a fold reached 1,216 billed tokens against the 1,000 budget.
+    """
+    async with MemoryStore() as store:
+        compactor = Compactor(
+            store, options=OPTIONS, summarizer=FunctionSummarizer(summarize), counter=COUNTER
+        )
+        model = Billing(messages=iter(()))
+        agent = create_agent(model, [], middleware=[CompactionMiddleware(compactor)])
+        for n in range(20):
+            turn = {"messages": [HumanMessage(f"q{n} " + "word " * 60)]}
+            if call == "ainvoke":
+                await agent.ainvoke(turn, CONFIG)
+            else:
+                await anyio.to_thread.run_sync(agent.invoke, turn, CONFIG)
+    assert max(model.sizes) > 900  # folds were due
+    assert max(model.sizes[1:]) <= BUDGET  # from the first reply's usage on
+    assert "summary of earlier turns" in model.texts[-1][0]

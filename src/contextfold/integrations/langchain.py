@@ -354,6 +354,16 @@ def _run_blocking(fn: Callable[[], Awaitable[_T]]) -> _T:
         return pool.submit(anyio.run, fn).result()
 
 
+def _input_tokens(response: ModelResponse[Any] | AIMessage) -> int | None:
+    """The input tokens the provider reported for the model call ``response`` answers, if it did."""
+    replies = response.result if isinstance(response, ModelResponse) else [response]
+    for reply in reversed(replies):
+        usage = reply.usage_metadata if isinstance(reply, AIMessage) else None
+        if usage and usage.get("input_tokens"):
+            return int(usage["input_tokens"])
+    return None
+
+
 class CompactionMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
     """Compacts the agent's messages before every model call (``create_agent(middleware=[...])``).
 
@@ -362,7 +372,9 @@ class CompactionMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
     is used as it is wherever the agent runs, so give each agent its own.
 
     The agent's system prompt counts toward the budget as the model call
-    receives it from this middleware: list this one after any middleware
+    receives it from this middleware, and a reply's ``usage_metadata`` makes
+    all the provider billed beyond the messages count (tool schemas, a prompt
+    changed further in). Without usage, list this one after any middleware
     that changes the prompt (``@dynamic_prompt``), which wraps the model call
     inside the ones before it.
     """
@@ -467,8 +479,11 @@ class CompactionMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
         request: ModelRequest[Any],
         handler: Callable[[ModelRequest[Any]], Awaitable[ModelResponse[Any]]],
     ) -> ModelResponse[Any] | AIMessage:
-        await self._count_system_prompt(_run_of(self.thread).thread, request.system_message)
-        return await handler(request)
+        thread = _run_of(self.thread).thread
+        await self._count_system_prompt(thread, request.system_message)
+        response = await handler(request)
+        await self._learn_from_usage(thread, response)
+        return response
 
     def wrap_model_call(
         self,
@@ -477,7 +492,24 @@ class CompactionMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
     ) -> ModelResponse[Any] | AIMessage:
         thread = _run_of(self.thread).thread
         _run_blocking(lambda: self._count_system_prompt(thread, request.system_message))
-        return handler(request)
+        response = handler(request)
+        _run_blocking(lambda: self._learn_from_usage(thread, response))
+        return response
+
+    async def _learn_from_usage(self, thread: str, response: ModelResponse[Any] | AIMessage) -> None:
+        """The reply's billed input tokens beyond the context sent stand as the thread's overhead.
+
+        That is the system prompt as the model got it (set by any middleware),
+        the tool schemas and the provider's framing, none of which the state's
+        messages hold; as ``StepLoop`` learns it from a reply's usage. A reply
+        with no ``usage_metadata`` leaves the counted system prompt standing.
+        """
+        billed = _input_tokens(response)
+        if billed is None:
+            return
+        compactor = self.compactor
+        _, counted = await compactor.context_tokens(thread)  # the context, and the overhead till now
+        compactor._learn_overhead(thread, billed, counted - compactor._overhead.get(thread, 0))
 
     async def _count_system_prompt(self, thread: str, prompt: SystemMessage | None) -> None:
         """Count ``create_agent``'s ``system_prompt`` toward the budget, as a pinned head is counted.
