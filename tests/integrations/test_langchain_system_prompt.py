@@ -210,3 +210,48 @@ async def test_what_the_provider_bills_beyond_the_messages_counts_toward_the_bud
     assert max(model.sizes) > 900  # folds were due
     assert max(model.sizes[1:]) <= BUDGET  # from the first reply's usage on
     assert "summary of earlier turns" in model.texts[-1][0]
+
+
+class FoldingMidCall(Billing):
+    """Bills 300 unseen tokens; while it answers a request near the budget, the thread is folded.
+
+    As a background fold that lands during the model call would.
+    """
+
+    compactor: Any = None
+    events: list[Any] = Field(default_factory=list)
+    folded_at: int | None = None
+
+    async def _agenerate(
+        self, messages: list[BaseMessage], stop: Any = None, run_manager: Any = None, **kw: Any
+    ) -> Any:
+        result = self._generate(messages, stop, run_manager, **kw)
+        if self.folded_at is None and self.sizes[-1] > 850:
+            self.events.clear()
+            folded = await self.compactor.compact_now("t")
+            assert folded is not None and folded.compacted
+            self.folded_at = len(self.sizes)
+        return result
+
+
+async def test_usage_is_set_against_the_context_as_it_was_sent() -> None:
+    """A fold applied while the model answers does not make the request's messages look billed beyond them.
+
+    Measured against the context after the call, the folded-away tokens read
+    as provider overhead, so the next checks saw the old size again and
+    folded or stalled on "the provider adds" them.
+    """
+    async with MemoryStore() as store:
+        compactor = Compactor(
+            store, options=OPTIONS, summarizer=FunctionSummarizer(summarize), counter=COUNTER
+        )
+        model = FoldingMidCall(messages=iter(()), compactor=compactor)
+        compactor.subscribe(model.events.append)
+        agent = create_agent(model, [], middleware=[CompactionMiddleware(compactor)])
+        n = 0
+        while model.folded_at is None or len(model.sizes) < model.folded_at + 2:
+            await agent.ainvoke({"messages": [HumanMessage(f"q{n} " + "word " * 60)]}, CONFIG)
+            n += 1
+        _, tokens = await compactor.context_tokens("t")
+    assert [type(e).__name__ for e in model.events] == ["FoldApplied"]  # the mid-call fold, then none
+    assert tokens < BUDGET

@@ -481,8 +481,9 @@ class CompactionMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
     ) -> ModelResponse[Any] | AIMessage:
         thread = _run_of(self.thread).thread
         await self._count_system_prompt(thread, request.system_message)
+        sent = await self._sent_tokens(thread)
         response = await handler(request)
-        await self._learn_from_usage(thread, response)
+        self._learn_from_usage(thread, response, sent)
         return response
 
     def wrap_model_call(
@@ -491,25 +492,35 @@ class CompactionMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
         handler: Callable[[ModelRequest[Any]], ModelResponse[Any]],
     ) -> ModelResponse[Any] | AIMessage:
         thread = _run_of(self.thread).thread
-        _run_blocking(lambda: self._count_system_prompt(thread, request.system_message))
+
+        async def before() -> int:
+            await self._count_system_prompt(thread, request.system_message)
+            return await self._sent_tokens(thread)
+
+        sent = _run_blocking(before)
         response = handler(request)
-        _run_blocking(lambda: self._learn_from_usage(thread, response))
+        self._learn_from_usage(thread, response, sent)
         return response
 
-    async def _learn_from_usage(self, thread: str, response: ModelResponse[Any] | AIMessage) -> None:
-        """The reply's billed input tokens beyond the context sent stand as the thread's overhead.
+    async def _sent_tokens(self, thread: str) -> int:
+        """The tokens of the context a model call is about to send, as the compactor counts them."""
+        compactor = self.compactor
+        _, counted = await compactor.context_tokens(thread)  # with the overhead known till now
+        return counted - compactor._overhead.get(thread, 0)
+
+    def _learn_from_usage(self, thread: str, response: ModelResponse[Any] | AIMessage, sent: int) -> None:
+        """The reply's billed input tokens beyond the context sent (``sent``) stand as the thread's overhead.
 
         That is the system prompt as the model got it (set by any middleware),
         the tool schemas and the provider's framing, none of which the state's
-        messages hold; as ``StepLoop`` learns it from a reply's usage. A reply
-        with no ``usage_metadata`` leaves the counted system prompt standing.
+        messages hold; as ``StepLoop`` learns it from a reply's usage. ``sent``
+        is read before the call: a background fold applied meanwhile does not
+        change what that request held. A reply with no ``usage_metadata``
+        leaves the counted system prompt standing.
         """
         billed = _input_tokens(response)
-        if billed is None:
-            return
-        compactor = self.compactor
-        _, counted = await compactor.context_tokens(thread)  # the context, and the overhead till now
-        compactor._learn_overhead(thread, billed, counted - compactor._overhead.get(thread, 0))
+        if billed is not None:
+            self.compactor._learn_overhead(thread, billed, sent)
 
     async def _count_system_prompt(self, thread: str, prompt: SystemMessage | None) -> None:
         """Count ``create_agent``'s ``system_prompt`` toward the budget, as a pinned head is counted.
