@@ -1776,21 +1776,21 @@ class Compactor:
             # The summary message's framing (its prefix and role) counts in the context: the
             # summarizer is asked for the text, at most max_summary_tokens of it.
             framing = self.counter.count(self._summary_frame(settings))
-            least = self._least_summary(settings, first_only=True)
-            left = 0 if target is None else target - plan.pinned_tokens - overhead
-            if target is not None and left < framing + least and not recovery:
-                # No summary the summarizer asked first can write fits beside the head: asking it for
-                # less fails (the extractive summarizer) or is asking for nothing.
-                return await self._stall(
-                    thread,
-                    reason,
-                    total,
-                    settings,
-                    f"{head}, leaving {left} token{'' if left == 1 else 's'} under the {target}-token "
-                    "target for a summary that "
-                    f"needs at least {framing + least} (its {framing}-token framing included), so no "
-                    f"fold can get under it; {fix}",
-                )
+            if target is not None and not recovery:
+                least = framing + self._least_summary(settings, first_only=True)
+                left = target - plan.pinned_tokens - overhead
+                if left < least:
+                    # No summary the summarizer asked first can write fits beside the head: asking it
+                    # for less fails (the extractive summarizer) or is asking for nothing.
+                    return await self._stall(
+                        thread,
+                        reason,
+                        total,
+                        settings,
+                        f"{head}, leaving {left} token{'' if left == 1 else 's'} under the {target}-token "
+                        f"target for a summary that needs at least {least} (its {framing}-token framing "
+                        f"included), so no fold can get under it; {fix}",
+                    )
         kept = list(plan.kept)
         truncated = self._cap_tool_outputs(kept, settings, total)
         kept_start = body_start + len(plan.dropped)
@@ -2104,46 +2104,44 @@ class Compactor:
             self._forget_cache(thread)
         after = prepared.checkpoint.tokens_after + self._overhead.get(thread, 0)
         budget, target = settings.budget, settings.target
-        if budget is not None and target is None and after > budget:
-            # A strategy with no token target (a sliding window of turns) kept more than the trigger
-            # allows: every check would fold again. The next token fold waits for half the budget
-            # in new tokens, the gap the preset's default target leaves.
-            waits = after + budget // 2
+        # Over the target (the protected turns are large), or, for a strategy with no token target (a
+        # sliding window of turns), over the trigger itself: every check would fold again. Hold the
+        # next token fold back until budget - target new tokens arrived (half the budget without a
+        # target, the gap the preset's default target leaves), so folds stay amortized, but never
+        # past max_history_tokens while the context is under it: a request must not grow past the
+        # limit unfolded.
+        aim = budget if target is None else target
+        if budget is not None and aim is not None and after > aim:
+            gap = budget // 2 if target is None else budget - target
+            waits = after + gap
             hard = settings.hard_limit
             if hard is not None and after < hard:
                 waits = min(waits, hard)
             self._next_fold_at[thread] = (prepared.version + 1, waits)
-            logger.warning(
-                "thread %r: after the fold the context holds %d tokens, over the %d-token trigger (the "
-                "strategy keeps more than the trigger allows); the next fold waits for %d tokens: keep "
-                "fewer turns or give the strategy a token target, such as TokenBudget(%d)",
-                thread,
-                after,
-                budget,
-                waits,
-                budget // 2,
-            )
-        elif budget is not None and target is not None and after > target:
-            # Over the target (the protected turns are large): hold the next token fold back
-            # until budget - target new tokens arrived, so folds stay amortized, but never past
-            # max_history_tokens while the context is under it: a request must not grow past
-            # the limit unfolded.
-            waits = after + (budget - target)
-            hard = settings.hard_limit
-            if hard is not None and after < hard:
-                waits = min(waits, hard)
-            self._next_fold_at[thread] = (prepared.version + 1, waits)
-            # Routine while the kept turns are large (INFO); a warning once they hold more than the
-            # trigger budget itself, when the next fold can do no better.
-            logger.log(
-                logging.WARNING if after > budget else logging.INFO,
-                "thread %r: after the fold the context holds %d tokens, over the %d-token target "
-                "(the protected recent turns are large); the next fold waits for %d tokens",
-                thread,
-                after,
-                target,
-                waits,
-            )
+            if target is None:
+                logger.warning(
+                    "thread %r: after the fold the context holds %d tokens, over the %d-token trigger "
+                    "(the strategy keeps more than the trigger allows); the next fold waits for %d "
+                    "tokens: keep fewer turns or give the strategy a token target, such as "
+                    "TokenBudget(%d)",
+                    thread,
+                    after,
+                    budget,
+                    waits,
+                    gap,
+                )
+            else:
+                # Routine while the kept turns are large (INFO); a warning once they hold more than
+                # the trigger budget itself, when the next fold can do no better.
+                logger.log(
+                    logging.WARNING if after > budget else logging.INFO,
+                    "thread %r: after the fold the context holds %d tokens, over the %d-token target "
+                    "(the protected recent turns are large); the next fold waits for %d tokens",
+                    thread,
+                    after,
+                    target,
+                    waits,
+                )
         else:
             self._next_fold_at.pop(thread, None)
 

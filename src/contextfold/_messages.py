@@ -444,10 +444,8 @@ def _sdk_data(payload: Any) -> Any:
     Fields the SDK left unset or null (``refusal``, ``audio``, ``function_call``,
     a block's ``citations``) are left out, so they are not sent back.
     """
-    if isinstance(payload, BaseModel):
-        return payload.model_dump(mode="json", exclude_none=True)
-    if isinstance(payload, str | bytes | Mapping) or not isinstance(payload, Iterable):
-        return payload
+    if isinstance(payload, str | bytes | Mapping | BaseModel) or not isinstance(payload, Iterable):
+        return _sdk_value(payload)
     return [_sdk_value(item) for item in payload]
 
 

@@ -54,6 +54,11 @@ async def summarize(messages: Sequence[Message], previous: str | None, limit: in
     return "summary of earlier turns"
 
 
+def compactor_on(store: MemoryStore) -> Compactor:
+    """The compactor every test here runs: the 1,000-token budget, a fixed summary."""
+    return Compactor(store, options=OPTIONS, summarizer=FunctionSummarizer(summarize), counter=COUNTER)
+
+
 @pytest.mark.parametrize("call", ["ainvoke", "invoke"])
 async def test_the_agents_system_prompt_counts_toward_the_budget(call: Literal["ainvoke", "invoke"]) -> None:
     """Twenty turns under a 1,000-token budget with a 300-token system prompt: every request within it.
@@ -63,9 +68,7 @@ async def test_the_agents_system_prompt_counts_toward_the_budget(call: Literal["
     budget plus the whole prompt.
     """
     async with MemoryStore() as store:
-        compactor = Compactor(
-            store, options=OPTIONS, summarizer=FunctionSummarizer(summarize), counter=COUNTER
-        )
+        compactor = compactor_on(store)
         model = Sizing(messages=iter(()))
         agent = create_agent(model, [], system_prompt=PROMPT, middleware=[CompactionMiddleware(compactor)])
         for n in range(20):
@@ -119,9 +122,7 @@ async def test_a_middleware_shared_with_a_sub_agent_counts_each_agents_own_promp
     and stalled, so 33 of its 40 requests went over the budget (up to 5,292).
     """
     async with MemoryStore() as store:
-        compactor = Compactor(
-            store, options=OPTIONS, summarizer=FunctionSummarizer(summarize), counter=COUNTER
-        )
+        compactor = compactor_on(store)
         middleware = CompactionMiddleware(compactor)
         inner = create_agent(
             Expert(messages=iter(())),
@@ -158,9 +159,7 @@ async def test_a_dynamic_prompt_listed_before_the_middleware_counts_toward_the_b
         return PROMPT
 
     async with MemoryStore() as store:
-        compactor = Compactor(
-            store, options=OPTIONS, summarizer=FunctionSummarizer(summarize), counter=COUNTER
-        )
+        compactor = compactor_on(store)
         model = Sizing(messages=iter(()))
         agent = create_agent(model, [], middleware=[prompt, CompactionMiddleware(compactor)])
         for n in range(20):
@@ -196,9 +195,7 @@ async def test_what_the_provider_bills_beyond_the_messages_counts_toward_the_bud
     requests after a fold reached 1,216 billed tokens against the 1,000 budget.
     """
     async with MemoryStore() as store:
-        compactor = Compactor(
-            store, options=OPTIONS, summarizer=FunctionSummarizer(summarize), counter=COUNTER
-        )
+        compactor = compactor_on(store)
         model = Billing(messages=iter(()))
         agent = create_agent(model, [], middleware=[CompactionMiddleware(compactor)])
         for n in range(20):
@@ -242,9 +239,7 @@ async def test_usage_is_set_against_the_context_as_it_was_sent() -> None:
     folded or stalled on "the provider adds" them.
     """
     async with MemoryStore() as store:
-        compactor = Compactor(
-            store, options=OPTIONS, summarizer=FunctionSummarizer(summarize), counter=COUNTER
-        )
+        compactor = compactor_on(store)
         model = FoldingMidCall(messages=iter(()), compactor=compactor)
         compactor.subscribe(model.events.append)
         agent = create_agent(model, [], middleware=[CompactionMiddleware(compactor)])

@@ -42,6 +42,12 @@ class Summaries:
         self.calls += 1
         return summary_of((previous or "") + " ".join(m.text for m in messages))
 
+    def compactor(self, store: Any, events: list[CompactionEvent]) -> Compactor:
+        """The scenario's compactor on ``store``, summarizing with this, its events into ``events``."""
+        return Compactor(
+            store, options=OPTIONS, summarizer=self.summarizer, counter=COUNTER, subscribers=[events.append]
+        )
+
 
 async def run(server: HTTPServer, prompt: str, turns: int) -> tuple[FakeProvider, Summaries, list[Any]]:
     """``turns`` runs of the scenario's session by an agent with ``prompt`` as its instructions."""
@@ -57,14 +63,7 @@ async def run(server: HTTPServer, prompt: str, turns: int) -> tuple[FakeProvider
         model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
     )
     async with MemoryStore() as store:
-        c = Compactor(
-            store,
-            options=OPTIONS,
-            summarizer=summaries.summarizer,
-            counter=COUNTER,
-            subscribers=[events.append],
-        )
-        session = CompactingSession("s", c)
+        session = CompactingSession("s", summaries.compactor(store, events))
         config = RunConfig(tracing_disabled=True, call_model_input_filter=session.model_input_filter)
         for n in range(turns):
             await Runner.run(bot, question(n), session=session, run_config=config)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from contextfold import Compactor, Message
+from contextfold import Message
 from contextfold.events import CompactionEvent, FoldStalled
 from contextfold.stores import MemoryStore
 
-from .scenario import BUDGET, COUNTER, OPTIONS, agent, check_requests, question, record_text
+from .scenario import BUDGET, COUNTER, agent, check_requests, question, record_text
 
 pytest.importorskip("pydantic_ai")
 
@@ -47,13 +47,7 @@ async def run(prompt: str, turns: int) -> tuple[Sent, Summaries, list[Compaction
     sent, summaries = Sent(), Summaries()
     events: list[CompactionEvent] = []
     async with MemoryStore() as store:
-        c = Compactor(
-            store,
-            options=OPTIONS,
-            summarizer=summaries.summarizer,
-            counter=COUNTER,
-            subscribers=[events.append],
-        )
+        c = summaries.compactor(store, events)
         bot: Agent[None, str] = Agent(
             FunctionModel(sent), instructions=prompt, capabilities=[CompactionCapability(c, thread="t")]
         )

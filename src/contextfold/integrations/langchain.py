@@ -504,9 +504,8 @@ class CompactionMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
 
     async def _sent_tokens(self, thread: str) -> int:
         """The tokens of the context a model call is about to send, as the compactor counts them."""
-        compactor = self.compactor
-        _, counted = await compactor.context_tokens(thread)  # with the overhead known till now
-        return counted - compactor._overhead.get(thread, 0)
+        _, counted = await self.compactor._counted_context(thread)
+        return counted
 
     def _learn_from_usage(self, thread: str, response: ModelResponse[Any] | AIMessage, sent: int) -> None:
         """The reply's billed input tokens beyond the context sent (``sent``) stand as the thread's overhead.

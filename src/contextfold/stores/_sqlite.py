@@ -182,9 +182,9 @@ _logger = logging.getLogger("contextfold")
 
 _REPLAY_BATCH = 256
 
-_TOMBSTONES_QUERY = "SELECT count(*) FROM tombstones WHERE thread = ?"
+_TOMBSTONES_QUERY = "SELECT count(*) FROM tombstones WHERE thread = :thread"
 
-_REPLAY_QUERY = f"""SELECT seq, at, body, ({_TOMBSTONES_QUERY.replace("?", ":thread")}) FROM episodes
+_REPLAY_QUERY = f"""SELECT seq, at, body, ({_TOMBSTONES_QUERY}) FROM episodes
 WHERE thread = :thread AND seq >= :start ORDER BY seq LIMIT :limit"""
 """A batch of a replay, each row with the thread's tombstones as the batch read them (see ``replay``)."""
 
@@ -1843,7 +1843,7 @@ class SQLiteStore(AsyncResource):
             return (rows[0][3] if rows else None), [_episode_record(thread, *row[:3]) for row in rows]
 
         def read_tombstones(conn: sqlite3.Connection) -> int:
-            return int(conn.execute(_TOMBSTONES_QUERY, (thread,)).fetchone()[0])
+            return int(conn.execute(_TOMBSTONES_QUERY, {"thread": thread}).fetchone()[0])
 
         async def batch(start: int) -> tuple[int | None, list[EpisodeRecord]]:
             return await self._read(partial(read_batch, start))
