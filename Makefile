@@ -16,9 +16,9 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-# The demo needs only the command's own extra, not the development tools.
+# The demo needs only the command's own extra and the fast counter, not the development tools.
 $(CLI_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[cli]'
+	$(BIN)/python -m pip install --quiet -e '.[cli,fast]'
 	touch $(CLI_STAMP)
 
 lint: $(STAMP)

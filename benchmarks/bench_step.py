@@ -12,9 +12,12 @@
    context the request sends, the append) at a 32k-token budget with an
    instant summarizer, on memory, SQLite (``synchronous`` FULL and NORMAL) and
    PostgreSQL, against the floor of tokenizing each message once with
-   tiktoken; beside it LangChain's ``SummarizationMiddleware`` with its state
-   in memory, and in a LangGraph graph with the SQLite and PostgreSQL
-   checkpointers as the persistent peers. Every row takes ``--session-repeat``
+   tiktoken. contextfold counts with ``rs-bpe`` when the ``fast`` extra is
+   installed (``TiktokenCounter``'s default); the rows marked "tiktoken
+   counting" run memory and SQLite NORMAL with ``fast=False``. Beside them
+   LangChain's ``SummarizationMiddleware`` with its state in memory, and in
+   a LangGraph graph with the SQLite and PostgreSQL checkpointers as the
+   persistent peers. Every row takes ``--session-repeat``
    turns with the others (3); each run is set against the floors measured
    right before and after it, the row shows the run with the median ratio,
    and the range of the runs' ratios is printed beside it.
@@ -253,11 +256,16 @@ async def drop_schema(url: str, schema: str) -> None:
         await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
-async def contextfold_session(store: Any, run: str, messages: Sequence[Message]) -> SessionRow:
-    """One step per message: the hook, the context the request would send, then the append."""
-    compactor = Compactor(
-        store, options=BUDGET, summarizer=FunctionSummarizer(instant), counter=TiktokenCounter()
-    )
+async def contextfold_session(
+    store: Any, run: str, messages: Sequence[Message], *, fast: bool = True
+) -> SessionRow:
+    """One step per message: the hook, the context the request would send, then the append.
+
+    ``fast``: the counter's own (``TiktokenCounter(fast=...)``); ``False`` counts with tiktoken alone.
+    """
+    counter = TiktokenCounter(fast=fast)
+    await counter.aload()  # loaded before anything is timed
+    compactor = Compactor(store, options=BUDGET, summarizer=FunctionSummarizer(instant), counter=counter)
     clock = time.perf_counter
     hook = append = context = 0.0
     folds = 0
@@ -407,19 +415,25 @@ async def contextfold_runs(
     The backends take turns, ``repeat`` rounds of them, so a slow minute of the
     machine falls on each of them alike; each row is the median of its runs.
     """
-    TiktokenCounter().count(messages[0])  # load the encoding before anything is timed
     backends = ["memory", "sqlite FULL", "sqlite NORMAL"] + (["postgres"] if postgres_url else [])
-    runs: dict[str, list[SessionRow]] = {backend: [] for backend in backends}
+    rows = [(f"contextfold {backend}", backend, True) for backend in backends]
+    if TiktokenCounter().backend != "tiktoken":  # the same work, counted by tiktoken alone
+        rows += [(f"contextfold {name}, tiktoken counting", name, False) for name in FAST_ALSO_WITHOUT]
+    runs: dict[str, list[SessionRow]] = {label: [] for label, _, _ in rows}
     with tempfile.TemporaryDirectory() as folder:
         for n in range(repeat):
             round_folder = Path(folder) / f"round-{n}"
             round_folder.mkdir()
-            for backend in backends:
+            for label, backend, fast in rows:
                 before = tokenize_once_floor(messages)
                 async with open_backend(backend, round_folder, postgres_url) as store:
-                    row = await contextfold_session(store, f"contextfold {backend}", messages)
-                runs[backend].append(floored(row, before, messages))  # the store closed first
-    return [median_of(runs[backend]) for backend in backends]
+                    row = await contextfold_session(store, label, messages, fast=fast)
+                runs[label].append(floored(row, before, messages))  # the store closed first
+    return [median_of(runs[label]) for label, _, _ in rows]
+
+
+FAST_ALSO_WITHOUT = ("memory", "sqlite NORMAL")
+"""The backends also run with ``TiktokenCounter(fast=False)`` when the fast counter is installed."""
 
 
 def peer_runs(messages: Sequence[Message], postgres_url: str | None, repeat: int = 1) -> list[SessionRow]:
@@ -442,18 +456,19 @@ def print_session(rows: Sequence[SessionRow], count: int, repeat: int) -> None:
     print(
         f"\nwhole session: {count:,} messages, one step each, 32k-token budget, instant summarizer; "
         f"{repeat} runs each, the rows taking turns; each run against the floor (tokenize each message "
-        f"once) measured right before and after it, {floors[0] * 1e3:.0f}-{floors[-1] * 1e3:.0f} ms; "
-        "each row is the run with the median ratio, 'runs' the range of all of them"
+        f"once with tiktoken) measured right before and after it, {floors[0] * 1e3:.0f}-"
+        f"{floors[-1] * 1e3:.0f} ms; each row is the run with the median ratio, 'runs' the range of all "
+        f"of them; contextfold counts with {TiktokenCounter().backend} unless the row says otherwise"
     )
     print(
-        f"{'run':<28} {'x floor':>8} {'floor ms':>9} {'hook s':>8} {'append s':>9} "
+        f"{'run':<40} {'x floor':>8} {'floor ms':>9} {'hook s':>8} {'append s':>9} "
         f"{'context s':>10} {'folds':>6} {'runs':>12}"
     )
     for row in rows:
         split = row.append or row.context
         low, high = row.spread
         print(
-            f"{row.run:<28} {row.ratio:8.1f} {row.floor * 1e3:9.0f} {row.hook:8.2f} "
+            f"{row.run:<40} {row.ratio:8.1f} {row.floor * 1e3:9.0f} {row.hook:8.2f} "
             + (f"{row.append:9.2f} {row.context:10.2f}" if split else f"{'(in hook)':>9} {'(in hook)':>10}")
             + f" {row.folds:6d} {f'{low:.1f}-{high:.1f}':>12}"
         )

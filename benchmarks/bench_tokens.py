@@ -267,7 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(
         f"\n(b) exact count of one new message vs raw tiktoken encode_ordinary of its texts "
-        f"({args.messages} messages per repetition)"
+        f"({args.messages} messages per repetition; TiktokenCounter counts with "
+        f"{TiktokenCounter(args.encoding).backend})"
     )
     for ours, theirs, length in exact_versus_raw(
         args.sentences, args.messages, args.repeat, args.encoding

@@ -11,6 +11,8 @@ from types import ModuleType
 
 import pytest
 
+from contextfold.tokens import TiktokenCounter
+
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 
 # The LangChain rows need the bench extra; make test installs only dev.
@@ -41,11 +43,16 @@ def test_step_benchmark_prints_flat_ratios_and_the_whole_session_table(
     rows = [line.split() for line in out.splitlines() if line.strip().startswith(("50 ", "400 "))]
     assert len(rows) == 2
     assert "2 runs each, the rows taking turns" in out
+    counting = TiktokenCounter().backend  # rs-bpe with the dev extras, but past Python 3.13
+    assert f"contextfold counts with {counting} unless the row says otherwise" in out
+    with_tiktoken = ["contextfold memory, tiktoken counting", "contextfold sqlite NORMAL, tiktoken counting"]
+    assert all((run in out) == (counting == "rs-bpe") for run in with_tiktoken)
     for run in (
         "contextfold memory",
         "contextfold sqlite FULL",
         "contextfold sqlite NORMAL",
         "contextfold postgres",
+        *(with_tiktoken if counting == "rs-bpe" else []),
         "langchain, state in memory",
         "langgraph, SqliteSaver",
         "langgraph, PostgresSaver",

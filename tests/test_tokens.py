@@ -17,6 +17,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
@@ -194,6 +195,206 @@ def test_a_core_without_a_faithful_buffer_counts_by_encode_ordinary(core: _Core)
     assert count.__name__ == "listed"
     text = "The quick brown fox jumps over the lazy dog."
     assert count(text) == len(encoding.encode_ordinary(text)) > 1
+
+
+# the fast extra (rs-bpe) --------------------------------------------------------------------
+
+_PIECES = (
+    "'s",
+    "'T",
+    "'re",
+    "'VE",
+    "'m",
+    "'ll",
+    "'D",
+    "'x",
+    " ",
+    "  ",
+    "\t",
+    "\n",
+    "\r\n",
+    "\n\n\n",
+    "   \n ",
+    "\u00a0",
+    "\u3000",
+    "\u2028",
+    "1",
+    "123",
+    "4567890",
+    "3.14",
+    " -42",
+    "١٢٣",
+    "①",
+    "Ⅻ",
+    "__init__",
+    "camelCaseWord",
+    "HTTPServer",
+    "x86_64",
+    "ǅ",
+    "ﬁ",
+    "ÄÖÜß",
+    "naïve",
+    "世界",
+    "日本語のテキスト",
+    "한국어",
+    "العربية",
+    "עברית",
+    "Ελληνικά",
+    "русский",
+    "ไทย",
+    "क्षि",
+    "🤖",
+    "👩\u200d👩\u200d👧",
+    "🇺🇸",
+    "\U0001f600\U0001f3fd",
+    "e\u0301",
+    "\u0300\u0301",
+    "\u200b",
+    "<|endoftext|>",
+    "<|endofprompt|>",
+    '{"a": [1, 2]}',
+    "def f(x):\n    return x\n",
+    "http://x.y/z?q=1&r=2",
+    "$$$",
+    "...",
+    "?!",
+    "—",
+    "«»",
+    "`code`",
+    " # ",
+    "\\n",
+)
+
+
+def _varied_texts(count: int, seed: int) -> list[str]:
+    """Texts that hit every branch of the split patterns, and the boundaries between them."""
+    rng = random.Random(seed)
+    texts = ["".join(rng.choice(_PIECES) for _ in range(rng.randint(1, 12))) for _ in range(count)]
+    ranges = [(32, 126), (0x80, 0x2FF), (0x370, 0x4FF), (0x600, 0x6FF), (0x900, 0x97F), (0x2000, 0x206F)]
+    ranges += [(0x3040, 0x30FF), (0x4E00, 0x4E80), (0xAC00, 0xAC40), (0x1F300, 0x1F64F), (9, 13)]
+    for _ in range(count):
+        picks = (rng.choice(ranges) for _ in range(rng.randint(1, 40)))
+        texts.append("".join(chr(rng.randint(low, high)) for low, high in picks))
+    return texts
+
+
+NO_FAST_WHEEL = "rs-bpe (the fast extra) has no wheel past Python 3.13"
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 14), reason=NO_FAST_WHEEL)
+@pytest.mark.parametrize("name", ENCODINGS)
+def test_with_the_fast_extra_rs_bpe_counts_and_its_counts_are_tiktokens(
+    name: EncodingName, tiktoken_reference: dict[str, tiktoken.Encoding]
+) -> None:
+    """Installed (the dev extras hold ``fast``), rs-bpe counts, and gives tiktoken's own count.
+
+    Over thousands of generated texts, the package's own source (code, docs)
+    and the corpus: a disagreement anywhere would make counts inexact.
+    """
+    counter = TiktokenCounter(name)
+    assert counter.backend == "rs-bpe"
+    assert counter._tokens.__name__ == "rs_bpe"
+    reference = tiktoken_reference[name]
+    sources = [path.read_text(encoding="utf-8") for path in Path(tokens_module.__file__).parent.rglob("*.py")]
+    for text in [*CORPUS, *_varied_texts(2_000, seed=hash(name) & 0xFFFF), *sources]:
+        assert counter.count_text(text) == len(reference.encode_ordinary(text)), text[:200]
+    for text in ("a\ud800b <|endoftext|>", "\udfff" * 3):  # repaired first, as tiktoken repairs it
+        assert counter.count_text(text) == len(reference.encode_ordinary(text))
+
+
+class _FakeTokenizers(types.ModuleType):
+    """An ``rs_bpe.bpe`` stand-in whose ``openai`` tokenizers count as ``miscount`` says."""
+
+    def __init__(self, miscount: Any) -> None:
+        super().__init__("fake_tokenizers")
+        self._miscount = miscount
+        self.asked: list[str] = []
+        self.openai = self
+
+    def _tokenizer(self, name: EncodingName) -> Any:
+        self.asked.append(name)
+        reference = token_counter(load_encoding(name))
+        return types.SimpleNamespace(count=lambda text: self._miscount(text, reference(text)))
+
+    def o200k_base(self) -> Any:
+        return self._tokenizer("o200k_base")
+
+    def cl100k_base(self) -> Any:
+        return self._tokenizer("cl100k_base")
+
+
+@pytest.fixture()
+def fresh_fast(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No fast counter looked for yet in this process, and none kept after the test."""
+    monkeypatch.setattr(tokens_module, "_FAST", {})
+    yield
+
+
+def _use_fake(monkeypatch: pytest.MonkeyPatch, fake: _FakeTokenizers) -> None:
+    monkeypatch.setitem(sys.modules, "fake_tokenizers", fake)
+    monkeypatch.setattr(tokens_module, "_FAST_MODULE", "fake_tokenizers")
+
+
+@pytest.mark.parametrize(
+    "miscount",
+    [
+        lambda text, right: right + ("世界" in text),  # off on one probe only
+        lambda text, right: right + 1,
+        lambda text, right: 1 / 0,
+    ],
+    ids=["off by one on CJK text", "off by one everywhere", "a count that fails"],
+)
+def test_an_rs_bpe_that_disagrees_with_tiktoken_on_a_probe_is_not_used(
+    miscount: Any, fresh_fast: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Counts stay tiktoken's: a release that tokenizes differently never counts a message."""
+    fake = _FakeTokenizers(miscount)
+    _use_fake(monkeypatch, fake)
+    counter = TiktokenCounter()
+    assert counter.backend == "tiktoken"
+    assert fake.asked == ["o200k_base"]
+    text = "日本語のテキスト: 世界 " * 20
+    assert counter.count_text(text) == len(load_encoding("o200k_base").encode_ordinary(text))
+
+
+def test_an_rs_bpe_that_agrees_on_every_probe_is_used_and_asked_once(
+    fresh_fast: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stand-in agrees on the probes, so it counts: what it says is what the counter says."""
+    fake = _FakeTokenizers(lambda text, right: right + ("zebra" in text) * 1000)
+    _use_fake(monkeypatch, fake)
+    first, second, other = TiktokenCounter(), TiktokenCounter(), TiktokenCounter("cl100k_base")
+    assert first.backend == second.backend == other.backend == "rs-bpe"
+    assert first.count_text("a zebra") == second.count_text("a zebra") == 1002
+    assert fake.asked == ["o200k_base", "cl100k_base"]  # each looked for and probed once per process
+
+
+@pytest.mark.parametrize(
+    "module", ["contextfold_no_such_module", "json"], ids=["not installed", "a module without tokenizers"]
+)
+def test_without_a_usable_rs_bpe_tiktoken_counts(
+    module: str, fresh_fast: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tokens_module, "_FAST_MODULE", module)
+    counter = TiktokenCounter("cl100k_base")
+    assert counter.backend == "tiktoken"
+    assert counter.count_text("hello world") == 2
+
+
+def test_fast_false_counts_with_tiktoken_alone() -> None:
+    counter = TiktokenCounter(fast=False)
+    assert counter.backend == "tiktoken"
+    assert counter._tokens.__name__ == "buffered"
+    assert counter.count_text("hello world") == 2
+    assert repr(counter) == "TiktokenCounter('o200k_base', fast=False)"
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_a_fast_that_is_not_a_bool_is_a_config_error(value: object) -> None:
+    with pytest.raises(ConfigError) as raised:
+        TiktokenCounter(fast=value)  # type: ignore[arg-type]
+    assert raised.value.key == "fast"
+    assert repr(value) in str(raised.value) and "True" in str(raised.value) and "False" in str(raised.value)
 
 
 # the chat-format rule -------------------------------------------------------------------------

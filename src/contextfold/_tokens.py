@@ -14,6 +14,12 @@ Counting never touches the network. The BPE ranks for ``o200k_base`` and
 checked against the sha256 that tiktoken itself pins for them before use.
 Loading them takes about half a second: ``await counter.aload()`` does it in
 a worker thread, so the event loop never waits for it.
+
+With the ``fast`` extra installed (``pip install 'contextfold[fast]'``), text
+is counted by the ``rs-bpe`` package (bindings to GitHub's ``bpe`` Rust
+crate), 1.5-2x as fast as tiktoken on a step's texts, once it agrees
+with the tiktoken encoding on a set of probe texts; see
+:func:`fast_token_counter`.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import base64
 import binascii
 import gzip
 import hashlib
+import importlib
 import json
 import math
 import struct
@@ -164,6 +171,24 @@ def _load_encoding(name: EncodingName, allow_download: bool) -> tiktoken.Encodin
 _PROBES = ("", "hello world", "<|endoftext|> is text here", "naïve café ✓ 🤖 世界\n\n\t  x")
 """Texts a buffer count must agree with ``encode_ordinary`` on before it is used."""
 
+_FAST_PROBES = (
+    *_PROBES,
+    " ",
+    "I'll've done it, THEY'RE sure we'd've LOVED IT'S taste",
+    "   leading and trailing spaces   \n",
+    "tabs\tand\nnewlines\r\nand\r\rcarriage\n\n\nreturns  \n ",
+    "numbers 1 12 123 1234 12345 3.14159 -42 1e10 0x1F ١٢٣",
+    'def f(x: int) -> int:\n    return {"a": [1, 2, 3]}[x]  # comment\n',
+    "日本語のテキストと中文文本，还有한국어 텍스트。Привет, Γειά, שלום, مرحبا, नमस्ते, ไทย",  # noqa: RUF001
+    "emoji 😀👍🏽👨\u200d👩\u200d👧 🇫🇷 e\u0301 a\u0308 zero\u200bwidth\ufeffbom ǅ ﬁ Ⅻ ①",
+    "<|fim_prefix|>a<|endofprompt|>b<|im_start|>user",
+    "Mixed CASE WordsAndCamelCase snake_case HTTPServer x86_64 https://example.com/a?b=1&c=%20#d",
+    "\u00a0\u3000 \u2003x\u2028y" + " " * 40 + "z" + "\n" * 9,
+)
+"""Texts another implementation's count must agree with tiktoken's on before it is used:
+every branch of both encodings' split patterns (contractions in either case, digits, runs of
+whitespace before a newline or the end, punctuation runs, letters of many scripts, marks)."""
+
 
 def token_counter(encoding: tiktoken.Encoding) -> Callable[[str], int]:
     """``len(encoding.encode_ordinary(text))``, without building a Python int per token when tiktoken allows.
@@ -196,6 +221,53 @@ def token_counter(encoding: tiktoken.Encoding) -> Callable[[str], int]:
     except Exception:  # a core whose buffer call differs: the list it is
         agrees = False
     return buffered if agrees else listed
+
+
+_FAST_MODULE = "rs_bpe.bpe"
+"""The ``rs-bpe`` package's extension: ``openai.o200k_base()`` and ``openai.cl100k_base()`` each ``count``."""
+
+
+def fast_token_counter(name: str, reference: Callable[[str], int]) -> Callable[[str], int] | None:
+    """``rs-bpe``'s count of encoding ``name``, if installed and equal to ``reference`` on the probes.
+
+    ``reference`` is the tiktoken count (:func:`token_counter`). The package
+    binds GitHub's ``bpe-openai`` Rust crate, which reimplements tiktoken's
+    split patterns and merges and counts without building a token list (it
+    lets other threads run meanwhile, as tiktoken does). It is used only when
+    it gives ``reference``'s count for every one of ``_FAST_PROBES``, so a
+    release that tokenizes differently, moves its API or lacks the encoding
+    leaves counting to tiktoken (``None``). A text it cannot take (a lone
+    surrogate) is counted by ``reference``, which repairs it as tiktoken does.
+    """
+    try:
+        tokenizers: Any = importlib.import_module(_FAST_MODULE)
+        native: Callable[[str], int] = getattr(tokenizers.openai, name)().count
+    except Exception:  # not installed, or a release whose API differs: tiktoken counts
+        return None
+
+    def rs_bpe(text: str) -> int:
+        try:
+            return native(text)
+        except UnicodeEncodeError:
+            return reference(text)
+
+    try:
+        agrees = all(rs_bpe(text) == reference(text) for text in _FAST_PROBES)
+    except Exception:
+        agrees = False
+    return rs_bpe if agrees else None
+
+
+_FAST: dict[str, Callable[[str], int] | None] = {}
+
+
+def _fast_counter(name: str, reference: Callable[[str], int]) -> Callable[[str], int] | None:
+    """:func:`fast_token_counter` of ``name``, looked for and probed once per process."""
+    if name not in _FAST:
+        with _LOADING:
+            if name not in _FAST:
+                _FAST[name] = fast_token_counter(name, reference)
+    return _FAST[name]
 
 
 _PNG = b"\x89PNG\r\n\x1a\n"
@@ -592,6 +664,12 @@ class TiktokenCounter(_CachedCounter):
 
     The encoding is loaded on first use, which takes about half a second:
     ``await counter.aload()`` loads it in a worker thread instead.
+
+    ``fast``: count with the ``rs-bpe`` package when it is installed (the
+    ``fast`` extra) and gives tiktoken's count on every probe text (see
+    :func:`fast_token_counter`): 1.5-2x as fast on a step's texts, for
+    about 70 MB more memory per encoding; ``backend`` says which counts.
+    ``False`` counts with tiktoken alone.
     """
 
     PER_MESSAGE = 3
@@ -606,14 +684,21 @@ class TiktokenCounter(_CachedCounter):
         allow_download: bool = False,
         image_rule: ImageRule = "openai",
         url_image_tokens: int | None = None,
+        fast: bool = True,
     ) -> None:
         super().__init__(cache_size, image_rule, url_image_tokens)
         if not isinstance(encoding, str) or encoding not in PINNED_SHA256:
             raise ConfigError(
                 "encoding", f"unknown encoding; use one of {sorted(PINNED_SHA256)}", value=encoding
             )
+        if type(fast) is not bool:
+            raise ConfigError(
+                "fast", "must be True (count with rs-bpe if installed) or False (tiktoken alone)", value=fast
+            )
         self._encoding_name: EncodingName = encoding
         self._allow_download = bool(allow_download)
+        self._fast = fast
+        self._backend: Literal["tiktoken", "rs-bpe"] = "tiktoken"
         self._encoding: tiktoken.Encoding | None = None
         self._tokens: Callable[[str], int] = self._load_then_count
         self._framing: dict[Role, int] = {}
@@ -624,6 +709,13 @@ class TiktokenCounter(_CachedCounter):
         """The tiktoken encoding, loaded now if it is not yet (blocking: prefer ``await aload()``)."""
         return self._encoding if self._encoding is not None else self._load()
 
+    @property
+    def backend(self) -> Literal["tiktoken", "rs-bpe"]:
+        """What counts text: ``"rs-bpe"`` (see ``fast``) or ``"tiktoken"``; loads the encoding if not yet."""
+        if self._encoding is None:
+            self._load()
+        return self._backend
+
     async def aload(self) -> None:
         """Load the encoding in a worker thread; idempotent, and safe to await from many tasks at once."""
         if self._encoding is None:
@@ -632,6 +724,10 @@ class TiktokenCounter(_CachedCounter):
     def _load(self) -> tiktoken.Encoding:
         encoding = load_encoding(self._encoding_name, allow_download=self._allow_download)
         tokens = token_counter(encoding)
+        fast = _fast_counter(self._encoding_name, tokens) if self._fast else None
+        if fast is not None:
+            tokens = fast
+            self._backend = "rs-bpe"
         # The framing of a role never changes, so it is tokenized once here, not per message.
         self._framing = {role: self.PER_MESSAGE + tokens(role.value) for role in Role}
         self._tokens = tokens
@@ -675,7 +771,7 @@ class TiktokenCounter(_CachedCounter):
         return found
 
     def __repr__(self) -> str:
-        return f"TiktokenCounter({self._encoding_name!r})"
+        return f"TiktokenCounter({self._encoding_name!r}{'' if self._fast else ', fast=False'})"
 
 
 class ApproximateCounter(_CachedCounter):
