@@ -305,14 +305,17 @@ def test_with_the_fast_extra_rs_bpe_counts_and_its_counts_are_tiktokens(
 class _FakeTokenizers(types.ModuleType):
     """An ``rs_bpe.bpe`` stand-in whose ``openai`` tokenizers count as ``miscount`` says."""
 
-    def __init__(self, miscount: Any) -> None:
+    def __init__(self, miscount: Any, *, unbuilt: BaseException | None = None) -> None:
         super().__init__("fake_tokenizers")
         self._miscount = miscount
+        self._unbuilt = unbuilt
         self.asked: list[str] = []
         self.openai = self
 
     def _tokenizer(self, name: EncodingName) -> Any:
         self.asked.append(name)
+        if self._unbuilt is not None:
+            raise self._unbuilt
         reference = token_counter(load_encoding(name))
         return types.SimpleNamespace(count=lambda text: self._miscount(text, reference(text)))
 
@@ -367,6 +370,67 @@ def test_an_rs_bpe_that_agrees_on_every_probe_is_used_and_asked_once(
     assert first.backend == second.backend == other.backend == "rs-bpe"
     assert first.count_text("a zebra") == second.count_text("a zebra") == 1002
     assert fake.asked == ["o200k_base", "cl100k_base"]  # each looked for and probed once per process
+
+
+class PanicException(BaseException):
+    """What PyO3 raises for a Rust panic: a ``BaseException``, so ``except Exception`` lets it through."""
+
+
+PanicException.__module__ = "pyo3_runtime"
+
+
+def _raise(exc: BaseException) -> Any:
+    raise exc
+
+
+@pytest.mark.parametrize("where", ["building", "probing", "counting"])
+def test_a_panic_in_rs_bpe_leaves_counting_to_tiktoken(
+    where: str, fresh_fast: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Rust panic (``.expect("valid bpe data")``, say) is no ``Exception``, yet it must not end a count.
+
+    (rs-bpe's own panics cannot be made safely on purpose: the one an unknown
+    token id gives in ``decode`` reads out of bounds first, and may crash.)
+    """
+    panic = PanicException("valid bpe data")
+    assert not isinstance(panic, Exception)
+    fake = _FakeTokenizers(
+        lambda text, right: _raise(panic) if where == "probing" or "zebra" in text else right,
+        unbuilt=panic if where == "building" else None,
+    )
+    _use_fake(monkeypatch, fake)
+    counter = TiktokenCounter()
+    assert counter.backend == ("rs-bpe" if where == "counting" else "tiktoken")
+    text = "a zebra, 日本語 " * 9
+    assert counter.count_text(text) == len(load_encoding("o200k_base").encode_ordinary(text))
+    TiktokenCounter().count_text("x")
+    assert fake.asked == ["o200k_base"]  # a failed look is not repeated for every new counter
+
+
+def test_an_interrupt_while_rs_bpe_counts_is_not_taken_for_its_failure(
+    fresh_fast: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = _FakeTokenizers(lambda text, right: _raise(KeyboardInterrupt()) if "zebra" in text else right)
+    _use_fake(monkeypatch, fake)
+    counter = TiktokenCounter()
+    assert counter.backend == "rs-bpe"
+    with pytest.raises(KeyboardInterrupt):
+        counter.count_text("a zebra")
+
+
+def test_a_text_over_fast_max_chars_is_counted_by_tiktoken(
+    fresh_fast: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rs-bpe holds the GIL while it counts: a long text (counted in a worker thread) goes to tiktoken."""
+    fake = _FakeTokenizers(lambda text, right: right + ("zebra" in text) * 1000)
+    _use_fake(monkeypatch, fake)
+    counter = TiktokenCounter()
+    assert counter.backend == "rs-bpe"
+    at_most = "a zebra " + "x" * (tokens_module.FAST_MAX_CHARS - 8)
+    over = at_most + "y"
+    reference = load_encoding("o200k_base").encode_ordinary
+    assert counter.count_text(at_most) == len(reference(at_most)) + 1000  # rs-bpe's (the stand-in's) count
+    assert counter.count_text(over) == len(reference(over))
 
 
 @pytest.mark.parametrize(
