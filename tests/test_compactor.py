@@ -1472,6 +1472,51 @@ async def test_a_context_after_another_workers_append_and_fold_is_what_the_store
         assert [m.text[:8] for m in context[-4:]] == [f"from B {n}" for n in range(4)]
 
 
+async def test_a_context_read_while_the_step_drops_the_cached_context_returns_the_current_one(
+    store: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A read of the rows after the cache is out; meanwhile the step's append drops that cache.
+
+    Another worker appended, so this worker's own append no longer follows
+    its cache and drops it, while a ``context()`` (a background fold's read,
+    say) was out reading the rows after the cache. That read then raised
+    ``KeyError`` on the dropped cache, into the background fold and so into
+    the user's next step (two SQLite workers on one thread, 3 runs in 4).
+    """
+    async with contextlib.AsyncExitStack() as stack:
+        other = store
+        if isinstance(store, SQLiteStore):
+            other = await stack.enter_async_context(SQLiteStore(store.path))
+        worker = Compactor(store, counter=ApproximateCounter(), log_events=False)
+        another = Compactor(other, counter=ApproximateCounter(), log_events=False)
+        await worker.append(THREAD, [Message.user("first")])
+        await worker.context(THREAD)  # cached
+        await another.append(THREAD, [Message.user("from the other worker")])
+        tail, reading, may_read = store.tail, anyio.Event(), anyio.Event()
+
+        async def held_tail(thread: str, *, after_seq: int) -> Any:
+            reading.set()
+            await may_read.wait()
+            return await tail(thread, after_seq=after_seq)
+
+        monkeypatch.setattr(store, "tail", held_tail)
+        read: list[list[Message]] = []
+
+        async def read_context() -> None:
+            read.append(await worker.context(THREAD))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as group:
+                group.start_soon(read_context)
+                await reading.wait()
+                monkeypatch.setattr(store, "tail", tail)
+                await worker.append(THREAD, [Message.user("the step's reply")])  # drops the cache
+                may_read.set()
+        texts = ["first", "from the other worker", "the step's reply"]
+        assert [m.text for m in read[0]] == texts
+        assert [m.text for m in await worker.context(THREAD)] == texts
+
+
 async def test_a_context_right_after_a_fold_holds_what_another_worker_appended_while_it_summarized(
     store: Any,
 ) -> None:

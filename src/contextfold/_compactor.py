@@ -1196,8 +1196,11 @@ class Compactor:
                 return cache
             window = await store.tail(thread, after_seq=cache.last_seq)
             if window.version == cache.version:
+                # The rows after the cache make the context as the read found it, whatever another
+                # task did to the cache meanwhile (a step's append may have dropped it).
                 cache.extend(window.messages)
-                self._cache.move_to_end(thread)
+                if self._cache.get(thread) is cache:
+                    self._cache.move_to_end(thread)
                 return cache
         window = await store.tail(thread, after_seq=0)
         cache = _Cache.of(window)
