@@ -322,6 +322,24 @@ def test_bad_strategy_settings_are_config_errors(build: object, key: str) -> Non
 
 
 @pytest.mark.parametrize(
+    ("strategy", "named"),
+    [
+        ("drop", "strategy='drop'"),
+        (["drop"], "strategy[0]='drop'"),
+        ((SlidingWindow(1), "mask"), "strategy[1]='mask'"),
+        (b"drop", "strategy=b'drop'"),
+    ],
+)
+def test_a_strategy_that_is_no_strategy_is_named_whole_and_by_its_position_in_a_list(
+    strategy: object, named: str
+) -> None:
+    """``strategy="drop"`` was walked letter by letter (``strategy[0]='d'``); ``["drop"]`` lost its index."""
+    with pytest.raises(ConfigError) as info:
+        CompactionConfig(TurnCount(1), strategy)  # type: ignore[arg-type]
+    assert str(info.value).startswith(f"{named}: must be a Strategy such as SlidingWindow(8)")
+
+
+@pytest.mark.parametrize(
     ("build", "message"),
     [
         (

@@ -447,14 +447,13 @@ Counter = Callable[[Message], int]
 
 
 def _strategies(value: Strategy | Sequence[Strategy]) -> tuple[Strategy, ...]:
-    items = (
-        (value,) if isinstance(value, Strategy) else tuple(value) if isinstance(value, Sequence) else (value,)
-    )
+    listed = isinstance(value, Sequence) and not isinstance(value, str | bytes)  # "drop" is no list
+    items = tuple(value) if listed else (value,)
     if not items:
         raise ConfigError("strategy", "needs at least one Strategy, such as TokenBudget(4000)", value=value)
     for position, item in enumerate(items):
         if not isinstance(item, Strategy):
-            key = "strategy" if len(items) == 1 else f"strategy[{position}]"
+            key = f"strategy[{position}]" if listed else "strategy"
             raise ConfigError(
                 key, "must be a Strategy such as SlidingWindow(8) or TokenBudget(4000)", value=item
             )
