@@ -447,17 +447,23 @@ Counter = Callable[[Message], int]
 
 
 def _strategies(value: Strategy | Sequence[Strategy]) -> tuple[Strategy, ...]:
+    items: tuple[object, ...]
     listed = isinstance(value, Sequence) and not isinstance(value, str | bytes)  # "drop" is no list
-    items = tuple(value) if listed else (value,)
+    if isinstance(value, Sequence) and listed:
+        items = tuple(value)
+    else:
+        items = (value,)
     if not items:
         raise ConfigError("strategy", "needs at least one Strategy, such as TokenBudget(4000)", value=value)
+    strategies: list[Strategy] = []
     for position, item in enumerate(items):
         if not isinstance(item, Strategy):
             key = f"strategy[{position}]" if listed else "strategy"
             raise ConfigError(
                 key, "must be a Strategy such as SlidingWindow(8) or TokenBudget(4000)", value=item
             )
-    return items
+        strategies.append(item)
+    return tuple(strategies)
 
 
 @dataclass(frozen=True, slots=True)
