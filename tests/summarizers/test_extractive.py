@@ -5,14 +5,17 @@ from __future__ import annotations
 import base64
 import gc
 import json
+import re
 import struct
 import time
+from typing import Any
 
 import anyio
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import contextfold.summarizers._extractive as extractive
 from contextfold import ConfigError, Message, SummarizerError, ToolCall
 from contextfold.summarizers import ExtractiveSummarizer, Summarizer
 from contextfold.summarizers._extractive import find_identifiers
@@ -497,3 +500,47 @@ async def test_a_json_result_nested_past_the_recursion_limit_is_read_as_text(dep
     ]
     text = await summarize(messages)
     assert "/srv/deep.py" in text
+
+
+class _Scans:
+    """A stand-in for one of the summary's patterns that notes how much text each call is given."""
+
+    def __init__(self, pattern: re.Pattern[str], sizes: list[int]) -> None:
+        self._pattern, self._sizes = pattern, sizes
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._pattern, name)
+
+        def noted(*args: Any, **kwargs: Any) -> Any:
+            self._sizes.extend(len(a) for a in args if isinstance(a, str) and len(a) > 1)
+            return method(*args, **kwargs)
+
+        return noted
+
+
+async def test_no_pattern_scans_a_huge_message_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One regex call holds the GIL until it returns: on a 3 MB message each read a piece at a time.
+
+    The summary runs in a worker thread so the event loop goes on, but the
+    loop got no turn while one call scanned 3 MB: 0.2 s stalls. What the
+    summary finds deep inside the message is still found.
+    """
+    sizes: list[int] = []
+    for name in ("_SENTENCE", "_CONSTRAINT", "_NEXT", "_DECISION", "_WHITESPACE"):
+        monkeypatch.setattr(extractive, name, _Scans(getattr(extractive, name), sizes))
+    filler = " ".join(f"word{i} id-{i}x /a/b{i}.py key{i}: v{i}" for i in range(30_000))
+    huge = f"{filler} You must never touch /etc/passwd. {filler}\n{filler}"
+    steps = [
+        Message.user(huge),
+        Message.assistant(huge, tool_calls=[call("c1", "grep", pattern=huge)]),
+        Message.tool("c1", huge),
+        Message.assistant("Next I will read /srv/app/main.py."),
+    ]
+    summary = await ExtractiveSummarizer(COUNTER).summarize(
+        steps, previous_summary=None, max_summary_tokens=800
+    )
+    assert len(huge) > 3_000_000
+    assert sizes and max(sizes) <= 64_000  # pieces, not the 3 MB message
+    assert "You must never touch /etc/passwd." in summary.text
+    assert "/srv/app/main.py" in summary.text
+    assert COUNTER.count_text(summary.text) <= 800

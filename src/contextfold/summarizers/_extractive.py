@@ -107,6 +107,35 @@ def _one_line(text: str) -> str:
     return _WHITESPACE.sub(" ", text).strip()
 
 
+_SCAN_CHARS = 32_768
+"""The most text one regex call of a summary scans.
+
+A call holds the GIL until it returns (3 MB took 70-200 ms a pattern), and the
+summary runs in a worker thread so that the event loop goes on meanwhile:
+between calls it does. A longer text is read a piece at a time.
+"""
+
+
+def _cut_line(text: str, limit: int) -> str:
+    """``cut_middle(_one_line(text), limit)``, with no regex pass over more of ``text`` than can show."""
+    if len(text) <= _SCAN_CHARS:
+        return cut_middle(_one_line(text), limit)
+    head = _one_line(text[: 2 * limit])[: max(1, (limit * 2) // 3)]
+    tail = _one_line(text[-2 * limit :])[len(head) - limit :] if limit > len(head) else ""
+    return f"{head}[... {len(text) - len(head) - len(tail)} characters cut ...]{tail}"
+
+
+def _sentences(text: str) -> Iterator[str]:
+    """``_SENTENCE.split(text)``, split ``_SCAN_CHARS`` at most at a time (at a line's end where one is)."""
+    start, end = 0, len(text)
+    while end - start > _SCAN_CHARS:
+        newline = text.rfind("\n", start, start + _SCAN_CHARS)
+        cut = newline + 1 if newline > start else start + _SCAN_CHARS
+        yield from _SENTENCE.split(text[start:cut])
+        start = cut
+    yield from _SENTENCE.split(text[start:end])
+
+
 def find_identifiers(text: str, *, limit: int = _MAX_IDENTIFIERS_SCANNED) -> list[str]:
     """Paths, URLs, e-mail addresses, ids, file names and long numbers in ``text``, in order, once each.
 
@@ -461,7 +490,7 @@ class ExtractiveSummarizer:
         return _one_line(text[: self.result_head_chars * 4])[: self.result_head_chars]
 
     def _line(self, section: int, text: str, priority: int, order: int) -> _Line:
-        return _Line(section, cut_middle(_one_line(text), self.max_line_chars), priority, order)
+        return _Line(section, _cut_line(text, self.max_line_chars), priority, order)
 
     def _fact(self, text: str, order: int, *, most: int | None = None) -> list[_Line]:
         """One line for a fact; for a list of identifiers one line per identifier (the first ``most``).
@@ -551,14 +580,14 @@ class ExtractiveSummarizer:
                     priority = 5 if first_goal else 2
                     first_goal = False
                     out.append(self._line(GOAL, f"{message.role.value}: {text}", priority, order))
-                for sentence in _SENTENCE.split(text):
+                for sentence in _sentences(text):
                     if _CONSTRAINT.search(sentence) and len(sentence) > 12:
                         out.append(self._line(GOAL, sentence, 3, order))
                 ids = find_identifiers(text)
                 if ids:  # the user's own words: identifiers only, the sentence is in the goal section
                     out.extend(self._fact(f"{message.role.value}: {', '.join(ids)}", order))
             elif message.role is Role.ASSISTANT:
-                for sentence in _SENTENCE.split(text):
+                for sentence in _sentences(text):
                     if _NEXT.search(sentence):
                         out.append(self._line(OPEN, sentence, 2, order))
                     elif _DECISION.search(sentence):
@@ -566,9 +595,9 @@ class ExtractiveSummarizer:
                 out.extend(self._fact_lines("assistant", text, order))
                 for call in message.tool_calls:
                     decoded = _decoded(call.arguments)
-                    arguments = _one_line(_as_shown(call.arguments, decoded))
+                    arguments = _cut_line(_as_shown(call.arguments, decoded), self.max_line_chars // 2)
                     head = result_head(results.get(call.id, ""))
-                    shown = f"{call.name}({cut_middle(arguments, self.max_line_chars // 2)})"
+                    shown = f"{call.name}({arguments})"
                     out.append(self._line(TOOLS, f"{shown} -> {head}" if head else shown, 1, order))
                     out.extend(
                         self._fact_lines(
