@@ -1886,3 +1886,23 @@ async def test_no_statement_binds_numbered_placeholders_to_a_sequence(
         assert replayed == [1, 2, 3, 4, 5]
         await store.forget("t")
         assert [record async for record in store.replay("t")] == []
+
+
+async def test_a_write_that_waited_out_the_busy_timeout_says_what_holds_it_and_the_fix(
+    tmp_path: Path,
+) -> None:
+    """A bare "database is locked" (all the CLI said after 30 s of silence) names the wait and the fix."""
+    path = tmp_path / "held.db"
+    async with SQLiteStore(path, busy_timeout=0.2) as store:
+        await store.append("t", [Message.user("before")], [1])
+        with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as other:
+            other.execute("BEGIN EXCLUSIVE")
+            with pytest.raises(StoreError) as raised:
+                await store.append("t", [Message.user("blocked")], [1])
+            other.execute("ROLLBACK")
+        assert str(raised.value) == (
+            f"SQLite database {str(path)!r}: database is locked (another connection held a lock on it "
+            "for all of busy_timeout=0.2 seconds; end that process or its transaction and retry, or "
+            "wait longer with a larger busy_timeout)"
+        )
+        assert [m.text for m in (await store.load("t")).plain] == ["before"]  # nothing of it written

@@ -310,6 +310,9 @@ _MAX_LEASE = 366 * 86_400.0
 _CLOSE_GRACE = 5.0
 """Seconds ``aclose`` waits beyond ``busy_timeout`` for a call in progress to end."""
 
+_LOCKED = frozenset({"database is locked", "database table is locked", "database is busy"})
+"""SQLite's errors for a lock it waited ``busy_timeout`` for and could not get."""
+
 _CHECKPOINT_EVERY = 100
 """Calls between two checkpoints of the WAL: about SQLite's default of 1000 pages."""
 
@@ -1428,7 +1431,14 @@ class SQLiteStore(AsyncResource):
         return StoreClosedError(f"{self!r} was closed with aclose(); open a new SQLiteStore")
 
     def _error(self, exc: sqlite3.Error) -> StoreError:
-        return StoreError(f"SQLite database {str(self.path)!r}: {exc}")
+        text = str(exc)
+        if text in _LOCKED:  # the busy timeout ran out: say who to look for, and what to change
+            text += (
+                f" (another connection held a lock on it for all of busy_timeout={self._busy_timeout:g}"
+                " seconds; end that process or its transaction and retry, or wait longer with a larger"
+                " busy_timeout)"
+            )
+        return StoreError(f"SQLite database {str(self.path)!r}: {text}")
 
     async def _call(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
         """Run ``fn`` on the writing connection in the store's thread, after the calls made before."""
