@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import logging
@@ -46,6 +45,16 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
     backend = MemoryStore() if request.param == "memory" else SQLiteStore(tmp_path / "cf.db")
     async with backend:
         yield backend
+
+
+@pytest.fixture()
+async def another_handle(store: Any) -> AsyncIterator[Any]:
+    """What a second worker opens on ``store``: the same ``MemoryStore``, or the SQLite file opened again."""
+    if isinstance(store, SQLiteStore):
+        async with SQLiteStore(store.path) as other:
+            yield other
+    else:
+        yield store
 
 
 def options(budget: int = 400, **overrides: Any) -> RunOptions:
@@ -1444,7 +1453,7 @@ async def test_a_forgotten_thread_starts_over_without_the_erased_conversations_f
 
 
 async def test_a_context_after_another_workers_append_and_fold_is_what_the_store_holds(
-    store: Any, tmp_path: Path
+    store: Any, tmp_path: Path, another_handle: Any
 ) -> None:
     """A check, then another worker appends and folds, then this worker's ``context()``: the current context.
 
@@ -1454,26 +1463,22 @@ async def test_a_context_after_another_workers_append_and_fold_is_what_the_store
     other worker shares the ``MemoryStore``, or opens the SQLite file again.
     """
     settings = RunOptions(max_history_tokens=4_000, compaction=SummarizeOptions(trigger_token_budget=1_000))
-    async with contextlib.AsyncExitStack() as stack:
-        other = store
-        if isinstance(store, SQLiteStore):
-            other = await stack.enter_async_context(SQLiteStore(store.path))
-        worker = Compactor(store, options=settings, counter=ApproximateCounter(), log_events=False)
-        another = Compactor(other, options=settings, counter=ApproximateCounter(), log_events=False)
-        await worker.append(THREAD, [Message.user(f"message {n}") for n in range(5)])
-        await worker.context(THREAD)
-        assert await worker.maybe_compact(THREAD) is None
-        await another.append(THREAD, [Message.user(f"from B {n} " + "x " * 400) for n in range(4)])
-        folded = await another.compact_now(THREAD)
-        assert folded is not None and folded.compacted
-        context = await worker.context(THREAD)
-        assert context == (await store.load(THREAD)).plain
-        assert context[0].is_summary
-        assert [m.text[:8] for m in context[-4:]] == [f"from B {n}" for n in range(4)]
+    worker = Compactor(store, options=settings, counter=ApproximateCounter(), log_events=False)
+    another = Compactor(another_handle, options=settings, counter=ApproximateCounter(), log_events=False)
+    await worker.append(THREAD, [Message.user(f"message {n}") for n in range(5)])
+    await worker.context(THREAD)
+    assert await worker.maybe_compact(THREAD) is None
+    await another.append(THREAD, [Message.user(f"from B {n} " + "x " * 400) for n in range(4)])
+    folded = await another.compact_now(THREAD)
+    assert folded is not None and folded.compacted
+    context = await worker.context(THREAD)
+    assert context == (await store.load(THREAD)).plain
+    assert context[0].is_summary
+    assert [m.text[:8] for m in context[-4:]] == [f"from B {n}" for n in range(4)]
 
 
 async def test_a_context_read_while_the_step_drops_the_cached_context_returns_the_current_one(
-    store: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    store: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, another_handle: Any
 ) -> None:
     """A read of the rows after the cache is out; meanwhile the step's append drops that cache.
 
@@ -1483,42 +1488,39 @@ async def test_a_context_read_while_the_step_drops_the_cached_context_returns_th
     ``KeyError`` on the dropped cache, into the background fold and so into
     the user's next step (two SQLite workers on one thread, 3 runs in 4).
     """
-    async with contextlib.AsyncExitStack() as stack:
-        other = store
-        if isinstance(store, SQLiteStore):
-            other = await stack.enter_async_context(SQLiteStore(store.path))
-        worker = Compactor(store, counter=ApproximateCounter(), log_events=False)
-        another = Compactor(other, counter=ApproximateCounter(), log_events=False)
-        await worker.append(THREAD, [Message.user("first")])
-        await worker.context(THREAD)  # cached
-        await another.append(THREAD, [Message.user("from the other worker")])
-        tail, reading, may_read = store.tail, anyio.Event(), anyio.Event()
+    worker = Compactor(store, counter=ApproximateCounter(), log_events=False)
+    another = Compactor(another_handle, counter=ApproximateCounter(), log_events=False)
+    await worker.append(THREAD, [Message.user("first")])
+    await worker.context(THREAD)  # cached
+    await another.append(THREAD, [Message.user("from the other worker")])
+    tail, reading, may_read = store.tail, anyio.Event(), anyio.Event()
 
-        async def held_tail(thread: str, *, after_seq: int) -> Any:
-            reading.set()
-            await may_read.wait()
-            return await tail(thread, after_seq=after_seq)
+    async def held_tail(thread: str, *, after_seq: int) -> Any:
+        reading.set()
+        await may_read.wait()
+        return await tail(thread, after_seq=after_seq)
 
-        monkeypatch.setattr(store, "tail", held_tail)
-        read: list[list[Message]] = []
+    monkeypatch.setattr(store, "tail", held_tail)
+    read: list[list[Message]] = []
 
-        async def read_context() -> None:
-            read.append(await worker.context(THREAD))
+    async def read_context() -> None:
+        read.append(await worker.context(THREAD))
 
-        with anyio.fail_after(10):
-            async with anyio.create_task_group() as group:
-                group.start_soon(read_context)
-                await reading.wait()
-                monkeypatch.setattr(store, "tail", tail)
-                await worker.append(THREAD, [Message.user("the step's reply")])  # drops the cache
-                may_read.set()
-        texts = ["first", "from the other worker", "the step's reply"]
-        assert [m.text for m in read[0]] == texts
-        assert [m.text for m in await worker.context(THREAD)] == texts
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as group:
+            group.start_soon(read_context)
+            await reading.wait()
+            monkeypatch.setattr(store, "tail", tail)
+            await worker.append(THREAD, [Message.user("the step's reply")])  # drops the cache
+            may_read.set()
+    texts = ["first", "from the other worker", "the step's reply"]
+    assert [m.text for m in read[0]] == texts
+    assert [m.text for m in await worker.context(THREAD)] == texts
 
 
 async def test_a_context_right_after_a_fold_holds_what_another_worker_appended_while_it_summarized(
     store: Any,
+    another_handle: Any,
 ) -> None:
     """Another worker appends while the summary is written: the step's context() after the fold has it.
 
@@ -1526,31 +1528,27 @@ async def test_a_context_right_after_a_fold_holds_what_another_worker_appended_w
     write was counted as seen and the folded cache sent without it.
     """
     settings = SummarizeOptions(trigger_token_budget=1_000, min_recent_turns=1, min_recent_messages=0)
-    async with contextlib.AsyncExitStack() as stack:
-        other_store = store
-        if isinstance(store, SQLiteStore):
-            other_store = await stack.enter_async_context(SQLiteStore(store.path))
-        other = Compactor(other_store, options=settings, counter=ApproximateCounter(), log_events=False)
+    other = Compactor(another_handle, options=settings, counter=ApproximateCounter(), log_events=False)
 
-        async def summarize(messages: Sequence[Message], previous: str | None, limit: int) -> str:
-            await other.append(THREAD, [Message.user("from the other worker")])
-            return "a summary"
+    async def summarize(messages: Sequence[Message], previous: str | None, limit: int) -> str:
+        await other.append(THREAD, [Message.user("from the other worker")])
+        return "a summary"
 
-        worker = Compactor(
-            store,
-            options=settings,
-            summarizer=FunctionSummarizer(summarize),
-            counter=ApproximateCounter(),
-            log_events=False,
-        )
-        for n in range(8):
-            await worker.append(THREAD, [Message.user(f"q{n} " + "x " * 600), Message.assistant(f"a{n}")])
-        await worker.context(THREAD)
-        result = await worker.maybe_compact(THREAD)
-        assert result is not None and result.compacted
-        context = await worker.context(THREAD)
-        assert context == (await store.load(THREAD)).plain
-        assert context[-1].text == "from the other worker"
+    worker = Compactor(
+        store,
+        options=settings,
+        summarizer=FunctionSummarizer(summarize),
+        counter=ApproximateCounter(),
+        log_events=False,
+    )
+    for n in range(8):
+        await worker.append(THREAD, [Message.user(f"q{n} " + "x " * 600), Message.assistant(f"a{n}")])
+    await worker.context(THREAD)
+    result = await worker.maybe_compact(THREAD)
+    assert result is not None and result.compacted
+    context = await worker.context(THREAD)
+    assert context == (await store.load(THREAD)).plain
+    assert context[-1].text == "from the other worker"
 
 
 async def test_a_context_long_after_the_check_sees_another_processs_append(tmp_path: Path) -> None:

@@ -448,11 +448,10 @@ Counter = Callable[[Message], int]
 
 def _strategies(value: Strategy | Sequence[Strategy]) -> tuple[Strategy, ...]:
     items: tuple[object, ...]
-    listed = isinstance(value, Sequence) and not isinstance(value, str | bytes)  # "drop" is no list
-    if isinstance(value, Sequence) and listed:
-        items = tuple(value)
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):  # "drop" is no list
+        items, listed = tuple(value), True
     else:
-        items = (value,)
+        items, listed = (value,), False
     if not items:
         raise ConfigError("strategy", "needs at least one Strategy, such as TokenBudget(4000)", value=value)
     strategies: list[Strategy] = []

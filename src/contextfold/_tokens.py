@@ -235,10 +235,15 @@ not stop the event loop meanwhile. A step's messages are mostly far shorter.
 """
 
 
-def _panicked(exc: BaseException) -> bool:
-    """Whether ``exc`` is a Rust panic raised through PyO3 (a ``BaseException``, not an ``Exception``)."""
+def _failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is an error or a Rust panic raised through PyO3 (which is no ``Exception``).
+
+    Anything else (an interrupt, an exit) is not the fast counter's failure and goes on up.
+    """
     kind = type(exc)
-    return kind.__name__ == "PanicException" and kind.__module__ == "pyo3_runtime"
+    return isinstance(exc, Exception) or (
+        kind.__name__ == "PanicException" and kind.__module__ == "pyo3_runtime"
+    )
 
 
 def fast_token_counter(name: str, reference: Callable[[str], int]) -> Callable[[str], int] | None:
@@ -257,9 +262,12 @@ def fast_token_counter(name: str, reference: Callable[[str], int]) -> Callable[[
     try:
         tokenizers: Any = importlib.import_module(_FAST_MODULE)
         native: Callable[[str], int] = getattr(tokenizers.openai, name)().count
-    except BaseException as exc:  # not installed, a release whose API differs, or a panic: tiktoken counts
-        if not isinstance(exc, Exception) and not _panicked(exc):
+        agrees = all(native(text) == reference(text) for text in _FAST_PROBES)
+    except BaseException as exc:  # not installed, a release whose API differs, or a panic
+        if not _failed(exc):
             raise
+        return None
+    if not agrees:
         return None
 
     def rs_bpe(text: str) -> int:
@@ -268,17 +276,11 @@ def fast_token_counter(name: str, reference: Callable[[str], int]) -> Callable[[
         try:
             return native(text)
         except BaseException as exc:  # a lone surrogate (UnicodeEncodeError), or a panic
-            if not isinstance(exc, Exception) and not _panicked(exc):
+            if not _failed(exc):
                 raise
             return reference(text)
 
-    try:
-        agrees = all(native(text) == reference(text) for text in _FAST_PROBES)
-    except BaseException as exc:
-        if not isinstance(exc, Exception) and not _panicked(exc):
-            raise
-        agrees = False
-    return rs_bpe if agrees else None
+    return rs_bpe
 
 
 _FAST: dict[str, Callable[[str], int] | None] = {}

@@ -59,6 +59,16 @@ def compactor_on(store: MemoryStore) -> Compactor:
     return Compactor(store, options=OPTIONS, summarizer=FunctionSummarizer(summarize), counter=COUNTER)
 
 
+async def ask_twenty(agent: Any, call: Literal["ainvoke", "invoke"]) -> None:
+    """Twenty questions of about 60 words each, by ``ainvoke`` or by ``invoke`` in a worker thread."""
+    for n in range(20):
+        turn = {"messages": [HumanMessage(f"q{n} " + "word " * 60)]}
+        if call == "ainvoke":
+            await agent.ainvoke(turn, CONFIG)
+        else:
+            await anyio.to_thread.run_sync(agent.invoke, turn, CONFIG)
+
+
 @pytest.mark.parametrize("call", ["ainvoke", "invoke"])
 async def test_the_agents_system_prompt_counts_toward_the_budget(call: Literal["ainvoke", "invoke"]) -> None:
     """Twenty turns under a 1,000-token budget with a 300-token system prompt: every request within it.
@@ -71,12 +81,7 @@ async def test_the_agents_system_prompt_counts_toward_the_budget(call: Literal["
         compactor = compactor_on(store)
         model = Sizing(messages=iter(()))
         agent = create_agent(model, [], system_prompt=PROMPT, middleware=[CompactionMiddleware(compactor)])
-        for n in range(20):
-            turn = {"messages": [HumanMessage(f"q{n} " + "word " * 60)]}
-            if call == "ainvoke":
-                await agent.ainvoke(turn, CONFIG)
-            else:
-                await anyio.to_thread.run_sync(agent.invoke, turn, CONFIG)
+        await ask_twenty(agent, call)
     prompt_tokens = COUNTER.count_messages([Message.system(PROMPT)])
     assert prompt_tokens > 250
     assert max(model.sizes) > 900  # the conversation grew to the budget: folds were due
@@ -198,12 +203,7 @@ async def test_what_the_provider_bills_beyond_the_messages_counts_toward_the_bud
         compactor = compactor_on(store)
         model = Billing(messages=iter(()))
         agent = create_agent(model, [], middleware=[CompactionMiddleware(compactor)])
-        for n in range(20):
-            turn = {"messages": [HumanMessage(f"q{n} " + "word " * 60)]}
-            if call == "ainvoke":
-                await agent.ainvoke(turn, CONFIG)
-            else:
-                await anyio.to_thread.run_sync(agent.invoke, turn, CONFIG)
+        await ask_twenty(agent, call)
     assert max(model.sizes) > 900  # folds were due
     assert max(model.sizes[1:]) <= BUDGET  # from the first reply's usage on
     assert "summary of earlier turns" in model.texts[-1][0]

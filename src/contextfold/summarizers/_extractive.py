@@ -37,7 +37,7 @@ from .._messages import Message, Role
 from .._tokens import TiktokenCounter, TokenCounter, check_counter
 from ._base import Summary
 from ._parts import REASONING_PARTS, segments
-from ._prompt import SECTIONS, cut_middle, tool_names_of
+from ._prompt import SECTIONS, cut_around, cut_middle, tool_names_of
 from ._threads import Breather
 
 __all__ = ["ExtractiveSummarizer", "find_identifiers"]
@@ -122,7 +122,7 @@ def _cut_line(text: str, limit: int) -> str:
         return cut_middle(_one_line(text), limit)
     head = _one_line(text[: 2 * limit])[: max(1, (limit * 2) // 3)]
     tail = _one_line(text[-2 * limit :])[len(head) - limit :] if limit > len(head) else ""
-    return f"{head}[... {len(text) - len(head) - len(tail)} characters cut ...]{tail}"
+    return cut_around(head, tail, len(text))
 
 
 def _sentences(text: str) -> Iterator[str]:

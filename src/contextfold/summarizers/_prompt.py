@@ -100,9 +100,13 @@ def cut_middle(text: str, limit: int) -> str:
         return text
     head = max(1, (limit * 2) // 3)
     tail = max(0, limit - head)
-    removed = len(text) - head - tail
     end = text[len(text) - tail :] if tail else ""
-    return f"{text[:head]}[... {removed} characters cut ...]{end}"
+    return cut_around(text[:head], end, len(text))
+
+
+def cut_around(head: str, tail: str, length: int) -> str:
+    """``head`` and ``tail`` of a text of ``length`` characters, around the marker of what was cut."""
+    return f"{head}[... {length - len(head) - len(tail)} characters cut ...]{tail}"
 
 
 def _compact_json(arguments: str) -> str:
